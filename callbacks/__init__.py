@@ -1,0 +1,38 @@
+"""trainwell.callbacks: reusable callbacks that work in anyone's `model.fit`.
+
+Names are imported lazily so `import trainwell.callbacks` stays cheap and one
+missing optional piece never breaks the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from trainwell.callbacks.base import StatefulCallback, stateful_callbacks
+
+_LAZY = {
+    # schedules
+    "WarmupCosineDecay": "schedules",
+    "WarmupLinearDecay": "schedules",
+    "WarmupStepDecay": "schedules",
+    "scaled_lr": "schedules",
+    "WarmupCosine": "warmup_cosine",
+    "NaNRollback": "nan_rollback",
+    "Checkpoint": "checkpoint",
+    "EarlyStopping": "early_stopping",
+    "TrainingDoctor": "training_doctor",
+    "LRFinder": "lr_finder",
+}
+
+__all__ = ["StatefulCallback", "stateful_callbacks", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module = importlib.import_module(f"trainwell.callbacks.{_LAZY[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module 'trainwell.callbacks' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)

@@ -1,0 +1,31 @@
+"""Data loading: embedded datasets (offline), and the recipes' input pipelines."""
+
+from trainwell.data.embedded import (
+    EMBEDDED_DATASETS,
+    EMBEDDED_MODELS,
+    MissingDataError,
+    Splits,
+    available,
+    embedded_path,
+    load,
+    load_digits,
+    load_mnist5k,
+    load_rotten_tomatoes,
+    minilm_preset_dir,
+    stratified_split,
+)
+
+__all__ = [
+    "EMBEDDED_DATASETS",
+    "EMBEDDED_MODELS",
+    "MissingDataError",
+    "Splits",
+    "available",
+    "embedded_path",
+    "load",
+    "load_digits",
+    "load_mnist5k",
+    "load_rotten_tomatoes",
+    "minilm_preset_dir",
+    "stratified_split",
+]

@@ -1,0 +1,95 @@
+"""Small filesystem helpers shared by the run directory and the checkpoints.
+
+Every file trainwell writes that a restart reads back (config, manifest, callback
+state, checkpoint index) is written atomically: to a temporary file in the same
+directory, flushed and fsynced, then renamed over the target. A reader therefore
+sees either the old file or the new one, never a torn write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Fsyncs a directory so a rename inside it survives a power loss.
+
+    Example:
+    >>> fsync_dir(".")
+    """
+    try:
+        fd = os.open(os.fspath(path), os.O_RDONLY)
+    except OSError:  # e.g. Windows: directories cannot be opened.
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Writes `text` to `path` atomically (temp file, fsync, rename).
+
+    Args:
+        path: Target file. Its directory is created if missing.
+        text: Content to write (UTF-8).
+
+    Returns:
+        The target path.
+
+    Example:
+    >>> import tempfile, os
+    >>> p = atomic_write_text(os.path.join(tempfile.mkdtemp(), "a.txt"), "hi")
+    >>> p.read_text()
+    'hi'
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """Writes `obj` as indented JSON, atomically. See `atomic_write_text`.
+
+    Example:
+    >>> import tempfile, os
+    >>> p = atomic_write_json(os.path.join(tempfile.mkdtemp(), "a.json"), {"a": 1})
+    >>> json.loads(p.read_text())
+    {'a': 1}
+    """
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")
+
+
+def _json_default(o: Any) -> Any:
+    try:
+        import numpy as np
+
+        if isinstance(o, np.generic):
+            return o.item()
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(o, Path):
+        return str(o)
+    return repr(o)

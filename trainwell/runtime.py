@@ -1,0 +1,485 @@
+"""Runtime: distribution strategy, precision policy, seeding, run directory.
+
+These are thin, explicit wrappers over `tf.distribute` and
+`keras.mixed_precision`: Keras already provides the machinery, what it lacks is
+one call that picks the right thing for the machine (`"auto"`), a way to test data
+parallelism without GPUs (`"cpu:N"` logical devices), and a run directory whose
+manifest says exactly what ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from trainwell.io import atomic_write_json, atomic_write_text
+
+STRATEGY_SPECS = ("auto", "mirrored", "multiworker", "tpu", "one_device", "cpu:N")
+PRECISION_SPECS = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
+_CPU_RE = re.compile(r"^cpu:(\d+)$")
+
+
+def _tf():
+    import tensorflow as tf
+
+    return tf
+
+
+def validate_strategy_spec(spec: Any) -> None:
+    """Raises `ValueError` unless `spec` is a valid strategy spec or instance.
+
+    Example:
+    >>> validate_strategy_spec("cpu:2")
+    """
+    if isinstance(spec, str):
+        m = _CPU_RE.match(spec)
+        if spec in STRATEGY_SPECS[:-1] or (m and int(m.group(1)) >= 1):
+            return
+    elif isinstance(spec, _tf().distribute.Strategy):
+        return
+    raise ValueError(
+        "Invalid value for argument `strategy`. Expected one of "
+        f"{', '.join(repr(s) for s in STRATEGY_SPECS)} (N >= 1) or a "
+        f"tf.distribute.Strategy. Received: strategy={spec!r}"
+    )
+
+
+def _tf_config_cluster() -> dict | None:
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        return None
+    try:
+        cfg = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"TF_CONFIG is not valid JSON ({e}). Received: TF_CONFIG={raw!r}") from None
+    cluster = cfg.get("cluster") or {}
+    n = sum(len(v) for v in cluster.values() if isinstance(v, list))
+    return cfg if n > 1 else None
+
+
+def _tpu_requested() -> bool:
+    return bool(os.environ.get("TPU_NAME") or os.environ.get("COLAB_TPU_ADDR") or os.path.exists("/dev/accel0"))
+
+
+def ensure_logical_cpus(n: int) -> list[str]:
+    """Splits the host CPU into `n` logical devices and returns their names.
+
+    Must run before TensorFlow initialises its devices (before the first op). If
+    it already did with a different count, raises a `RuntimeError` that says so.
+
+    Args:
+        n: Number of logical CPU devices, >= 1.
+
+    Returns:
+        Device names, e.g. `["/cpu:0", "/cpu:1"]`.
+
+    Example:
+    >>> ensure_logical_cpus(2)  # doctest: +SKIP
+    ['/cpu:0', '/cpu:1']
+    """
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"Invalid value for argument `n`. Expected an int >= 1. Received: n={n!r}")
+    tf = _tf()
+    cpus = tf.config.list_physical_devices("CPU")
+    try:
+        current = tf.config.get_logical_device_configuration(cpus[0])
+    except Exception:  # pragma: no cover
+        current = None
+    if current is None or len(current) != n:
+        try:
+            tf.config.set_logical_device_configuration(
+                cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(n)]
+            )
+        except RuntimeError:
+            have = len(tf.config.list_logical_devices("CPU"))
+            if have != n:
+                raise RuntimeError(
+                    f"strategy='cpu:{n}' needs {n} logical CPU devices but TensorFlow is already "
+                    f"initialised with {have}. Call trainwell.runtime.make_strategy('cpu:{n}') before "
+                    "running any TensorFlow op (or start a fresh process)."
+                ) from None
+    return [f"/cpu:{i}" for i in range(n)]
+
+
+def make_strategy(spec: Any = "auto"):
+    """Returns a `tf.distribute.Strategy` for `spec`.
+
+    Args:
+        spec: One of:
+            - `"auto"`: a TPU when one is configured (`TPU_NAME`, Colab, `/dev/accel0`),
+              else `MultiWorkerMirroredStrategy` when `TF_CONFIG` names a cluster of more
+              than one task, else `MirroredStrategy` over all GPUs, else the default
+              (single-device) strategy.
+            - `"mirrored"`: `MirroredStrategy` over all visible GPUs (or the CPU).
+            - `"multiworker"`: `MultiWorkerMirroredStrategy` from `TF_CONFIG`.
+            - `"tpu"`: `TPUStrategy` on the resolved TPU.
+            - `"one_device"`: `OneDeviceStrategy` on the first GPU, else the CPU.
+            - `"cpu:N"`: N logical CPU devices mirrored, so data parallelism can be tested
+              without GPUs. Must be requested before TensorFlow initialises.
+            - an existing `tf.distribute.Strategy`, returned as is.
+            Defaults to `"auto"`.
+
+    Returns:
+        The strategy.
+
+    Example:
+    >>> strategy = make_strategy("auto")
+    >>> with strategy.scope():  # doctest: +SKIP
+    ...     model = build_model()
+    """
+    validate_strategy_spec(spec)
+    tf = _tf()
+    if isinstance(spec, tf.distribute.Strategy):
+        return spec
+    m = _CPU_RE.match(spec)
+    if m:
+        devices = ensure_logical_cpus(int(m.group(1)))
+        if len(devices) == 1:
+            return tf.distribute.OneDeviceStrategy(devices[0])
+        return tf.distribute.MirroredStrategy(
+            devices=devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+        )
+    if spec == "auto":
+        if _tpu_requested():
+            spec = "tpu"
+        elif _tf_config_cluster() is not None:
+            spec = "multiworker"
+        elif tf.config.list_physical_devices("GPU"):
+            spec = "mirrored"
+        else:
+            return tf.distribute.get_strategy()
+    if spec == "mirrored":
+        return tf.distribute.MirroredStrategy()
+    if spec == "one_device":
+        gpus = tf.config.list_logical_devices("GPU")
+        return tf.distribute.OneDeviceStrategy(gpus[0].name if gpus else "/cpu:0")
+    if spec == "multiworker":
+        return _make_multiworker(tf)
+    # spec == "tpu"
+    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=os.environ.get("TPU_NAME", ""))
+    tf.config.experimental_connect_to_cluster(resolver)
+    tf.tpu.experimental.initialize_tpu_system(resolver)
+    return tf.distribute.TPUStrategy(resolver)
+
+
+def _make_multiworker(tf):
+    try:
+        from trainwell import keras_fixes
+    except ImportError:  # pragma: no cover - arrives with the distribution work
+        keras_fixes = None
+    if keras_fixes is not None:
+        keras_fixes.apply()
+    return tf.distribute.MultiWorkerMirroredStrategy()
+
+
+def num_replicas(strategy) -> int:
+    """Number of replicas in sync of `strategy` (1 for the default strategy).
+
+    Example:
+    >>> num_replicas(make_strategy("auto"))  # doctest: +SKIP
+    1
+    """
+    return int(getattr(strategy, "num_replicas_in_sync", 1))
+
+
+def gpu_compute_capabilities() -> list[tuple[int, int]]:
+    """Compute capabilities of the visible GPUs, e.g. `[(9, 0)]` on an H100/H200.
+
+    Example:
+    >>> gpu_compute_capabilities()  # doctest: +SKIP
+    []
+    """
+    tf = _tf()
+    caps = []
+    for gpu in tf.config.list_physical_devices("GPU"):
+        details = tf.config.experimental.get_device_details(gpu)
+        cc = details.get("compute_capability")
+        if cc:
+            caps.append(tuple(int(c) for c in cc))
+    return caps
+
+
+def resolve_precision(spec: str = "auto") -> str:
+    """Resolves a precision spec to a Keras dtype policy name without setting it.
+
+    `"auto"` is `mixed_bfloat16` on TPU, `mixed_float16` when every GPU has compute
+    capability >= 7.0 (tensor cores), and `float32` otherwise (CPU). Explicit
+    policies are returned unchanged.
+
+    Example:
+    >>> resolve_precision("float32")
+    'float32'
+    """
+    if spec not in PRECISION_SPECS:
+        raise ValueError(
+            "Invalid value for argument `precision`. Expected one of "
+            f"{', '.join(repr(s) for s in PRECISION_SPECS)}. Received: precision={spec!r}"
+        )
+    if spec != "auto":
+        return spec
+    tf = _tf()
+    if _tpu_requested() or tf.config.list_logical_devices("TPU"):
+        return "mixed_bfloat16"
+    caps = gpu_compute_capabilities()
+    if caps and all(c >= (7, 0) for c in caps):
+        return "mixed_float16"
+    return "float32"
+
+
+def set_precision(spec: str = "auto") -> str:
+    """Sets Keras's global dtype policy and returns its name.
+
+    Args:
+        spec: `"auto"`, `"mixed_float16"`, `"mixed_bfloat16"` or `"float32"`. See
+            `resolve_precision` for what `"auto"` picks. Explicit policies are
+            honoured on every device (mixed_float16 runs on the CPU too, slowly).
+            Defaults to `"auto"`.
+
+    Returns:
+        The policy name that is now global.
+
+    Example:
+    >>> set_precision("float32")
+    'float32'
+    """
+    import keras
+
+    name = resolve_precision(spec)
+    keras.mixed_precision.set_global_policy(name)
+    return name
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seeds Python, NumPy, TensorFlow and Keras; optionally makes ops deterministic.
+
+    Uses `keras.utils.set_random_seed` (Python `random`, NumPy, TF and the Keras
+    backend seed generator) and, with `deterministic=True`,
+    `tf.config.experimental.enable_op_determinism()`, which makes reruns on the
+    same hardware bit-identical at some cost in speed.
+
+    Args:
+        seed: Non-negative integer.
+        deterministic: Whether to enable op determinism. Defaults to `False`.
+
+    Example:
+    >>> seed_everything(42)
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"Invalid value for argument `seed`. Expected an int >= 0. Received: seed={seed!r}")
+    import keras
+
+    os.environ.setdefault("PYTHONHASHSEED", str(seed))
+    keras.utils.set_random_seed(seed)
+    if deterministic:
+        _tf().config.experimental.enable_op_determinism()
+
+
+# --------------------------------------------------------------------------- run dir
+
+
+def package_versions() -> dict[str, str]:
+    """Installed versions of the packages a run depends on (missing ones omitted).
+
+    Example:
+    >>> "python" in package_versions()
+    True
+    """
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for dist in (
+        "trainwell",
+        "tensorflow",
+        "keras",
+        "keras-tuner",
+        "tensorflow-datasets",
+        "keras-hub",
+        "numpy",
+        "matplotlib",
+    ):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def git_commit(path: str | os.PathLike | None = None) -> str | None:
+    """The git commit of the repository holding `path` (default: cwd), or None.
+
+    A `+dirty` suffix marks uncommitted changes.
+
+    Example:
+    >>> git_commit("/")  # doctest: +SKIP
+    """
+    cwd = os.fspath(path) if path else os.getcwd()
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5
+        )
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd, capture_output=True, text=True, timeout=5,
+        )
+        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def device_summary() -> list[dict[str, str]]:
+    """Physical devices TensorFlow sees, with GPU names and compute capability.
+
+    Example:
+    >>> device_summary()[0]["type"]  # doctest: +SKIP
+    'CPU'
+    """
+    tf = _tf()
+    out = []
+    for d in tf.config.list_physical_devices():
+        entry = {"name": d.name, "type": d.device_type}
+        if d.device_type == "GPU":
+            details = tf.config.experimental.get_device_details(d)
+            entry.update({k: str(v) for k, v in details.items()})
+        out.append(entry)
+    return out
+
+
+def make_run_dir(run_dir: str | os.PathLike | None, prefix: str = "run", root: str = "runs") -> Path:
+    """Creates (or reuses) a run directory and returns its path.
+
+    Args:
+        run_dir: Directory to use. An existing one is reused, which is how a run
+            resumes. `None` makes `root/PREFIX-YYYYmmdd-HHMMSS` (with a numeric
+            suffix if that exists).
+        prefix: Name prefix when `run_dir` is None. Defaults to `"run"`.
+        root: Parent directory when `run_dir` is None. Defaults to `"runs"`.
+
+    Example:
+    >>> import tempfile
+    >>> make_run_dir(tempfile.mkdtemp()).is_dir()
+    True
+    """
+    if run_dir is None:
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        base = Path(root) / f"{prefix}-{stamp}"
+        path, i = base, 1
+        while path.exists():
+            path = Path(f"{base}-{i}")
+            i += 1
+    else:
+        path = Path(run_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"Invalid value for `run_dir`: not a directory. Received: run_dir={str(path)!r}")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def is_chief(strategy=None) -> bool:
+    """Whether this process is the chief (the one that writes run artifacts).
+
+    True for single-process runs; under multi-worker, the `chief` task or worker 0
+    when the cluster has no chief.
+
+    Example:
+    >>> is_chief()
+    True
+    """
+    resolver = getattr(strategy, "cluster_resolver", None) if strategy is not None else None
+    if resolver is not None and getattr(resolver, "task_type", None) is not None:
+        task_type, task_id = resolver.task_type, resolver.task_id
+        spec = resolver.cluster_spec().as_dict()
+    else:
+        raw = os.environ.get("TF_CONFIG")
+        if not raw:
+            return True
+        try:
+            cfg = json.loads(raw)
+        except json.JSONDecodeError:
+            return True
+        task = cfg.get("task") or {}
+        task_type, task_id = task.get("type"), task.get("index", 0)
+        spec = cfg.get("cluster") or {}
+    if task_type is None:
+        return True
+    if task_type == "chief":
+        return True
+    return task_type == "worker" and int(task_id or 0) == 0 and "chief" not in spec
+
+
+def write_manifest(
+    run_dir: str | os.PathLike,
+    config: Any = None,
+    *,
+    strategy=None,
+    precision: str | None = None,
+    seed: int | None = None,
+    recipe: str | None = None,
+    extra: dict | None = None,
+) -> Path:
+    """Writes `manifest.json` (and `config.yaml` for a dataclass config) to `run_dir`.
+
+    The manifest records what ran: package versions, git commit, devices, strategy
+    and number of replicas, precision policy, seed, command line, host and time.
+
+    Args:
+        run_dir: The run directory.
+        config: The resolved config (a dataclass or a dict). Defaults to `None`.
+        strategy: The strategy in use. Defaults to `None`.
+        precision: The precision policy in use. Defaults to `None`.
+        seed: The seed. Defaults to `None`.
+        recipe: Recipe name, so `trainwell resume` knows what to run. Defaults to `None`.
+        extra: More entries to record. Defaults to `None`.
+
+    Returns:
+        The manifest path.
+
+    Example:
+    >>> import tempfile
+    >>> write_manifest(tempfile.mkdtemp(), {"epochs": 1}, seed=0).name
+    'manifest.json'
+    """
+    run_dir = Path(run_dir)
+    cfg_dict = _config_dict(config)
+    manifest = {
+        "recipe": recipe,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": [sys.executable] + sys.argv,
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "versions": package_versions(),
+        "git_commit": git_commit(Path(__file__).resolve().parent) or git_commit(),
+        "devices": device_summary(),
+        "strategy": type(strategy).__name__ if strategy is not None else None,
+        "num_replicas": num_replicas(strategy) if strategy is not None else None,
+        "precision": precision,
+        "seed": seed,
+        "config": cfg_dict,
+    }
+    if extra:
+        manifest.update(extra)
+    if cfg_dict is not None:
+        import yaml
+
+        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg_dict, sort_keys=False))
+    return atomic_write_json(run_dir / "manifest.json", manifest)
+
+
+def _config_dict(config: Any) -> dict | None:
+    if config is None:
+        return None
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    if dataclasses.is_dataclass(config):
+        return dataclasses.asdict(config)
+    return dict(config)
