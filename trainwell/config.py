@@ -106,7 +106,10 @@ def coerce(key: str, value: Any, tp: Any, from_string: bool = False) -> Any:
         if not isinstance(value, (list, tuple)):
             _fail(key, value, expected)
         item_tp = args[0] if args else Any
-        items = [coerce(key, v, item_tp, from_string and isinstance(v, str)) for v in value]
+        try:
+            items = [coerce(key, v, item_tp, from_string and isinstance(v, str)) for v in value]
+        except ConfigError:
+            _fail(key, value, expected)
         return tuple(items) if origin is tuple else items
     if origin is dict or tp is dict:
         if from_string and isinstance(value, str):
@@ -155,8 +158,6 @@ def coerce(key: str, value: Any, tp: Any, from_string: bool = False) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not from_string:
-            _fail(key, value, expected)
         _fail(key, value, expected)
     return value
 
@@ -246,12 +247,19 @@ class BaseConfig:
         return cls(**kwargs)
 
     @classmethod
-    def load(cls, path: str | os.PathLike | None = None, overrides: list[str] | dict | None = None):
-        """Loads a config: defaults, then a YAML/JSON file, then overrides.
+    def load(
+        cls,
+        path: str | os.PathLike | None = None,
+        overrides: list[str] | dict | None = None,
+        base: dict | None = None,
+    ):
+        """Loads a config: defaults, then `base`, then a YAML/JSON file, then overrides.
 
         Args:
             path: A `.yaml`, `.yml` or `.json` file of field values. Defaults to `None`.
             overrides: `["key=value", ...]` strings (as from `--set`) or a dict.
+                Defaults to `None`.
+            base: Field values to start from (e.g. a saved run's config).
                 Defaults to `None`.
 
         Returns:
@@ -261,7 +269,7 @@ class BaseConfig:
         >>> BaseConfig.load(overrides=["epochs=2"]).epochs
         2
         """
-        values: dict = {}
+        values: dict = dict(base or {})
         if path is not None:
             values.update(read_config_file(path))
         str_values: dict = {}

