@@ -1,0 +1,560 @@
+"""Learning-rate schedules with warmup, and helpers that lower any optimizer's LR.
+
+The schedules are `keras.optimizers.schedules.LearningRateSchedule` subclasses:
+pure, graph-safe functions of the optimizer step written with `keras.ops`, whose
+`get_config()` equals their constructor arguments. Each one multiplies its value
+by `schedule.multiplier`, a non-trainable float32 `keras.Variable` (initially
+1.0, not part of the config): Keras refuses a new learning rate on an optimizer
+built with a schedule, so lowering the LR after a NaN rollback goes through that
+variable (`scale_learning_rate`, `set_lr_multiplier`).
+
+Why not Keras's own `CosineDecay(warmup_target=..., warmup_steps=...)` and
+`CosineDecayRestarts`: they have no multiplier (an optimizer built with them can
+never have its LR lowered), `CosineDecayRestarts` has no warmup, and neither
+offers the BERT-style linear decay or the Goyal et al. step decay with warmup.
+
+The helpers see through `keras.optimizers.LossScaleOptimizer` (the wrapper that
+`mixed_float16` puts around the optimizer) by working on its `inner_optimizer`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+__all__ = [
+    "WarmupCosineDecay",
+    "WarmupLinearDecay",
+    "WarmupStepDecay",
+    "scaled_lr",
+    "get_lr_multiplier",
+    "set_lr_multiplier",
+    "scale_learning_rate",
+    "current_lr",
+    "is_trainwell_schedule",
+]
+
+# Attribute on an optimizer without a trainwell schedule that holds a multiplier
+# restored before `WarmupCosine` installed its schedule (restore order must not
+# matter); the schedule picks it up when it is installed.
+_PENDING_ATTR = "_trainwell_lr_multiplier"
+
+
+# ---------------------------------------------------------------- validation
+def _is_number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(float(x))
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _invalid(name: str, expected: str, value: Any) -> ValueError:
+    return ValueError(f"Invalid value for argument `{name}`. Expected {expected}. Received: {name}={value!r}")
+
+
+def _check_peak(peak_lr: Any) -> float:
+    if not _is_number(peak_lr) or peak_lr <= 0:
+        raise _invalid("peak_lr", "a float > 0", peak_lr)
+    return float(peak_lr)
+
+
+def _check_warmup(warmup_steps: Any, upper: int | None, upper_name: str) -> int:
+    if not _is_int(warmup_steps) or warmup_steps < 0 or (upper is not None and warmup_steps > upper):
+        bound = f" and <= {upper_name} ({upper})" if upper is not None else ""
+        raise _invalid("warmup_steps", f"an integer >= 0{bound}", warmup_steps)
+    return int(warmup_steps)
+
+
+def _check_between(name: str, value: Any, peak_lr: float) -> float:
+    if not _is_number(value) or value < 0 or value > peak_lr:
+        raise _invalid(name, f"a float in [0, peak_lr] = [0, {peak_lr}]", value)
+    return float(value)
+
+
+# ---------------------------------------------------------------- base class
+class _WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """Shared plumbing: the multiplier variable and the linear warmup."""
+
+    def __init__(self, peak_lr: float, warmup_steps: int, warmup_start: float) -> None:
+        self.peak_lr = peak_lr
+        self.warmup_steps = warmup_steps
+        self.warmup_start = warmup_start
+        # float32 and never autocast: under mixed_float16 the LR stays float32.
+        self.multiplier = keras.Variable(
+            1.0, dtype="float32", trainable=False, autocast=False, name="lr_multiplier"
+        )
+
+    def _base(self, step):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _warmup(self, step):
+        w = float(max(self.warmup_steps, 1))
+        return self.warmup_start + (self.peak_lr - self.warmup_start) * (step / w)
+
+    def __call__(self, step):
+        step = ops.cast(step, "float32")
+        value = self._base(step)
+        if self.warmup_steps > 0:
+            value = ops.where(step < float(self.warmup_steps), self._warmup(step), value)
+        return ops.cast(value, "float32") * ops.cast(self.multiplier, "float32")
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"
+
+
+# ---------------------------------------------------------------- schedules
+@keras.saving.register_keras_serializable(package="trainwell")
+class WarmupCosineDecay(_WarmupSchedule):
+    """Linear warmup, then cosine decay, with optional SGDR warm restarts.
+
+    From `warmup_start` the LR rises linearly to `peak_lr` at `warmup_steps`
+    (Goyal et al., 2017), then follows a half cosine down to `min_lr` at
+    `total_steps` (Loshchilov & Hutter, 2017) and stays at `min_lr` afterwards.
+
+    With `restart_steps`, the decay after warmup is split into SGDR cycles: the
+    first is `restart_steps` long, each next one `t_mul` times longer, and the
+    height above `min_lr` of each cycle is `m_mul` times that of the previous one
+    (cycle `i` starts at `min_lr + (peak_lr - min_lr) * m_mul**i`; so with
+    `min_lr > 0` the curve never drops below `min_lr`). The last cycle that fits
+    before `total_steps` is stretched to end there, so the curve always reaches
+    `min_lr` exactly at `total_steps` and never ends in a stub of a cycle.
+
+    Extends `keras.optimizers.schedules.LearningRateSchedule` rather than
+    `CosineDecay`/`CosineDecayRestarts`: those have no LR multiplier (see the
+    module docstring), and `CosineDecayRestarts` has no warmup.
+
+    The value is multiplied by `self.multiplier` (a float32 `keras.Variable`,
+    initially 1.0, not in `get_config()`).
+
+    Args:
+        peak_lr: LR at the end of warmup. Required.
+        total_steps: Step at which the LR reaches `min_lr`. Required.
+        warmup_steps: Length of the linear warmup, in steps. Defaults to `0`.
+        min_lr: Final LR. Defaults to `0.0`.
+        warmup_start: LR at step 0 when `warmup_steps > 0`. Defaults to `0.0`.
+        restart_steps: Length in steps of the first SGDR cycle after warmup;
+            `None` means a single cosine. Defaults to `None`.
+        t_mul: Each cycle is `t_mul` times longer than the previous one.
+            Defaults to `1.0`.
+        m_mul: Each cycle's height above `min_lr` is `m_mul` times the previous
+            one's. Defaults to `1.0`.
+
+    Example:
+    >>> s = WarmupCosineDecay(peak_lr=0.1, total_steps=100, warmup_steps=10)
+    >>> round(float(s(0)), 4), round(float(s(10)), 4), round(float(s(100)), 4)
+    (0.0, 0.1, 0.0)
+    >>> opt = keras.optimizers.SGD(learning_rate=s)
+    """
+
+    def __init__(
+        self,
+        peak_lr: float,
+        total_steps: int,
+        warmup_steps: int = 0,
+        min_lr: float = 0.0,
+        warmup_start: float = 0.0,
+        restart_steps: int | None = None,
+        t_mul: float = 1.0,
+        m_mul: float = 1.0,
+    ) -> None:
+        peak_lr = _check_peak(peak_lr)
+        if not _is_int(total_steps) or total_steps < 1:
+            raise _invalid("total_steps", "an integer >= 1", total_steps)
+        total_steps = int(total_steps)
+        warmup_steps = _check_warmup(warmup_steps, total_steps, "total_steps")
+        min_lr = _check_between("min_lr", min_lr, peak_lr)
+        warmup_start = _check_between("warmup_start", warmup_start, peak_lr)
+        if restart_steps is not None and (not _is_int(restart_steps) or restart_steps < 1):
+            raise _invalid("restart_steps", "None or an integer >= 1", restart_steps)
+        if not _is_number(t_mul) or t_mul < 1:
+            raise _invalid("t_mul", "a float >= 1", t_mul)
+        if not _is_number(m_mul) or not 0 < m_mul <= 1:
+            raise _invalid("m_mul", "a float in (0, 1]", m_mul)
+        if restart_steps is None and (t_mul != 1 or m_mul != 1):
+            raise ValueError(
+                "Arguments `t_mul` and `m_mul` only apply to warm restarts: pass `restart_steps` too. "
+                f"Received: restart_steps=None, t_mul={t_mul}, m_mul={m_mul}"
+            )
+        super().__init__(peak_lr, warmup_steps, warmup_start)
+        self.total_steps = total_steps
+        self.min_lr = min_lr
+        self.restart_steps = None if restart_steps is None else int(restart_steps)
+        self.t_mul = float(t_mul)
+        self.m_mul = float(m_mul)
+        self._decay_steps = float(total_steps - warmup_steps)
+        self._last_cycle = self._count_last_cycle()
+
+    # Cycle k spans [S(k), S(k+1)) after warmup, S(k) = sum_{j<k} R * t_mul**j.
+    def _cycle_start(self, k):
+        r = float(self.restart_steps)
+        if self.t_mul == 1.0:
+            return r * k
+        power = self.t_mul**k if isinstance(k, numbers.Real) else ops.power(self.t_mul, k)
+        return r * (1.0 - power) / (1.0 - self.t_mul)
+
+    def _count_last_cycle(self) -> int:
+        """Index of the last cycle: the last one that fits entirely, or 0."""
+        if self.restart_steps is None:
+            return 0
+        d = self._decay_steps
+        if self.t_mul == 1.0:
+            return max(int(d // self.restart_steps) - 1, 0)
+        k = 0
+        while self._cycle_start(k + 2) <= d:
+            k += 1
+        return k
+
+    def cycle_starts(self) -> list[int]:
+        """Steps (absolute) at which each cosine cycle starts, warmup end first.
+
+        Example:
+        >>> WarmupCosineDecay(1.0, 150, 10, restart_steps=20, t_mul=2.0).cycle_starts()
+        [10, 30, 70]
+        """
+        if self.restart_steps is None:
+            return [self.warmup_steps]
+        return [self.warmup_steps + int(round(self._cycle_start(k))) for k in range(self._last_cycle + 1)]
+
+    def _base(self, step):
+        d = self._decay_steps
+        t = ops.maximum(step - float(self.warmup_steps), 0.0)
+        amp = self.peak_lr - self.min_lr
+        if self.restart_steps is None:
+            frac = ops.clip(t / max(d, 1.0), 0.0, 1.0)
+            height = amp
+        else:
+            r = float(self.restart_steps)
+            if self.t_mul == 1.0:
+                i = ops.floor(t / r)
+            else:
+                i = ops.floor(ops.log(1.0 - t / r * (1.0 - self.t_mul)) / math.log(self.t_mul))
+            # Guard the float rounding of the closed form at cycle boundaries.
+            i = ops.where(self._cycle_start(i) > t, i - 1.0, i)
+            i = ops.where(self._cycle_start(i + 1.0) <= t, i + 1.0, i)
+            i = ops.clip(i, 0.0, float(self._last_cycle))
+            start = self._cycle_start(i)
+            length = ops.where(
+                i >= float(self._last_cycle), d - start, r * ops.power(self.t_mul, i)
+            )
+            frac = ops.clip((t - start) / ops.maximum(length, 1.0), 0.0, 1.0)
+            height = amp * ops.power(self.m_mul, i)
+        value = self.min_lr + height * 0.5 * (1.0 + ops.cos(math.pi * frac))
+        return ops.where(step >= float(self.total_steps), self.min_lr, value)
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "peak_lr": self.peak_lr,
+            "total_steps": self.total_steps,
+            "warmup_steps": self.warmup_steps,
+            "min_lr": self.min_lr,
+            "warmup_start": self.warmup_start,
+            "restart_steps": self.restart_steps,
+            "t_mul": self.t_mul,
+            "m_mul": self.m_mul,
+        }
+
+
+@keras.saving.register_keras_serializable(package="trainwell")
+class WarmupLinearDecay(_WarmupSchedule):
+    """Linear warmup, then linear decay to `min_lr` at `total_steps` (BERT style).
+
+    The schedule of BERT (Devlin et al., 2019) and most transformer fine-tuning:
+    from `warmup_start` up to `peak_lr` over `warmup_steps`, then a straight line
+    down to `min_lr` at `total_steps`, held afterwards. Keras's `PolynomialDecay`
+    (power 1) has neither warmup nor an LR multiplier, hence a new schedule.
+
+    The value is multiplied by `self.multiplier` (a float32 `keras.Variable`,
+    initially 1.0, not in `get_config()`).
+
+    Args:
+        peak_lr: LR at the end of warmup. Required.
+        total_steps: Step at which the LR reaches `min_lr`. Required.
+        warmup_steps: Length of the linear warmup, in steps. Defaults to `0`.
+        min_lr: Final LR. Defaults to `0.0`.
+        warmup_start: LR at step 0 when `warmup_steps > 0`. Defaults to `0.0`.
+
+    Example:
+    >>> s = WarmupLinearDecay(peak_lr=2e-5, total_steps=1000, warmup_steps=100)
+    >>> round(float(s(550)) / 2e-5, 4)
+    0.5
+    """
+
+    def __init__(
+        self,
+        peak_lr: float,
+        total_steps: int,
+        warmup_steps: int = 0,
+        min_lr: float = 0.0,
+        warmup_start: float = 0.0,
+    ) -> None:
+        peak_lr = _check_peak(peak_lr)
+        if not _is_int(total_steps) or total_steps < 1:
+            raise _invalid("total_steps", "an integer >= 1", total_steps)
+        total_steps = int(total_steps)
+        warmup_steps = _check_warmup(warmup_steps, total_steps, "total_steps")
+        min_lr = _check_between("min_lr", min_lr, peak_lr)
+        warmup_start = _check_between("warmup_start", warmup_start, peak_lr)
+        super().__init__(peak_lr, warmup_steps, warmup_start)
+        self.total_steps = total_steps
+        self.min_lr = min_lr
+
+    def _base(self, step):
+        d = float(max(self.total_steps - self.warmup_steps, 1))
+        frac = ops.clip((step - float(self.warmup_steps)) / d, 0.0, 1.0)
+        value = self.peak_lr - (self.peak_lr - self.min_lr) * frac
+        return ops.where(step >= float(self.total_steps), self.min_lr, value)
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "peak_lr": self.peak_lr,
+            "total_steps": self.total_steps,
+            "warmup_steps": self.warmup_steps,
+            "min_lr": self.min_lr,
+            "warmup_start": self.warmup_start,
+        }
+
+
+@keras.saving.register_keras_serializable(package="trainwell")
+class WarmupStepDecay(_WarmupSchedule):
+    """Linear warmup, then the LR multiplied by `decay_rate` at each boundary.
+
+    The ImageNet-in-an-hour recipe (Goyal et al., 2017): 5 epochs of warmup to
+    the linearly scaled LR (`scaled_lr`), then x0.1 at epochs 30, 60 and 80, i.e.
+    `boundaries=[30 * steps_per_epoch, 60 * steps_per_epoch, 80 * steps_per_epoch]`.
+    Keras's `PiecewiseConstantDecay` takes explicit values, has no warmup and no
+    LR multiplier, hence a new schedule.
+
+    The value is multiplied by `self.multiplier` (a float32 `keras.Variable`,
+    initially 1.0, not in `get_config()`).
+
+    Args:
+        peak_lr: LR at the end of warmup, until the first boundary. Required.
+        boundaries: Increasing steps (absolute, >= `warmup_steps`) at which the
+            LR is multiplied by `decay_rate`. Required.
+        decay_rate: Factor applied at each boundary, in (0, 1]. Defaults to `0.1`.
+        warmup_steps: Length of the linear warmup, in steps. Defaults to `0`.
+        warmup_start: LR at step 0 when `warmup_steps > 0`. Defaults to `0.0`.
+
+    Example:
+    >>> s = WarmupStepDecay(peak_lr=0.4, boundaries=[300, 600, 800], warmup_steps=50)
+    >>> round(float(s(650)), 6)
+    0.004
+    """
+
+    def __init__(
+        self,
+        peak_lr: float,
+        boundaries: list[int],
+        decay_rate: float = 0.1,
+        warmup_steps: int = 0,
+        warmup_start: float = 0.0,
+    ) -> None:
+        peak_lr = _check_peak(peak_lr)
+        if (
+            not isinstance(boundaries, (list, tuple))
+            or not boundaries
+            or not all(_is_int(b) and b >= 1 for b in boundaries)
+            or any(b2 <= b1 for b1, b2 in zip(boundaries, boundaries[1:]))
+        ):
+            raise _invalid("boundaries", "a non-empty, strictly increasing list of integer steps >= 1", boundaries)
+        boundaries = [int(b) for b in boundaries]
+        if not _is_number(decay_rate) or not 0 < decay_rate <= 1:
+            raise _invalid("decay_rate", "a float in (0, 1]", decay_rate)
+        warmup_steps = _check_warmup(warmup_steps, boundaries[0], "the first boundary")
+        warmup_start = _check_between("warmup_start", warmup_start, peak_lr)
+        super().__init__(peak_lr, warmup_steps, warmup_start)
+        self.boundaries = boundaries
+        self.decay_rate = float(decay_rate)
+
+    def _base(self, step):
+        n = ops.zeros_like(step)
+        for b in self.boundaries:
+            n = n + ops.cast(step >= float(b), "float32")
+        return self.peak_lr * ops.power(self.decay_rate, n)
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "peak_lr": self.peak_lr,
+            "boundaries": list(self.boundaries),
+            "decay_rate": self.decay_rate,
+            "warmup_steps": self.warmup_steps,
+            "warmup_start": self.warmup_start,
+        }
+
+
+# ---------------------------------------------------------------- helpers
+def scaled_lr(base_lr: float, global_batch: int, base_batch: int = 256) -> float:
+    """The linear scaling rule: `base_lr * global_batch / base_batch`.
+
+    Goyal et al. (2017): when the minibatch is multiplied by k, multiply the
+    learning rate by k (with warmup). ResNet-50 on ImageNet: 0.1 per 256 images.
+
+    Args:
+        base_lr: LR that works at `base_batch`. Required.
+        global_batch: Global batch size (summed over replicas). Required.
+        base_batch: Batch size `base_lr` is quoted for. Defaults to `256`.
+
+    Returns:
+        The scaled learning rate (float).
+
+    Example:
+    >>> scaled_lr(0.1, 8192)
+    3.2
+    """
+    if not _is_number(base_lr) or base_lr <= 0:
+        raise _invalid("base_lr", "a float > 0", base_lr)
+    if not _is_int(global_batch) or global_batch < 1:
+        raise _invalid("global_batch", "an integer >= 1", global_batch)
+    if not _is_int(base_batch) or base_batch < 1:
+        raise _invalid("base_batch", "an integer >= 1", base_batch)
+    return float(base_lr) * int(global_batch) / int(base_batch)
+
+
+def _to_float(x) -> float:
+    """A scalar tensor or `keras.Variable` as a Python float."""
+    if isinstance(x, keras.Variable):
+        x = x.numpy()
+    return float(np.asarray(ops.convert_to_numpy(x)))
+
+
+def _inner(optimizer):
+    """The optimizer that owns the learning rate (unwraps `LossScaleOptimizer`)."""
+    seen = 0
+    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and seen < 8:
+        optimizer = optimizer.inner_optimizer
+        seen += 1
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            f"Expected a `keras.optimizers.Optimizer`. Received: optimizer={optimizer!r} "
+            "(compile the model with an optimizer first)"
+        )
+    return optimizer
+
+
+def _raw_lr(optimizer):
+    inner = _inner(optimizer)
+    return inner, getattr(inner, "_learning_rate", None)
+
+
+def is_trainwell_schedule(obj: Any) -> bool:
+    """Whether `obj` is one of this module's schedules (it has a multiplier).
+
+    Example:
+    >>> is_trainwell_schedule(WarmupLinearDecay(0.1, 10)), is_trainwell_schedule(0.1)
+    (True, False)
+    """
+    return isinstance(obj, _WarmupSchedule)
+
+
+def get_lr_multiplier(optimizer) -> float:
+    """The LR multiplier of `optimizer`'s trainwell schedule.
+
+    For an optimizer without a trainwell schedule this is 1.0, or the value a
+    `set_lr_multiplier` left waiting for the schedule `WarmupCosine` installs.
+
+    Args:
+        optimizer: A Keras optimizer, possibly a `LossScaleOptimizer`. Required.
+
+    Returns:
+        The multiplier (float).
+
+    Example:
+    >>> opt = keras.optimizers.SGD(WarmupCosineDecay(0.1, 100))
+    >>> get_lr_multiplier(opt)
+    1.0
+    """
+    inner, lr = _raw_lr(optimizer)
+    if is_trainwell_schedule(lr):
+        return _to_float(lr.multiplier)
+    return float(getattr(inner, _PENDING_ATTR, 1.0))
+
+
+def set_lr_multiplier(optimizer, value: float) -> None:
+    """Sets the LR multiplier of `optimizer`'s trainwell schedule (checkpoint restore).
+
+    On an optimizer that has no trainwell schedule yet, the value is kept on the
+    optimizer and handed to the schedule `WarmupCosine` installs at
+    `on_train_begin`, so a checkpoint may restore it before or after that
+    callback runs; until then the optimizer's learning rate is unchanged (lower a
+    plain learning rate with `scale_learning_rate`).
+
+    Args:
+        optimizer: A Keras optimizer, possibly a `LossScaleOptimizer`. Required.
+        value: The multiplier, a float > 0. Required.
+
+    Example:
+    >>> opt = keras.optimizers.SGD(WarmupCosineDecay(0.1, 100))
+    >>> set_lr_multiplier(opt, 0.25); get_lr_multiplier(opt)
+    0.25
+    """
+    if not _is_number(value) or value <= 0:
+        raise _invalid("value", "a float > 0", value)
+    inner, lr = _raw_lr(optimizer)
+    if is_trainwell_schedule(lr):
+        lr.multiplier.assign(float(value))
+    else:
+        setattr(inner, _PENDING_ATTR, float(value))
+
+
+def current_lr(optimizer) -> float:
+    """The learning rate `optimizer` uses for its next step (at its `iterations`).
+
+    Args:
+        optimizer: A Keras optimizer, possibly a `LossScaleOptimizer`. Required.
+
+    Returns:
+        The learning rate (float).
+
+    Example:
+    >>> current_lr(keras.optimizers.SGD(WarmupCosineDecay(0.1, 100, warmup_steps=10)))
+    0.0
+    """
+    inner = _inner(optimizer)
+    return _to_float(inner.learning_rate)
+
+
+def scale_learning_rate(optimizer, factor: float) -> tuple[float, float]:
+    """Multiplies the current learning rate of `optimizer` by `factor`.
+
+    A trainwell schedule gets its multiplier scaled (the schedule keeps its
+    shape, lowered); a plain float/variable learning rate is assigned. Any other
+    `LearningRateSchedule` cannot be lowered once the optimizer is built, so it
+    raises a `ValueError` asking for a trainwell schedule.
+
+    Args:
+        optimizer: A Keras optimizer, possibly a `LossScaleOptimizer`. Required.
+        factor: The factor, a float > 0 (e.g. 0.5 after a NaN rollback).
+            Required.
+
+    Returns:
+        `(old_lr, new_lr)`: the current learning rate before and after.
+
+    Example:
+    >>> opt = keras.optimizers.SGD(learning_rate=0.1)
+    >>> [round(x, 6) for x in scale_learning_rate(opt, 0.5)]
+    [0.1, 0.05]
+    """
+    if not _is_number(factor) or factor <= 0:
+        raise _invalid("factor", "a float > 0", factor)
+    inner, lr = _raw_lr(optimizer)
+    old = current_lr(inner)
+    if is_trainwell_schedule(lr):
+        lr.multiplier.assign(_to_float(lr.multiplier) * float(factor))
+    elif isinstance(lr, keras.Variable):
+        lr.assign(old * float(factor))
+    else:
+        kind = type(lr).__name__
+        raise ValueError(
+            f"Cannot scale the learning rate of optimizer `{inner.name}`: it is a `{kind}`, which Keras "
+            "does not let you change once set. Use a trainwell schedule instead (`WarmupCosineDecay`, "
+            "`WarmupLinearDecay`, `WarmupStepDecay` from `trainwell.callbacks`, or the `WarmupCosine` "
+            f"callback), whose LR multiplier can be lowered. Received: learning_rate={lr!r}"
+        )
+    return old, current_lr(inner)
