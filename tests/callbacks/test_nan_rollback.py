@@ -1,0 +1,454 @@
+"""Tests of `trainwell.callbacks.nan_rollback.NaNRollback`.
+
+Deterministic NaN injection: a `tf.data` pipeline whose batches are numbered
+globally (`enumerate`, across epochs) replaces the inputs of the chosen batches
+by `inf`, `nan` or a huge value. The problem is tiny and linearly separable
+with a margin, so a clean run reaches 100 % training accuracy in 64 steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from trainwell.callbacks.nan_rollback import NaNRollback, TrainingDivergedError  # noqa: E402
+
+STEPS = 8  # batches per epoch (256 examples / 32)
+EPOCHS = 8
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(600, 8)).astype("float32")
+    x = x[np.abs(x[:, 0] + x[:, 1]) > 0.5][:256]  # separable with a margin
+    y = (x[:, 0] + x[:, 1] > 0).astype("int32")
+    return x, y
+
+
+X, Y = _data()
+
+
+def poisoned(bad=(), value=np.inf, start=0):
+    """Batches of (X, Y) repeated forever; global batch indices in `bad` get `value` inputs."""
+    bad_t = tf.constant(sorted(bad) or [-1], tf.int64)
+
+    def poison(i, batch):
+        xb, yb = batch
+        hit = tf.reduce_any(tf.equal(i, bad_t))
+        return tf.where(hit, tf.fill(tf.shape(xb), tf.constant(value, tf.float32)), xb), yb
+
+    ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(32).repeat()
+    return ds.enumerate(start=start).map(poison)
+
+
+def build(policy="float32", steps_per_execution=1, lr=0.1, with_input=True):
+    keras.mixed_precision.set_global_policy(policy)
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((8,))] if with_input else []
+    layers += [
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dense(2),
+        keras.layers.Activation("linear", dtype="float32"),
+    ]
+    model = keras.Sequential(layers)
+    model.compile(
+        keras.optimizers.SGD(lr, momentum=0.9),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        steps_per_execution=steps_per_execution,
+    )
+    return model
+
+
+def fit(model, bad=(), value=np.inf, callbacks=(), epochs=EPOCHS, initial_epoch=0, start=0):
+    return model.fit(
+        poisoned(bad, value, start),
+        steps_per_epoch=STEPS,
+        epochs=epochs,
+        initial_epoch=initial_epoch,
+        callbacks=list(callbacks),
+        shuffle=False,
+        verbose=0,
+    )
+
+
+def finite(model) -> bool:
+    return all(np.isfinite(w.numpy()).all() for w in model.weights)
+
+
+def accuracy(model) -> float:
+    return float(np.mean(np.argmax(model.predict(X, verbose=0), axis=1) == Y))
+
+
+def lr_of(model) -> float:
+    opt = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    return float(keras.ops.convert_to_numpy(opt.learning_rate))
+
+
+@pytest.fixture(autouse=True)
+def _float32_policy():
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+_clean = {}
+
+
+def clean_accuracy(policy="float32", spe=1) -> float:
+    if (policy, spe) not in _clean:
+        model = build(policy, spe)
+        fit(model)
+        assert finite(model)
+        _clean[(policy, spe)] = accuracy(model)
+    return _clean[(policy, spe)]
+
+
+# --------------------------------------------------------------------------- recovery
+@pytest.mark.parametrize("value, spe", [(np.inf, 1), (np.nan, 3)])
+def test_poisoned_batches_roll_back_and_match_clean_run(value, spe):
+    clean = clean_accuracy("float32", spe)
+    assert clean >= 0.99
+    model = build(steps_per_execution=spe)
+    cb = NaNRollback(snapshot_every=4)
+    hist = fit(model, bad=[5, 30], value=value, callbacks=[cb])
+    assert finite(model)
+    assert abs(accuracy(model) - clean) <= 0.01
+    assert np.all(np.isfinite(hist.history["loss"]))
+    ev = cb.get_state()["events"]
+    assert [e["action"] for e in ev] == ["rollback", "rollback"]
+    # With oneDNN the poisoned batch's loss stays finite: the weights give it away.
+    assert all("nonfinite_weights" in e["causes"] for e in ev)
+    if spe == 1:  # detected right after batch 5; last snapshot at step 4
+        assert (ev[0]["step"], ev[0]["restored_step"], ev[0]["batches_skipped"]) == (6, 4, 2)
+        assert (ev[1]["step"], ev[1]["restored_step"]) == (31, 28)
+    else:  # callbacks every 3 steps: detected at step 6; snapshots at 0, 6, 9, ...
+        assert (ev[0]["step"], ev[0]["restored_step"], ev[0]["batches_skipped"]) == (6, 0, 6)
+        assert ev[1]["step"] == 33
+    # `iterations` goes back with the rest of the optimizer state.
+    assert ev[0]["iterations_after"] == ev[0]["restored_step"]
+    assert ev[0]["iterations_before"] == ev[0]["step"]
+    assert np.allclose([ev[0]["lr_before"], ev[0]["lr_after"], ev[1]["lr_after"]], [0.1, 0.05, 0.025])
+    assert np.isclose(lr_of(model), 0.025)
+
+
+def test_lr_schedule_goes_back_with_iterations_and_is_scaled():
+    from trainwell.callbacks.schedules import WarmupCosineDecay, get_lr_multiplier
+
+    schedule = WarmupCosineDecay(0.1, total_steps=STEPS * 4, warmup_steps=8)
+    model = build()
+    model.compile(
+        keras.optimizers.SGD(schedule, momentum=0.9),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    cb = NaNRollback(snapshot_every=4)
+    fit(model, bad=[13], callbacks=[cb], epochs=4)
+    (ev,) = cb.events
+    assert (ev["step"], ev["restored_step"], ev["iterations_after"]) == (14, 12, 12)
+    # The cut applies at the restored schedule position (iterations 12), and the
+    # multiplier is not part of the snapshot, so it stays lowered.
+    # Cosine from step 8 to 32: at step 12, 0.1 * (1 + cos(pi * 4 / 24)) / 2.
+    assert np.isclose(ev["lr_before"], 0.05 * (1 + np.cos(np.pi * 4 / 24)))
+    assert np.isclose(ev["lr_after"], 0.5 * ev["lr_before"])
+    assert np.isclose(get_lr_multiplier(model.optimizer), 0.5)
+    assert int(model.optimizer.iterations.numpy()) == STEPS * 4 - 2  # 2 updates were undone
+    assert finite(model)
+
+
+def test_terminate_on_nan_alone_misses_nan_weights():
+    model = build()
+    hist = fit(model, bad=[5], callbacks=[keras.callbacks.TerminateOnNaN()])
+    # The weights are NaN from batch 5 on: the run is lost either way.
+    assert not finite(model)
+    assert accuracy(model) <= 0.6
+    losses = hist.history["loss"]
+    onednn = platform.machine() in ("x86_64", "AMD64") and os.environ.get("TF_ENABLE_ONEDNN_OPTS") != "0"
+    if onednn:
+        # oneDNN's ReLU maps NaN to 0, so the loss stays finite: TerminateOnNaN
+        # never fires and the run goes on to the end with NaN weights.
+        assert len(losses) == EPOCHS and np.all(np.isfinite(losses))
+    else:  # pragma: no cover - without oneDNN the loss turns NaN and it stops
+        assert len(losses) == 1 and not np.isfinite(losses[0])
+
+
+def test_check_weights_every_delays_detection():
+    model = build()
+    cb = NaNRollback(snapshot_every=4, check_weights_every=4)
+    fit(model, bad=[5], callbacks=[cb], epochs=2)
+    (ev,) = cb.events
+    # NaN weights after batch 5 are found at the next check (step 8), not at 6.
+    assert (ev["step"], ev["restored_step"], ev["batches_skipped"]) == (8, 4, 4)
+    assert finite(model)
+
+
+# --------------------------------------------------------------------------- mixed precision
+def test_loss_scale_skip_is_not_divergence():
+    clean = clean_accuracy("mixed_float16")
+    model = build("mixed_float16")
+    cb = NaNRollback(snapshot_every=4)
+    hist = fit(model, bad=[5], value=1e6, callbacks=[cb])  # 1e6 overflows float16
+    assert cb.events == [] and cb.loss_scale_skips == 1
+    assert float(model.optimizer.dynamic_scale.numpy()) == 2.0**14  # halved once by the LSO
+    assert np.all(np.isfinite(hist.history["loss"]))  # the skipped batch left the running mean
+    assert finite(model) and abs(accuracy(model) - clean) <= 0.01
+
+    # TerminateOnNaN alone stops this healthy run at the overflow: logs["loss"]
+    # (the running mean) is NaN although the optimizer skipped the step.
+    model = build("mixed_float16")
+    hist = fit(model, bad=[5], value=1e6, callbacks=[keras.callbacks.TerminateOnNaN()])
+    assert len(hist.history["loss"]) == 1 and np.isnan(hist.history["loss"][0])
+    assert finite(model) and int(model.optimizer.iterations.numpy()) == 5
+
+
+def test_loss_scale_collapse_rolls_back():
+    clean = clean_accuracy("mixed_float16")
+    model = build("mixed_float16")
+    cb = NaNRollback(snapshot_every=4)
+    fit(model, bad=range(5, 25), value=1e6, callbacks=[cb])
+    (ev,) = cb.events
+    # 2**15 halved 15 times reaches the floor 1.0 after batch 19 (step 20). The
+    # snapshots due at steps 8..16 were deferred (no finite loss since step 5).
+    assert ev["causes"] == ["loss_scale_collapse"] and ev["loss_scale"] == 1.0
+    assert (ev["step"], ev["restored_step"], ev["iterations_after"]) == (20, 4, 4)
+    assert np.allclose([ev["lr_before"], ev["lr_after"]], [0.1, 0.05])
+    # Restored to 2**15, then halved by the 5 overflowing batches 20..24.
+    assert float(model.optimizer.dynamic_scale.numpy()) == 2.0**10
+    assert finite(model) and abs(accuracy(model) - clean) <= 0.01
+
+
+# --------------------------------------------------------------------------- spike, limits
+def test_loss_spike():
+    model = build()
+    cb = NaNRollback(snapshot_every=4, spike_factor=5.0, spike_window=8)
+    fit(model, bad=[20], value=30.0, callbacks=[cb], epochs=4)  # finite, but a huge loss
+    (ev,) = cb.events
+    assert ev["causes"] == ["loss_spike"] and ev["step"] == 21 and ev["loss"] > 5.0
+    assert finite(model)
+
+    model = build()  # without spike detection nothing happens
+    cb = NaNRollback(snapshot_every=4)
+    fit(model, bad=[20], value=30.0, callbacks=[cb], epochs=4)
+    assert cb.events == []
+
+
+@pytest.mark.parametrize("max_rollbacks", [0, 2])
+def test_max_rollbacks_raises(max_rollbacks):
+    model = build()
+    cb = NaNRollback(snapshot_every=4, max_rollbacks=max_rollbacks)
+    with pytest.raises(TrainingDivergedError) as info:
+        fit(model, bad=[5, 13, 21, 29], callbacks=[cb])
+    err = info.value
+    stop_step = [6, 14, 22][max_rollbacks]
+    msg = str(err)
+    assert f"max_rollbacks={max_rollbacks}" in msg and f"step {stop_step}" in msg
+    assert "nonfinite_weights" in msg
+    if max_rollbacks:
+        assert "LR 0.1 -> 0.05" in msg and "LR 0.05 -> 0.025" in msg
+    assert [e["action"] for e in err.events] == ["rollback"] * max_rollbacks + ["stop"]
+    assert cb.events == err.events
+    assert finite(model)  # the last good state was restored before raising
+    assert np.isclose(lr_of(model), 0.1 * 0.5**max_rollbacks)
+
+
+def test_window_steps_forgets_old_rollbacks():
+    model = build()
+    cb = NaNRollback(snapshot_every=4, max_rollbacks=1, window_steps=5)
+    fit(model, bad=[5, 13, 21, 29], callbacks=[cb], epochs=5)
+    assert cb.rollbacks == 4 and np.isclose(lr_of(model), 0.1 * 0.5**4)
+    assert finite(model)
+
+
+def test_divergence_before_any_snapshot():
+    # An unbuilt model (no Input): the first snapshot follows the first batch.
+    model = build(with_input=False)
+    cb = NaNRollback(snapshot_every=4)
+    fit(model, bad=[3], callbacks=[cb], epochs=1)
+    assert [(e["step"], e["restored_step"]) for e in cb.events] == [(4, 1)]
+    assert finite(model)
+
+    model = build(with_input=False)
+    with pytest.raises(TrainingDivergedError, match="before any good snapshot"):
+        fit(model, bad=[0], callbacks=[NaNRollback(snapshot_every=4)], epochs=1)
+
+
+# --------------------------------------------------------------------------- records, state
+def test_events_in_logs_state_file_and_stdout(tmp_path, capsys):
+    model = build()
+    cb = NaNRollback(snapshot_every=4, run_dir=tmp_path)
+    hist = fit(model, bad=[5, 30], callbacks=[cb], epochs=5)
+    assert hist.history["nan_rollbacks"] == [1, 1, 1, 2, 2]
+    events = cb.get_state()["events"]
+    lines = (tmp_path / "nan_rollback.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == events
+    for e in events:
+        assert {"step", "epoch", "causes", "lr_before", "lr_after", "batches_skipped", "restored_step"} <= set(e)
+    assert [e["epoch"] for e in events] == [0, 3]
+    out = [line for line in capsys.readouterr().out.splitlines() if line.startswith("NaNRollback:")]
+    assert len(out) == 2 and out[0].startswith("NaNRollback: step 6: nonfinite_weights; restored step 4")
+    assert "LR 0.1 -> 0.05" in out[0]
+
+
+def test_state_round_trip_is_json():
+    model = build()
+    cb = NaNRollback(snapshot_every=4, spike_factor=10.0, spike_window=8)
+    fit(model, bad=[5], callbacks=[cb], epochs=2)
+    state = cb.get_state()
+    assert state["step"] == 16 and state["rollbacks"] == 1 and len(state["recent_losses"]) == 8
+    restored = NaNRollback(**cb.get_config())
+    restored.set_state(json.loads(json.dumps(state)))
+    assert restored.get_state() == state
+
+
+def test_crash_and_compare():
+    """Two fits joined by get_state/set_state on a fresh callback == one fit."""
+    cfg = dict(snapshot_every=4, spike_factor=10.0, spike_window=8)
+    bad = [5, 20, 27]
+    ref_model = build()
+    ref = NaNRollback(**cfg)
+    fit(ref_model, bad=bad, callbacks=[ref], epochs=4)
+
+    model = build()
+    first = NaNRollback(**cfg)
+    fit(model, bad=bad, callbacks=[first], epochs=2)
+    second = NaNRollback(**cfg)  # "after the crash"
+    second.set_state(json.loads(json.dumps(first.get_state())))
+    # The data resumes where it was (global batch 16), as a checkpointed pipeline would.
+    fit(model, bad=bad, callbacks=[second], epochs=4, initial_epoch=2, start=2 * STEPS)
+
+    assert second.get_state() == ref.get_state()
+    assert len(ref.events) == 3
+    for a, b in zip(model.weights, ref_model.weights):
+        assert np.allclose(a.numpy(), b.numpy())
+
+
+def test_rollback_count_survives_restart():
+    first_model = build()
+    first = NaNRollback(snapshot_every=4, max_rollbacks=1)
+    fit(first_model, bad=[5], callbacks=[first], epochs=1)
+    state = first.get_state()
+    assert state["rollbacks"] == 1
+
+    restored = NaNRollback(snapshot_every=4, max_rollbacks=1)
+    restored.set_state(state)
+    with pytest.raises(TrainingDivergedError, match=r"1 rollback\(s\) within the whole run already reached max_rollbacks=1"):
+        fit(build(), bad=[3], callbacks=[restored], epochs=1)
+
+    fresh = NaNRollback(snapshot_every=4, max_rollbacks=1)  # without the state: one more rollback
+    fit(build(), bad=[3], callbacks=[fresh], epochs=1)
+    assert fresh.rollbacks == 1
+
+
+# --------------------------------------------------------------------------- config, validation
+def test_get_config_round_trip(tmp_path):
+    cb = NaNRollback(50, 0.25, 5, 1000, 3.0, 20, 2, 2.0, tmp_path)
+    config = cb.get_config()
+    assert list(config) == list(inspect.signature(NaNRollback.__init__).parameters)[1:]
+    assert config["run_dir"] == str(tmp_path) and json.loads(json.dumps(config)) == config
+    assert NaNRollback.from_config(config).get_config() == config
+    assert NaNRollback().get_config() == {
+        "snapshot_every": 100,
+        "lr_factor": 0.5,
+        "max_rollbacks": 3,
+        "window_steps": None,
+        "spike_factor": None,
+        "spike_window": 50,
+        "check_weights_every": 1,
+        "loss_scale_floor": 1.0,
+        "run_dir": None,
+    }
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"snapshot_every": 0},
+        {"snapshot_every": 2.5},
+        {"snapshot_every": True},
+        {"lr_factor": 0.0},
+        {"lr_factor": 1.5},
+        {"lr_factor": "0.5"},
+        {"max_rollbacks": -1},
+        {"window_steps": 0},
+        {"spike_factor": 1.0},
+        {"spike_factor": float("inf")},
+        {"spike_window": 1},
+        {"check_weights_every": 0},
+        {"loss_scale_floor": -1.0},
+        {"run_dir": 3},
+    ],
+)
+def test_argument_validation(kwargs):
+    (name, value), = kwargs.items()
+    with pytest.raises(ValueError, match=f"Invalid value for argument `{name}`.*Received: {name}="):
+        NaNRollback(**kwargs)
+
+
+# --------------------------------------------------------------------------- distribution
+_MIRRORED = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    from trainwell import runtime
+    strategy = runtime.make_strategy("cpu:2")  # before any TF op
+    import numpy as np, keras
+    import test_nan_rollback as t
+    from trainwell.callbacks.nan_rollback import NaNRollback
+
+    def build(policy):
+        keras.mixed_precision.set_global_policy(policy)
+        with strategy.scope():
+            return t.build(policy, steps_per_execution=2)
+
+    out = {{}}
+    for policy, bad, value in [("float32", [5], np.inf), ("mixed_float16", [5], 1e6)]:
+        model = build(policy)
+        cb = NaNRollback(snapshot_every=4)
+        hist = t.fit(model, bad=bad, value=value, callbacks=[cb], epochs=4)
+        kernel = model.weights[0].value
+        replicas = [v.numpy() for v in strategy.experimental_local_results(kernel)]
+        out[policy] = dict(
+            replicas=len(replicas),
+            replicas_equal=bool(np.allclose(replicas[0], replicas[1])),
+            finite=t.finite(model),
+            loss=hist.history["loss"],
+            accuracy=t.accuracy(model),
+            events=cb.events,
+            loss_scale_skips=cb.loss_scale_skips,
+        )
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+def test_mirrored_strategy_and_steps_per_execution():
+    code = _MIRRORED.format(tests=str(Path(__file__).parent))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+
+    f32 = out["float32"]
+    assert f32["replicas"] == 2 and f32["replicas_equal"] and f32["finite"]
+    (ev,) = f32["events"]
+    # Callbacks every 2 steps: batch 5 is seen at step 6; snapshot at step 4.
+    assert (ev["step"], ev["restored_step"], ev["iterations_after"]) == (6, 4, 4)
+    assert "nonfinite_weights" in ev["causes"] and np.allclose(ev["lr_after"], 0.05)
+    assert np.all(np.isfinite(f32["loss"])) and f32["accuracy"] >= 0.95
+
+    f16 = out["mixed_float16"]
+    assert f16["replicas_equal"] and f16["finite"] and f16["events"] == []
+    assert f16["loss_scale_skips"] == 1 and np.all(np.isfinite(f16["loss"]))
