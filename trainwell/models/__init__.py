@@ -1,0 +1,31 @@
+"""Models of the recipes: ResNet v1.5 (`trainwell.models.resnet`).
+
+Names are imported lazily so `import trainwell.models` does not import Keras.
+
+Example:
+>>> from trainwell.models import build_resnet
+>>> build_resnet(18, 10, (32, 32, 3), small_stem=True).name
+'resnet18'
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "RESNET_DEPTHS": "resnet",
+    "build_resnet": "resnet",
+    "build_resnet_from_name": "resnet",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"trainwell.models.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'trainwell.models' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)
