@@ -174,3 +174,130 @@ def finish_run(ctx: RunContext, cfg, model, test_metrics: dict[str, float], hist
         atomic_write_json(ctx.run_dir / "metrics.json", metrics)
         plot_history(full, ctx.run_dir / "curves.png")
     return RunResult(model=model, history=full, metrics=metrics, run_dir=ctx.run_dir, config=cfg)
+
+
+def standard_callbacks(
+    cfg,
+    run_dir: str | os.PathLike,
+    *,
+    monitor: str = "val_loss",
+    mode: str = "auto",
+    schedule: Any = None,
+    checkpoint_every: str | int = "epoch",
+    keep_last: int = 3,
+    keep_best: int = 1,
+    nan_rollback: bool = True,
+    snapshot_every: int = 100,
+    early_stopping_patience: int | None = None,
+    warmup_epochs: int = 0,
+    doctor: bool = True,
+    doctor_every_n_steps: int = 100,
+    chief: bool = True,
+) -> list:
+    """trainwell's reliability stack plus Keras's loggers, in the order they must run.
+
+    Order matters only for logs: `WarmupCosine` (LR into the epoch logs) first,
+    `NaNRollback` before anything that reads the loss, `EarlyStopping` before
+    `Checkpoint` so the checkpoint holds the early-stopping state of the same epoch,
+    `CSVLogger` (`history.csv`, appended on resume) and `TensorBoard` last.
+
+    Args:
+        cfg: The recipe config (saved inside every checkpoint).
+        run_dir: The run directory.
+        monitor: Metric for the best checkpoint and early stopping. Defaults to `"val_loss"`.
+        mode: `"min"`, `"max"` or `"auto"`. Defaults to `"auto"`.
+        schedule: The optimizer's trainwell schedule; a `WarmupCosineDecay` gets the
+            `WarmupCosine` callback (LR in the logs, `lr_schedule.png`), others are
+            plotted to `lr_schedule.png` directly. Defaults to `None`.
+        checkpoint_every: `"epoch"` or a number of steps. Defaults to `"epoch"`.
+        keep_last: Checkpoints kept. Defaults to `3`.
+        keep_best: Best checkpoints kept by `monitor`. Defaults to `1`.
+        nan_rollback: Add `NaNRollback`. Defaults to `True`.
+        snapshot_every: NaN-rollback snapshot interval in steps. Defaults to `100`.
+        early_stopping_patience: Patience in epochs; `None` disables early stopping.
+            Defaults to `None`.
+        warmup_epochs: Epochs early stopping does not count. Defaults to `0`.
+        doctor: Add `TrainingDoctor`. Defaults to `True`.
+        doctor_every_n_steps: The doctor's probe interval. Defaults to `100`.
+        chief: Whether this process writes the run directory. Defaults to `True`.
+
+    Returns:
+        A list of callbacks for `model.fit`.
+
+    Example:
+    >>> cbs = standard_callbacks(cfg, "runs/x", monitor="val_accuracy", mode="max")  # doctest: +SKIP
+    """
+    import keras
+
+    from trainwell.callbacks import Checkpoint, EarlyStopping, NaNRollback
+    from trainwell.callbacks.schedules import WarmupCosineDecay
+
+    run_dir = Path(run_dir)
+    out: list = []
+    if isinstance(schedule, WarmupCosineDecay):
+        from trainwell.callbacks import WarmupCosine
+
+        c = schedule.get_config()
+        out.append(
+            WarmupCosine(
+                peak_lr=c["peak_lr"], warmup_steps=c["warmup_steps"], min_lr=c["min_lr"],
+                warmup_start=c["warmup_start"], total_steps=c["total_steps"], run_dir=run_dir if chief else None,
+            )
+        )
+    elif schedule is not None and chief:
+        plot_schedule(schedule, getattr(schedule, "total_steps", None) or 1000, run_dir / "lr_schedule.png")
+    if nan_rollback:
+        out.append(NaNRollback(snapshot_every=snapshot_every, run_dir=run_dir if chief else None))
+    if doctor:
+        try:
+            from trainwell.callbacks import TrainingDoctor
+        except (ImportError, AttributeError):  # pragma: no cover - diagnostics not installed
+            TrainingDoctor = None
+        if TrainingDoctor is not None:
+            out.append(TrainingDoctor(every_n_steps=doctor_every_n_steps, run_dir=run_dir if chief else None, verbose=1))
+    if early_stopping_patience is not None:
+        out.append(
+            EarlyStopping(
+                monitor=monitor, mode=mode, patience=early_stopping_patience,
+                warmup_epochs=warmup_epochs, restore_best_weights=True,
+            )
+        )
+    save_every = checkpoint_every if checkpoint_every == "epoch" else int(checkpoint_every)
+    out.append(
+        Checkpoint(
+            run_dir / "checkpoints", save_every=save_every, keep_last=keep_last, keep_best=keep_best,
+            monitor=monitor, mode=mode, config=cfg,
+        )
+    )
+    if chief:
+        out.append(keras.callbacks.CSVLogger(str(run_dir / "history.csv"), append=True))
+        out.append(keras.callbacks.TensorBoard(log_dir=str(run_dir / "tensorboard"), write_graph=False))
+    return out
+
+
+def plot_schedule(schedule, total_steps: int, path: str | os.PathLike) -> Path:
+    """Plots any `LearningRateSchedule` over `total_steps` steps to a PNG.
+
+    Example:
+    >>> from trainwell.callbacks.schedules import WarmupStepDecay
+    >>> plot_schedule(WarmupStepDecay(0.1, [50, 80]), 100, "/tmp/lr.png")  # doctest: +SKIP
+    """
+    import matplotlib
+    import numpy as np
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = np.unique(np.linspace(0, max(1, total_steps), num=min(500, max(2, total_steps + 1))).astype(int))
+    lrs = [float(schedule(int(s))) for s in steps]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, lrs)
+    ax.set_xlabel("step")
+    ax.set_ylabel("learning rate")
+    ax.set_title(type(schedule).__name__)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,344 @@
+"""ResNet on ImageNet, the way Goyal et al. (2017), TF Model Garden and NVIDIA train it.
+
+Reads top to bottom: the `Config` (every default is the published recipe, with its
+source), then `build_data`, `build_model`, `build_optimizer`, `build_callbacks` and
+`train`. The same recipe trains a ResNet-50 on ImageNet on a GPU cluster and a small
+ResNet on the embedded MNIST digits on a laptop CPU (`make demo`).
+
+Example:
+>>> from trainwell.recipes import resnet_imagenet
+>>> run = resnet_imagenet.train(dataset="mnist5k", epochs=1, model="resnet18",
+...                             image_size=28, batch_size=128, width=16)  # doctest: +SKIP
+>>> run.metrics["test_accuracy"]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal, Optional
+
+from trainwell.config import BaseConfig, _fail, check_choice, check_positive, check_range
+
+RECIPE = "resnet-imagenet"
+
+
+@dataclasses.dataclass
+class Config(BaseConfig):
+    """Hyperparameters of the ResNet recipe; defaults = the published ImageNet recipe.
+
+    Sources: [Goyal] Goyal et al. 2017, "Accurate, Large Minibatch SGD";
+    [He] He et al. 2016; [MG] TF Model Garden `resnet_imagenet` experiment config;
+    [NV] NVIDIA DeepLearningExamples ResNet-50 v1.5; [Szegedy] Szegedy et al. 2016
+    (label smoothing); [You] You et al. 2017 (LARS); [Loshchilov] Loshchilov & Hutter
+    2017 (SGDR, cosine).
+
+    Example:
+    >>> Config().peak_lr  # 0.1 x 1024 / 256
+    0.4
+    """
+
+    dataset: str = "tfds:imagenet2012"  # [MG] ImageNet-1k; "mnist5k" for the CPU demo
+    epochs: int = 90  # [Goyal] sec. 5.1, [MG], [NV]
+    batch_size: int = 1024  # global batch; [MG] 4096 on TPU, [NV] 256 x 8 GPUs; [Goyal] reference 8k
+    precision: str = "auto"  # mixed_float16 on GPUs >= 7.0 [NV], bfloat16 on TPU [MG]
+    strategy: str = "auto"
+    seed: int = 0
+    run_dir: Optional[str] = None
+    # -- model
+    model: str = "resnet50"  # [He], v1.5 as [NV]/[MG]
+    image_size: int = 224  # [He]
+    width: int = 64  # filters of the first stage [He]; the CPU demo uses 16
+    small_stem: Optional[bool] = None  # None: 3x3 stem without max-pool for images <= 64 px
+    zero_init_residual: bool = True  # [Goyal] sec. 5.1: last BN gamma of each block = 0
+    dropout: float = 0.0  # [He] none
+    # -- optimisation
+    optimizer: Literal["auto", "sgd", "lars"] = "auto"  # auto: SGD up to 8k, LARS above [You]
+    base_lr: float = 0.1  # per 256 images, linear scaling rule [Goyal] sec. 2.1
+    lr_base_batch: int = 256  # [Goyal]
+    momentum: float = 0.9  # [He], [Goyal]
+    nesterov: bool = True  # [NV] / [MG] use Nesterov
+    weight_decay: float = 5e-5  # [NV] 3.05e-5, [MG] 1e-4 (L2); decoupled, not on BN/bias
+    warmup_epochs: float = 5.0  # [Goyal] sec. 2.2 gradual warmup
+    schedule: Literal["cosine", "step"] = "cosine"  # [Loshchilov], [NV]; "step" = [Goyal]/[He]
+    step_boundaries: tuple[int, ...] = (30, 60, 80)  # epochs, x0.1 each [Goyal]
+    min_lr: float = 0.0  # cosine to zero [NV]
+    label_smoothing: float = 0.1  # [Szegedy], [NV], [MG]
+    use_ema: bool = False  # Keras built-in EMA of weights
+    ema_momentum: float = 0.9999
+    randaugment: bool = False  # keras.layers.RandAugment; off in the 90-epoch recipe
+    mixup_alpha: float = 0.0  # keras.layers.MixUp; 0 = off ([NV] 0.2 for 250 epochs)
+    cutmix_alpha: float = 0.0  # keras.layers.CutMix; 0 = off
+    lars_threshold: int = 8192  # batch above which "auto" picks LARS [You]
+    # -- data
+    data_dir: Optional[str] = None  # TFDS data_dir / base of folder and TFRecord paths
+    augment: Optional[str] = None  # None: inception crop (> 64 px), pad-crop for small images
+    cache: bool = False
+    val_fraction: float = 0.1  # carved from train when the source has no validation split
+    # -- performance
+    jit_compile: Optional[bool] = None  # None: Keras's "auto"
+    steps_per_execution: int = 1
+    # -- reliability
+    checkpoint_every: str = "epoch"  # "epoch" or a number of steps
+    keep_last: int = 3
+    nan_rollback: bool = True
+    snapshot_every: int = 100  # steps between NaN-rollback snapshots
+    early_stopping_patience: Optional[int] = None  # None: off, the recipe runs all epochs
+    doctor: bool = True  # TrainingDoctor at low overhead settings
+    deterministic: bool = False  # op determinism (slower); needed for bit-exact resume
+    verbose: str = "auto"  # Keras fit verbosity: "auto", "0", "1", "2"
+
+    def validate(self) -> None:
+        super().validate()
+        from trainwell.models.resnet import RESNET_DEPTHS
+
+        names = [f"resnet{d}" for d in RESNET_DEPTHS]
+        check_choice(self, "model", names)
+        check_positive(self, "image_size")
+        check_positive(self, "width")
+        check_range(self, "dropout", 0.0, 1.0, hi_open=True)
+        check_positive(self, "base_lr")
+        check_positive(self, "lr_base_batch")
+        check_range(self, "momentum", 0.0, 1.0, hi_open=True)
+        check_positive(self, "weight_decay", allow_zero=True)
+        check_positive(self, "warmup_epochs", allow_zero=True)
+        if self.warmup_epochs >= self.epochs and self.epochs > 1:
+            _fail("warmup_epochs", self.warmup_epochs, f"fewer than epochs={self.epochs}")
+        if list(self.step_boundaries) != sorted(set(self.step_boundaries)) or any(b <= 0 for b in self.step_boundaries):
+            _fail("step_boundaries", list(self.step_boundaries), "increasing positive epochs")
+        check_positive(self, "min_lr", allow_zero=True)
+        check_range(self, "label_smoothing", 0.0, 1.0, hi_open=True)
+        check_range(self, "ema_momentum", 0.0, 1.0, lo_open=True, hi_open=True)
+        check_positive(self, "mixup_alpha", allow_zero=True)
+        check_positive(self, "cutmix_alpha", allow_zero=True)
+        check_range(self, "val_fraction", 0.0, 1.0, hi_open=True)
+        check_positive(self, "steps_per_execution")
+        check_positive(self, "keep_last")
+        check_positive(self, "snapshot_every")
+        check_positive(self, "early_stopping_patience")
+        if self.checkpoint_every != "epoch" and not (self.checkpoint_every.isdigit() and int(self.checkpoint_every) > 0):
+            _fail("checkpoint_every", self.checkpoint_every, "'epoch' or a positive number of steps")
+        check_choice(self, "verbose", ("auto", "0", "1", "2"))
+
+    @property
+    def depth(self) -> int:
+        return int(self.model.replace("resnet", ""))
+
+    @property
+    def peak_lr(self) -> float:
+        """Peak LR after warmup: base_lr x batch_size / lr_base_batch [Goyal]."""
+        from trainwell.callbacks.schedules import scaled_lr
+
+        return scaled_lr(self.base_lr, self.batch_size, self.lr_base_batch)
+
+    @property
+    def use_small_stem(self) -> bool:
+        return self.image_size <= 64 if self.small_stem is None else self.small_stem
+
+    @property
+    def optimizer_name(self) -> str:
+        if self.optimizer != "auto":
+            return self.optimizer
+        return "lars" if self.batch_size > self.lars_threshold else "sgd"
+
+
+def _cfg(cfg: Config | None, overrides: dict) -> Config:
+    if cfg is None:
+        return Config(**overrides)
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+# --------------------------------------------------------------------------- data
+def build_data(cfg: Config, input_context=None):
+    """The train/val/test `tf.data` pipelines of `cfg.dataset` (`trainwell.data.images`).
+
+    Example:
+    >>> data = build_data(Config(dataset="digits", image_size=8, batch_size=32))  # doctest: +SKIP
+    >>> data.num_classes  # doctest: +SKIP
+    10
+    """
+    from trainwell.data.images import build_image_datasets
+
+    return build_image_datasets(
+        cfg.dataset,
+        image_size=cfg.image_size,
+        global_batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        data_dir=cfg.data_dir,
+        cache=cfg.cache,
+        augment=cfg.augment,
+        val_fraction=cfg.val_fraction,
+        input_context=input_context,
+        one_hot=True,
+    )
+
+
+# --------------------------------------------------------------------------- model
+def build_model(cfg: Config, num_classes: int, channels: int = 3):
+    """ResNet v1.5 of `cfg.model` (`trainwell.models.resnet.build_resnet`).
+
+    RandAugment / MixUp / CutMix, when enabled, run in the training input pipeline
+    (`augment_batch`), not in the model, so evaluation and export never see them.
+
+    Example:
+    >>> model = build_model(Config(model="resnet18", image_size=32, width=16), 10)  # doctest: +SKIP
+    """
+    from trainwell.models.resnet import build_resnet
+
+    return build_resnet(
+        cfg.depth,
+        num_classes=num_classes,
+        input_shape=(cfg.image_size, cfg.image_size, channels),
+        small_stem=cfg.use_small_stem,
+        dropout=cfg.dropout,
+        zero_init_residual=cfg.zero_init_residual,
+        width=cfg.width,
+    )
+
+
+def augment_batch(cfg: Config, train_ds, num_classes: int):
+    """Adds the optional batch augmentations (Keras layers) to a training dataset.
+
+    `keras.layers.RandAugment` (uint8-range images: the pipeline's normalised images are
+    mapped back and forth), `keras.layers.MixUp` and `keras.layers.CutMix` on one-hot labels.
+    """
+    if not (cfg.randaugment or cfg.mixup_alpha or cfg.cutmix_alpha):
+        return train_ds
+    import keras
+    import tensorflow as tf
+
+    layers = []
+    if cfg.randaugment:
+        layers.append(("randaugment", keras.layers.RandAugment(value_range=(-3.0, 3.0), seed=cfg.seed)))
+    if cfg.mixup_alpha:
+        layers.append(("mixup", keras.layers.MixUp(alpha=cfg.mixup_alpha, seed=cfg.seed)))
+    if cfg.cutmix_alpha:
+        layers.append(("cutmix", keras.layers.CutMix(factor=cfg.cutmix_alpha, seed=cfg.seed)))
+
+    def apply(x, y):
+        for kind, layer in layers:
+            if kind == "randaugment":
+                x = layer(x, training=True)
+            else:
+                out = layer({"images": x, "labels": y}, training=True)
+                x, y = out["images"], out["labels"]
+        return x, y
+
+    return train_ds.map(apply, num_parallel_calls=tf.data.AUTOTUNE)
+
+
+# --------------------------------------------------------------------------- optimiser
+def build_optimizer(cfg: Config, steps_per_epoch: int):
+    """SGD with Nesterov momentum (or LARS above `lars_threshold`) on a warmup schedule.
+
+    Weight decay is decoupled and not applied to BatchNorm parameters and biases
+    (`exclude_from_weight_decay`, a Keras built-in). The schedule is a trainwell
+    `WarmupCosineDecay` / `WarmupStepDecay`, whose LR multiplier lets NaN rollback
+    lower the LR of the built optimizer.
+
+    Example:
+    >>> opt = build_optimizer(Config(batch_size=256), steps_per_epoch=100)  # doctest: +SKIP
+    """
+    import keras
+
+    from trainwell.callbacks.schedules import WarmupCosineDecay, WarmupStepDecay
+
+    total = max(1, cfg.epochs * steps_per_epoch)
+    warmup = min(total, int(round(cfg.warmup_epochs * steps_per_epoch)))
+    if cfg.schedule == "cosine":
+        lr = WarmupCosineDecay(cfg.peak_lr, total_steps=total, warmup_steps=warmup, min_lr=cfg.min_lr)
+    else:
+        lr = WarmupStepDecay(
+            cfg.peak_lr, boundaries=[b * steps_per_epoch for b in cfg.step_boundaries if b < cfg.epochs],
+            decay_rate=0.1, warmup_steps=warmup,
+        )
+    common = dict(use_ema=cfg.use_ema, ema_momentum=cfg.ema_momentum)
+    if cfg.optimizer_name == "lars":
+        from trainwell.optimizers import LARS
+
+        opt = LARS(learning_rate=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov, **common)
+    else:
+        opt = keras.optimizers.SGD(
+            learning_rate=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+            weight_decay=cfg.weight_decay or None, **common,
+        )
+        opt.exclude_from_weight_decay(var_names=["gamma", "beta", "bias"])
+    return opt
+
+
+# --------------------------------------------------------------------------- callbacks
+def build_callbacks(cfg: Config, run_dir, schedule=None, chief: bool = True) -> list:
+    """trainwell's reliability stack plus TensorBoard and CSVLogger for a run directory.
+
+    Args:
+        cfg: The config.
+        run_dir: The run directory.
+        schedule: The optimizer's LR schedule (logged and plotted). Defaults to `None`.
+        chief: Whether this process writes the run directory. Defaults to `True`.
+
+    Example:
+    >>> cbs = build_callbacks(Config(), "/tmp/run")  # doctest: +SKIP
+    """
+    from trainwell.recipe import standard_callbacks
+
+    return standard_callbacks(
+        cfg, run_dir,
+        monitor="val_accuracy", mode="max",
+        schedule=schedule,
+        checkpoint_every=cfg.checkpoint_every,
+        keep_last=cfg.keep_last,
+        nan_rollback=cfg.nan_rollback,
+        snapshot_every=cfg.snapshot_every,
+        early_stopping_patience=cfg.early_stopping_patience,
+        warmup_epochs=int(math.ceil(cfg.warmup_epochs)),
+        doctor=cfg.doctor,
+        chief=chief,
+    )
+
+
+# --------------------------------------------------------------------------- train
+def train(cfg: Config | None = None, **overrides):
+    """Trains the recipe and returns a `trainwell.recipe.RunResult`.
+
+    Args:
+        cfg: A `Config`. Defaults to `None` (the published defaults).
+        **overrides: Config fields to change, e.g. `epochs=5`.
+
+    Returns:
+        `RunResult(model, history, metrics, run_dir, config)`; `metrics` holds the test
+        split's `test_loss` and `test_accuracy`.
+
+    Example:
+    >>> run = train(dataset="mnist5k", epochs=1, image_size=28, batch_size=128,
+    ...             model="resnet18", width=16)  # doctest: +SKIP
+    """
+    import keras
+
+    from trainwell import recipe
+
+    cfg = _cfg(cfg, overrides)
+    ctx = recipe.setup_run(cfg, RECIPE)
+    data = build_data(cfg)
+    steps = data.steps_per_epoch
+    if not steps:
+        raise ValueError(f"Cannot tell the number of training batches of {cfg.dataset!r}; set a sized source.")
+    train_ds = augment_batch(cfg, data.train, data.num_classes)
+    with ctx.strategy.scope():
+        model = build_model(cfg, data.num_classes, data.channels)
+        model.compile(
+            optimizer=build_optimizer(cfg, steps),
+            loss=keras.losses.CategoricalCrossentropy(label_smoothing=cfg.label_smoothing),
+            metrics=["accuracy"],
+            jit_compile="auto" if cfg.jit_compile is None else cfg.jit_compile,
+            steps_per_execution=cfg.steps_per_execution,
+        )
+    schedule = getattr(getattr(model.optimizer, "inner_optimizer", model.optimizer), "_learning_rate", None)
+    callbacks = build_callbacks(cfg, ctx.run_dir, schedule=schedule, chief=ctx.is_chief)
+    verbose = cfg.verbose if cfg.verbose == "auto" else int(cfg.verbose)
+    history = model.fit(
+        train_ds, validation_data=data.val, epochs=cfg.epochs, steps_per_epoch=steps,
+        callbacks=callbacks, verbose=verbose,
+    )
+    test = model.evaluate(data.test, verbose=0, return_dict=True) if data.test is not None else {}
+    metrics = {f"test_{k}": v for k, v in test.items()}
+    return recipe.finish_run(ctx, cfg, model, metrics, history)

@@ -1,0 +1,112 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trainwell.config import ConfigError
+from trainwell.recipes import resnet_imagenet as recipe
+
+TINY = dict(dataset="digits", image_size=8, model="resnet18", width=4, epochs=3, batch_size=64,
+            warmup_epochs=1, base_lr=0.8, weight_decay=5e-4, verbose="0", doctor=False,
+            augment="none")
+
+
+def test_defaults_are_the_published_recipe():
+    c = recipe.Config()
+    assert (c.model, c.image_size, c.epochs, c.batch_size) == ("resnet50", 224, 90, 1024)
+    assert c.peak_lr == pytest.approx(0.4)  # 0.1 x 1024/256, Goyal et al.
+    assert (c.momentum, c.nesterov, c.label_smoothing, c.weight_decay, c.warmup_epochs) == (0.9, True, 0.1, 5e-5, 5.0)
+    assert c.schedule == "cosine" and c.step_boundaries == (30, 60, 80) and c.zero_init_residual
+    assert c.optimizer_name == "sgd" and recipe.Config(batch_size=16384).optimizer_name == "lars"
+    assert recipe.Config(image_size=32).use_small_stem and not c.use_small_stem
+
+
+@pytest.mark.parametrize("bad, pattern", [
+    ({"model": "resnet42"}, "Received: model='resnet42'"),
+    ({"warmup_epochs": 95.0}, "Received: warmup_epochs=95.0"),
+    ({"step_boundaries": (60, 30)}, "Received: step_boundaries=\\[60, 30\\]"),
+    ({"checkpoint_every": "often"}, "Received: checkpoint_every='often'"),
+    ({"label_smoothing": 1.0}, "Received: label_smoothing=1.0"),
+])
+def test_config_validation(bad, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        recipe.Config(**bad)
+
+
+def test_build_optimizer_excludes_norm_and_bias_from_decay():
+    import keras
+
+    cfg = recipe.Config(**{**TINY, "epochs": 10})
+    opt = recipe.build_optimizer(cfg, steps_per_epoch=7)
+    assert isinstance(opt, keras.optimizers.SGD) and opt.nesterov
+    sched = opt._learning_rate
+    assert sched.get_config()["total_steps"] == 70 and sched.get_config()["warmup_steps"] == 7
+    assert float(sched(7)) == pytest.approx(cfg.peak_lr)
+    model = recipe.build_model(cfg, num_classes=10, channels=1)
+    opt.build(model.trainable_variables)
+    decayed = {v.path for v in model.trainable_variables if opt._use_weight_decay(v)}
+    assert decayed and all("kernel" in p for p in decayed)
+    assert not any(p.endswith(("gamma", "beta", "bias")) for p in decayed)
+    step = recipe.build_optimizer(recipe.Config(**{**TINY, "epochs": 10, "schedule": "step", "step_boundaries": (4, 8)}), 7)
+    assert float(step._learning_rate(60)) == pytest.approx(cfg.peak_lr * 0.01)
+    from trainwell.optimizers import LARS
+
+    assert isinstance(recipe.build_optimizer(recipe.Config(**{**TINY, "optimizer": "lars"}), 7), LARS)
+
+
+def test_train_end_to_end_on_digits(tmp_path):
+    run = recipe.train(**TINY, run_dir=str(tmp_path / "run"))
+    files = {p.name for p in run.run_dir.iterdir()}
+    assert {"config.yaml", "manifest.json", "history.csv", "metrics.json", "curves.png", "lr_schedule.png",
+            "checkpoints", "tensorboard"} <= files
+    assert set(run.metrics) == {"test_loss", "test_accuracy"}
+    assert run.metrics["test_accuracy"] > 0.5  # 10 classes: chance is 0.1
+    assert len(run.history["loss"]) == 3 and run.history["loss"][-1] < run.history["loss"][0]
+    manifest = json.loads((run.run_dir / "manifest.json").read_text())
+    assert manifest["recipe"] == "resnet-imagenet" and manifest["config"]["width"] == 4
+    assert json.loads((run.run_dir / "metrics.json").read_text()) == pytest.approx(run.metrics)
+    assert run.model.output.dtype == "float32"
+
+
+def _subprocess_train(overrides: dict, timeout=300):
+    code = (
+        "import json\n"
+        "from trainwell.recipes import resnet_imagenet as r\n"
+        f"run = r.train(**{overrides!r})\n"
+        "print(json.dumps({'metrics': run.metrics, 'loss': run.history['loss'],\n"
+        "                  'replicas': run.model.distribute_strategy.num_replicas_in_sync,\n"
+        "                  'policy': run.model.dtype_policy.name}))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                       env={**__import__("os").environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_train_with_two_replicas_on_cpu(tmp_path):
+    out = _subprocess_train({**TINY, "epochs": 2, "strategy": "cpu:2", "run_dir": str(tmp_path / "r")})
+    assert out["replicas"] == 2
+    assert out["loss"][-1] < out["loss"][0] and np.isfinite(out["metrics"]["test_loss"])
+
+
+def test_train_mixed_float16(tmp_path):
+    out = _subprocess_train({**TINY, "epochs": 2, "precision": "mixed_float16", "run_dir": str(tmp_path / "r")})
+    assert out["policy"] == "mixed_float16"
+    assert out["loss"][-1] < out["loss"][0] and np.isfinite(out["metrics"]["test_loss"])
+
+
+def test_cli_dry_run_and_errors(tmp_path):
+    trainwell = str(Path(sys.executable).with_name("trainwell"))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("dataset: digits\nepochs: 4\nwarmup_epochs: 1\n")
+    r = subprocess.run([trainwell, "train", "resnet-imagenet", "--config", str(cfg), "--set", "batch_size=32",
+                        "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    resolved = json.loads(r.stdout)
+    assert (resolved["dataset"], resolved["epochs"], resolved["batch_size"], resolved["model"]) == ("digits", 4, 32, "resnet50")
+    r = subprocess.run([trainwell, "train", "resnet-imagenet", "--set", "epochs=many"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "Received: epochs='many'" in r.stderr and "Traceback" not in r.stderr
