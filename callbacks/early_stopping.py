@@ -1,0 +1,312 @@
+"""Early stopping whose patience survives restarts and that says why it stopped.
+
+Example:
+>>> es = EarlyStopping(monitor="val_loss", patience=3, warmup_epochs=2)
+>>> es.get_state()["wait"]
+0
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import keras
+
+from trainwell.callbacks.base import StatefulCallback, stateful_callbacks
+
+logger = logging.getLogger("trainwell.early_stopping")
+
+STOP_REASONS = ("patience", "non_finite", "divergence")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
+    """`keras.callbacks.EarlyStopping` with restart-safe state and stop reasons.
+
+    Extends Keras's `EarlyStopping` (same arguments and the same patience rule:
+    `wait` counts epochs since the last improvement by more than `min_delta`,
+    training stops once `wait >= patience` after epoch 0) and combines it with
+    the `StatefulCallback` protocol: its state (`wait`, `best`, `best_epoch`,
+    `stopped_epoch`, `stop_reason`) is saved by `Checkpoint`, so patience
+    survives a restart. Keras's `on_train_begin` resets that state
+    unconditionally; here it is reset only when nothing was restored.
+
+    Additions:
+
+    - `warmup_epochs`: epochs `< max(start_from_epoch, warmup_epochs)` are not
+      counted and cannot become the best epoch (a run whose LR warms up for N
+      epochs passes `warmup_epochs=N`). Keras's `start_from_epoch` keeps working.
+    - Stop reasons, in `stop_reason` (state) and in the log
+      (`logging.getLogger("trainwell.early_stopping")`, and printed with
+      `verbose > 0`): `"patience"`; `"non_finite"` when the monitored value is
+      NaN/Inf; `"divergence"` when it is worse than `divergence_threshold`
+      (above it in min mode, below it in max mode). The last two stop at once,
+      warmup or not.
+    - `restore_best_weights=True` loads the weights from the `Checkpoint` in the
+      same `fit` that was taken right after the best epoch (or, if that one was
+      pruned, its best checkpoint by the same monitor), so it works across
+      restarts; without such a checkpoint it falls back to Keras's in-memory
+      copy of the best weights. The weights are restored at `on_train_end`.
+
+    Args:
+        monitor: Quantity to monitor. Defaults to `"val_loss"`.
+        min_delta: Minimum change that counts as an improvement. Defaults to `0`.
+        patience: Epochs without improvement before stopping (>= 0). Defaults to `10`.
+        verbose: Verbosity, 0 or 1. Defaults to `0`.
+        mode: `"auto"`, `"min"` or `"max"`. Defaults to `"auto"`.
+        baseline: Value the monitored quantity must beat to reset `wait`.
+            Defaults to `None`.
+        restore_best_weights: Restore the best epoch's weights at the end of
+            training. Defaults to `False`.
+        start_from_epoch: Keras's: epochs to wait before monitoring. Defaults to `0`.
+        warmup_epochs: Epochs not counted (see above). Defaults to `0`.
+        divergence_threshold: Stop with reason `"divergence"` once the monitored
+            value is worse than this. Defaults to `None` (off).
+
+    Example:
+    >>> es = EarlyStopping(patience=5, warmup_epochs=3, divergence_threshold=1e3)
+    >>> model.fit(x, y, validation_split=0.1, epochs=100, callbacks=[es])  # doctest: +SKIP
+    >>> es.stop_reason  # doctest: +SKIP
+    'patience'
+    """
+
+    def __init__(
+        self,
+        monitor="val_loss",
+        min_delta=0,
+        patience=10,
+        verbose=0,
+        mode="auto",
+        baseline=None,
+        restore_best_weights=False,
+        start_from_epoch=0,
+        warmup_epochs=0,
+        divergence_threshold=None,
+    ):
+        if not isinstance(monitor, str) or not monitor:
+            raise ValueError(
+                f"Invalid value for argument `monitor`. Expected a metric name. Received: monitor={monitor!r}"
+            )
+        if not _is_number(min_delta) or not math.isfinite(min_delta):
+            raise ValueError(
+                f"Invalid value for argument `min_delta`. Expected a finite number. Received: min_delta={min_delta!r}"
+            )
+        if not (_is_int(patience) and patience >= 0):
+            raise ValueError(
+                f"Invalid value for argument `patience`. Expected an int >= 0. Received: patience={patience!r}"
+            )
+        if not _is_int(verbose):
+            raise ValueError(f"Invalid value for argument `verbose`. Expected an int. Received: verbose={verbose!r}")
+        if mode not in ("auto", "min", "max"):
+            raise ValueError(
+                f"Invalid value for argument `mode`. Expected one of 'auto', 'min', 'max'. Received: mode={mode!r}"
+            )
+        if baseline is not None and not _is_number(baseline):
+            raise ValueError(
+                f"Invalid value for argument `baseline`. Expected a number or None. Received: baseline={baseline!r}"
+            )
+        if not isinstance(restore_best_weights, bool):
+            raise ValueError(
+                "Invalid value for argument `restore_best_weights`. Expected a bool. "
+                f"Received: restore_best_weights={restore_best_weights!r}"
+            )
+        for name, value in (("start_from_epoch", start_from_epoch), ("warmup_epochs", warmup_epochs)):
+            if not (_is_int(value) and value >= 0):
+                raise ValueError(
+                    f"Invalid value for argument `{name}`. Expected an int >= 0. Received: {name}={value!r}"
+                )
+        if divergence_threshold is not None and not (
+            _is_number(divergence_threshold) and math.isfinite(divergence_threshold)
+        ):
+            raise ValueError(
+                "Invalid value for argument `divergence_threshold`. Expected a finite number or None. "
+                f"Received: divergence_threshold={divergence_threshold!r}"
+            )
+        self.warmup_epochs = warmup_epochs
+        self.divergence_threshold = divergence_threshold
+        self._min_delta_arg = min_delta
+        self.restored_from: str | None = None
+        super().__init__(
+            monitor=monitor,
+            min_delta=min_delta,
+            patience=patience,
+            verbose=verbose,
+            mode=mode,
+            baseline=baseline,
+            restore_best_weights=restore_best_weights,
+            start_from_epoch=start_from_epoch,
+        )
+
+    # ------------------------------------------------------------ config/state
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "monitor": self.monitor,
+            "min_delta": self._min_delta_arg,
+            "patience": self.patience,
+            "verbose": self.verbose,
+            "mode": self.mode,
+            "baseline": self.baseline,
+            "restore_best_weights": self.restore_best_weights,
+            "start_from_epoch": self.start_from_epoch,
+            "warmup_epochs": self.warmup_epochs,
+            "divergence_threshold": self.divergence_threshold,
+        }
+
+    def reset_state(self) -> None:
+        self.wait = 0
+        self.stopped_epoch = 0
+        self.best = None
+        self.best_weights = None
+        self.best_epoch = 0
+        self.stop_reason = None
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "wait": int(self.wait),
+            "best": None if self.best is None else float(self.best),
+            "best_epoch": int(self.best_epoch),
+            "stopped_epoch": int(self.stopped_epoch),
+            "stop_reason": self.stop_reason,
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        StatefulCallback.set_state(self, state)
+        self.wait = int(state.get("wait", 0))
+        self.best = None if state.get("best") is None else float(state["best"])
+        self.best_epoch = int(state.get("best_epoch", 0))
+        self.stopped_epoch = int(state.get("stopped_epoch", 0))
+        self.stop_reason = state.get("stop_reason")
+        self.best_weights = None
+
+    # ------------------------------------------------------------ hooks
+    def on_train_begin(self, logs=None) -> None:
+        # Not Keras's on_train_begin: it would reset a restored state.
+        StatefulCallback.on_train_begin(self, logs)
+        self.restored_from = None
+
+    @property
+    def first_counted_epoch(self) -> int:
+        """The first epoch that counts towards patience and best."""
+        return max(self.start_from_epoch, self.warmup_epochs)
+
+    def _lower_is_better(self) -> bool:
+        return bool(self.monitor_op(0.0, 1.0))
+
+    def on_epoch_end(self, epoch, logs=None) -> None:
+        if self.monitor_op is None:
+            self._set_monitor_op()
+        current = self.get_monitor_value(logs)
+        if current is None:
+            return
+        current = float(current)
+        if not math.isfinite(current):
+            self._stop(epoch, "non_finite", current)
+            return
+        if self.divergence_threshold is not None:
+            thr = float(self.divergence_threshold)
+            if (current > thr) if self._lower_is_better() else (current < thr):
+                self._stop(epoch, "divergence", current)
+                return
+        if epoch < self.first_counted_epoch:
+            return
+        if self.restore_best_weights and self.best_weights is None and self.best is None:
+            self.best_weights = self.model.get_weights()
+            self.best_epoch = epoch
+        self.wait += 1
+        if self._is_improvement(current, self.best):
+            self.best = current
+            self.best_epoch = epoch
+            if self.restore_best_weights:
+                self.best_weights = self.model.get_weights()
+            if self.baseline is None or self._is_improvement(current, self.baseline):
+                self.wait = 0
+            return
+        if self.wait >= self.patience and epoch > 0:
+            self._stop(epoch, "patience", current)
+
+    def _stop(self, epoch: int, reason: str, current: float) -> None:
+        self.stopped_epoch = int(epoch)
+        self.stop_reason = reason
+        self.model.stop_training = True
+        if reason == "patience":
+            msg = (
+                f"Epoch {epoch + 1}: early stopping (patience): {self.monitor} did not improve on "
+                f"{self.best} (epoch {self.best_epoch + 1}) for {self.wait} epochs."
+            )
+            logger.info(msg)
+        elif reason == "non_finite":
+            msg = f"Epoch {epoch + 1}: early stopping (non_finite): {self.monitor} is {current}."
+            logger.warning(msg)
+        else:
+            msg = (
+                f"Epoch {epoch + 1}: early stopping (divergence): {self.monitor}={current} is worse than "
+                f"divergence_threshold={self.divergence_threshold}."
+            )
+            logger.warning(msg)
+        if self.verbose > 0:
+            print(msg)
+
+    def on_train_end(self, logs=None) -> None:
+        try:
+            if self.restore_best_weights and self.best is not None:
+                self._restore_best()
+        finally:
+            StatefulCallback.on_train_end(self, logs)
+
+    # ------------------------------------------------------------ best weights
+    def _checkpoint_callback(self):
+        try:
+            from trainwell.callbacks.checkpoint import Checkpoint
+        except ImportError:  # pragma: no cover
+            return None
+        for cb in stateful_callbacks(self.model).values():
+            if isinstance(cb, Checkpoint) and cb.model is self.model:
+                return cb
+        return None
+
+    def _restore_best(self) -> None:
+        from trainwell.callbacks.checkpoint import load_checkpoint
+
+        ckpt = self._checkpoint_callback()
+        entry = None
+        if ckpt is not None:
+            ckpt.flush()
+            entry = ckpt.checkpoint_for_epoch(self.best_epoch)
+            if entry is not None:
+                load_checkpoint(entry["path"], self.model)
+                self.restored_from = entry["path"]
+                self._say(f"Restored the weights of epoch {self.best_epoch + 1} from {entry['path']}.")
+                return
+        if self.best_weights is not None:
+            self.model.set_weights(self.best_weights)
+            self.restored_from = "memory"
+            self._say(f"Restored the weights of epoch {self.best_epoch + 1} from memory.")
+            return
+        if ckpt is not None and ckpt.monitor == self.monitor:
+            entry = ckpt.best_checkpoint()
+            if entry is not None:
+                load_checkpoint(entry["path"], self.model)
+                self.restored_from = entry["path"]
+                logger.warning(
+                    "No checkpoint of the best epoch %s is left; restored the best checkpoint by %s instead (%s).",
+                    self.best_epoch + 1, self.monitor, entry["path"],
+                )
+                return
+        logger.warning(
+            "restore_best_weights: the weights of epoch %s are not available (restarted run without a "
+            "Checkpoint of that epoch); keeping the current weights.", self.best_epoch + 1,
+        )
+
+    def _say(self, msg: str) -> None:
+        logger.info(msg)
+        if self.verbose > 0:
+            print(msg)

@@ -1,0 +1,703 @@
+"""Tests of trainwell.callbacks.checkpoint: crash-and-compare, durability, retention, state."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+from trainwell.callbacks import checkpoint as ckpt_mod
+from trainwell.callbacks.base import StatefulCallback
+from trainwell.callbacks.checkpoint import (
+    Checkpoint,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+)
+
+WORKER = Path(__file__).with_name("crash_worker.py")
+REPO = Path(__file__).resolve().parents[2]
+SUBPROCESS_TIMEOUT = 240
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _data(n=40):
+    rs = np.random.RandomState(0)
+    x = rs.randn(n, 4).astype("float32")
+    y = (x @ rs.randn(4, 1)).astype("float32")
+    return x, y
+
+
+X, Y = _data()
+
+
+def _model(seed=1, built=True, lr=0.05, optimizer=None, spe=1, width=8):
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((4,))] if built else []
+    layers += [keras.layers.Dense(width, activation="relu"), keras.layers.Dropout(0.2), keras.layers.Dense(1)]
+    model = keras.Sequential(layers)
+    model.compile(optimizer or keras.optimizers.Adam(lr), loss="mse", steps_per_execution=spe)
+    return model
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashAt(keras.callbacks.Callback):
+    """Raises `Crash` at the n-th train batch end (a stand-in for a dying process)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n, self.seen = n, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.n:
+            raise Crash(f"crash at batch end {self.n}")
+
+
+class Counter(StatefulCallback):
+    """Counts trained batches; its state must survive a restart exactly."""
+
+    def reset_state(self):
+        self.batches = 0
+        self.epoch_begins = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch_begins += 1
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+
+    def get_state(self):
+        return {"batches": self.batches, "epoch_begins": self.epoch_begins}
+
+    def set_state(self, state):
+        super().set_state(state)
+        self.batches = int(state["batches"])
+        self.epoch_begins = int(state["epoch_begins"])
+
+
+def _fit(model, callbacks, epochs=3, batch_size=4, validate=False):
+    return model.fit(
+        X, Y, batch_size=batch_size, epochs=epochs, shuffle=False,
+        validation_data=(X[:8], Y[:8]) if validate else None, verbose=0, callbacks=callbacks,
+    )
+
+
+def _weights_close(a, b):
+    wa, wb = a.get_weights(), b.get_weights()
+    return len(wa) == len(wb) and all(np.allclose(p, q, rtol=0, atol=1e-6) for p, q in zip(wa, wb))
+
+
+def _tmp_dirs(d):
+    return [p.name for p in Path(d).iterdir() if p.name.startswith(".tmp-ckpt-")]
+
+
+# --------------------------------------------------------------------------- crash chain (subprocesses)
+
+
+def _worker_cmd(ckdir, ids, out, *extra):
+    return [sys.executable, str(WORKER), "--dir", str(ckdir), "--ids", str(ids), "--out", str(out), *extra]
+
+
+def _env():
+    env = dict(os.environ)
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _read_ids(path):
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        step, *ids = line.split()
+        rows.append((int(step), tuple(int(i) for i in ids)))
+    return rows
+
+
+def _effective(rows):
+    """Steps that count: a later row for step s rolls back every earlier row >= s."""
+    out: list = []
+    for step, ids in rows:
+        while out and out[-1][0] >= step:
+            out.pop()
+        out.append((step, ids))
+    return out
+
+
+SAVE_EVERY = 4
+KILL_STEP = random.Random(20240611).randint(5, 11)  # the fixed-seed "random" SIGKILL step
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    """Uninterrupted reference run ∥ a run killed with SIGKILL at a random step,
+    resumed, killed with SIGKILL in the middle of a save, resumed to the end."""
+    root = tmp_path_factory.mktemp("crash_chain")
+    ref_dir, run_dir = root / "ref", root / "run"
+    ref_ids, run_ids = root / "ref.ids", root / "run.ids"
+    ref_out, run_out = root / "ref.npz", root / "run.npz"
+    env = _env()
+    res: dict = {"root": root, "run_dir": run_dir}
+    ref = subprocess.Popen(_worker_cmd(ref_dir, ref_ids, ref_out), env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        # 1) SIGKILL at a random step.
+        p1 = subprocess.run(_worker_cmd(run_dir, run_ids, run_out, "--kill-at-step", str(KILL_STEP)), env=env,
+                            capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+        res["rc1"], res["err1"] = p1.returncode, p1.stderr[-3000:]
+        res["ckpts_after_1"] = [e["global_step"] for e in list_checkpoints(run_dir)]
+        res["lines_after_1"] = len(_read_ids(run_ids))
+        # 2) resume; SIGKILL while the 2nd save of this process sits between write and rename.
+        marker = root / "saving.marker"
+        p2 = subprocess.Popen(_worker_cmd(run_dir, run_ids, run_out, "--pause-at-save", "2", "--marker", str(marker)),
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + SUBPROCESS_TIMEOUT
+        while not marker.exists() and p2.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        res["marker_seen"] = marker.exists()
+        time.sleep(0.2)
+        p2.kill()
+        _, err2 = p2.communicate(timeout=60)
+        res["rc2"], res["err2"] = p2.returncode, err2[-3000:]
+        res["stale_tmp"] = _tmp_dirs(run_dir)
+        res["stale_tmp_files"] = sorted(os.listdir(run_dir / res["stale_tmp"][0])) if res["stale_tmp"] else []
+        res["latest_after_2"] = latest_checkpoint(run_dir)
+        res["lines_after_2"] = len(_read_ids(run_ids))
+        # 3) resume to the end.
+        p3 = subprocess.run(_worker_cmd(run_dir, run_ids, run_out), env=env, capture_output=True, text=True,
+                            timeout=SUBPROCESS_TIMEOUT)
+        res["rc3"], res["err3"] = p3.returncode, p3.stderr[-3000:]
+        res["tmp_after_3"] = _tmp_dirs(run_dir)
+        _, ref_err = ref.communicate(timeout=SUBPROCESS_TIMEOUT)
+        res["rc_ref"], res["err_ref"] = ref.returncode, ref_err[-3000:]
+    finally:
+        if ref.poll() is None:
+            ref.kill()
+    res["ref_ids"], res["run_ids"] = _read_ids(ref_ids), _read_ids(run_ids)
+    res["ref_out"], res["run_out"] = ref_out, run_out
+    return res
+
+
+def test_chain_processes_died_as_planned(chain):
+    assert chain["rc_ref"] == 0, chain["err_ref"]
+    assert chain["rc1"] == -signal.SIGKILL, chain["err1"]
+    assert chain["lines_after_1"] == KILL_STEP
+    # Saves every 4 steps: the SIGKILL at KILL_STEP lost the steps after the last multiple of 4.
+    assert max(chain["ckpts_after_1"]) == (KILL_STEP // SAVE_EVERY) * SAVE_EVERY
+    assert chain["marker_seen"], chain["err2"]
+    assert chain["rc2"] == -signal.SIGKILL
+    assert chain["rc3"] == 0, chain["err3"]
+
+
+def test_kill_mid_save_leaves_previous_checkpoint_loadable(chain):
+    # The killed save left a complete-looking temp dir, which loaders ignore...
+    assert len(chain["stale_tmp"]) == 1
+    assert chain["stale_tmp_files"] == ["arrays.npz", "state.json"]
+    # ...the newest committed checkpoint is the one before it...
+    resumed_at = (KILL_STEP // SAVE_EVERY) * SAVE_EVERY
+    first_save_of_run2 = resumed_at + SAVE_EVERY
+    assert Path(chain["latest_after_2"]).name == f"ckpt-{first_save_of_run2}"
+    # ...and the next start removed the stale temporary.
+    assert chain["tmp_after_3"] == []
+
+
+def test_resumed_runs_continue_from_next_step(chain):
+    rows = chain["run_ids"]
+    steps = [s for s, _ in rows]
+    resumed_at = (KILL_STEP // SAVE_EVERY) * SAVE_EVERY
+    # Run 1 logged 1..KILL_STEP; run 2 restarted right after the last checkpoint.
+    assert steps[: KILL_STEP + 1] == list(range(1, KILL_STEP + 1)) + [resumed_at + 1]
+    # Run 3 restarted right after run 2's first committed save.
+    assert steps[chain["lines_after_2"]] == resumed_at + SAVE_EVERY + 1
+
+
+def test_crash_chain_matches_uninterrupted_run(chain):
+    ref = chain["ref_ids"]
+    assert [s for s, _ in ref] == list(range(1, 25))
+    assert _effective(chain["run_ids"]) == ref  # identical example order, step by step
+    a, b = np.load(chain["ref_out"]), np.load(chain["run_out"])
+    assert a.files == b.files and len(a.files) == 4
+    for k in a.files:
+        assert np.allclose(a[k], b[k], rtol=0, atol=1e-6), k
+
+
+# --------------------------------------------------------------------------- in-process resume
+
+
+@pytest.fixture(scope="module")
+def reference_spe2():
+    model = _model(spe=2)
+    counter = Counter()
+    hist = _fit(model, [counter], epochs=3, validate=True)
+    return model, counter, hist.history
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_mid_epoch_resume_with_steps_per_execution(tmp_path, reference_spe2, built):
+    ref_model, ref_counter, ref_hist = reference_spe2
+    d = tmp_path / "ck"
+    m1 = _model(spe=2, built=built)
+    with pytest.raises(Crash):
+        _fit(m1, [Checkpoint(d, save_every=3), Counter(), CrashAt(7)], epochs=3, validate=True)  # dies after step 14
+    latest = list_checkpoints(d)[-1]
+    # With spe=2 batch hooks fire every 2 steps: saves land at 4, 8, 12 (>= 3 steps apart).
+    assert [e["global_step"] for e in list_checkpoints(d)] == [4, 8, 12]
+    assert (latest["epoch"], latest["step_in_epoch"]) == (1, 2)
+
+    m2 = _model(seed=99, spe=2, built=built)  # different init: everything must come from the checkpoint
+    counter = Counter()
+    hist = _fit(m2, [counter, Checkpoint(d, save_every=3)], epochs=3, validate=True)
+    assert int(m2.optimizer.iterations.numpy()) == 30
+    assert _weights_close(m2, ref_model)
+    # Epoch 1 resumed at its 3rd step: its logged loss (running mean) matches the reference.
+    assert np.allclose(hist.history["loss"], ref_hist["loss"][1:], rtol=1e-5)
+    assert np.allclose(hist.history["val_loss"], ref_hist["val_loss"][1:], rtol=1e-5)
+    # The other stateful callback resumed from its saved state and saw each batch once.
+    assert (counter.batches, counter.epoch_begins) == (ref_counter.batches, ref_counter.epoch_begins) == (15, 3)
+
+
+class Remake(keras.callbacks.Callback):
+    """Rebuilds the train function after Checkpoint's on_train_begin (as WarmupCosine does)."""
+
+    def on_train_begin(self, logs=None):
+        self.model.make_train_function(force=True)
+
+
+def test_resume_survives_train_function_rebuilt_by_later_callback(tmp_path, reference_spe2):
+    ref_model = reference_spe2[0]
+    d = tmp_path / "ck"
+    with pytest.raises(Crash):
+        _fit(_model(spe=2), [Checkpoint(d, save_every=3), Remake(), CrashAt(7)], epochs=3)
+    assert [e["global_step"] for e in list_checkpoints(d)] == [4, 8, 12]
+    m2 = _model(seed=99, spe=2)
+    _fit(m2, [Checkpoint(d, save_every=3), Remake()], epochs=3)
+    assert int(m2.optimizer.iterations.numpy()) == 30
+    assert _weights_close(m2, ref_model)
+
+
+def test_sigterm_checkpoints_exits_143_and_resumes(tmp_path):
+    ref = _model()
+    _fit(ref, [], epochs=2)
+    d = tmp_path / "ck"
+
+    class SigtermAt(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.n += 1
+            if self.n == 7:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    m1 = _model()
+    with pytest.raises(SystemExit) as exc:
+        _fit(m1, [Checkpoint(d, save_every=100), SigtermAt()], epochs=2)
+    assert exc.value.code == Checkpoint.PREEMPTED_EXIT_CODE == 143
+    assert signal.getsignal(signal.SIGTERM) == before  # handler uninstalled
+    entries = list_checkpoints(d)
+    assert [(e["global_step"], e["epoch"], e["step_in_epoch"]) for e in entries] == [(7, 0, 7)]
+    assert int(m1.optimizer.iterations.numpy()) == 7  # stopped right after the save
+    m2 = _model(seed=5)
+    _fit(m2, [Checkpoint(d, save_every=100)], epochs=2)
+    assert int(m2.optimizer.iterations.numpy()) == 20
+    assert _weights_close(m2, ref)
+
+
+# --------------------------------------------------------------------------- durability
+
+
+def test_failing_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    d = tmp_path / "ck"
+    real = ckpt_mod._write_npz
+    calls = {"n": 0}
+    snap = {}
+
+    def failing(path, arrays):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        snap["arrays"] = {k: v.copy() for k, v in arrays.items()}
+        return real(path, arrays)
+
+    monkeypatch.setattr(ckpt_mod, "_write_npz", failing)
+    m = _model()
+    with pytest.raises(CheckpointSaveError) as exc:
+        _fit(m, [Checkpoint(d, save_every=4)], epochs=2)
+    err = exc.value
+    assert isinstance(err, OSError) and err.errno == errno.ENOSPC
+    assert not hasattr(m.train_function, "_trainwell_checkpoint_original")  # the dying fit cleaned up
+    assert "arrays.npz" in str(err) and str(d) in str(err) and "ckpt-8" in str(err)
+    assert _tmp_dirs(d) == []
+    assert [e["name"] for e in list_checkpoints(d)] == ["ckpt-4"]
+    fresh = _model(seed=3)
+    entry = load_checkpoint(d, fresh)
+    assert entry["global_step"] == 4
+    saved = [snap["arrays"][k] for k in sorted(snap["arrays"]) if k.startswith("model:")]
+    loaded = ckpt_mod._read_checkpoint(entry["path"])[1]
+    for k, v in loaded.items():
+        assert np.array_equal(v, snap["arrays"][k]), k
+    assert len(saved) == 4
+
+
+def test_failing_async_save_raises_on_next_call(tmp_path, monkeypatch):
+    d = tmp_path / "ck"
+
+    def failing(path, arrays):
+        raise OSError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(ckpt_mod, "_write_npz", failing)
+    m = _model()
+    cb = Checkpoint(d, save_every=4, async_save=True)
+    with pytest.raises(CheckpointSaveError) as exc:
+        _fit(m, [cb], epochs=2)
+    assert exc.value.errno == errno.EACCES and "ckpt-4" in str(exc.value)
+    # Raised by the next save (step 8), not later: training stopped there.
+    assert int(m.optimizer.iterations.numpy()) == 8
+    assert list_checkpoints(d) == [] and _tmp_dirs(d) == []
+
+
+def test_stale_temporaries_ignored_and_cleaned(tmp_path):
+    d = tmp_path / "ck"
+    m = _model()
+    _fit(m, [Checkpoint(d, save_every=5)], epochs=1)
+    stale = d / ".tmp-ckpt-crashed"
+    stale.mkdir()
+    (stale / "state.json").write_text("{not json")
+    (stale / "arrays.npz").write_bytes(b"garbage")
+    assert Path(latest_checkpoint(d)).name == "ckpt-10"
+    # A checkpoint renamed into place but missing from the index is still found.
+    index = json.loads((d / "checkpoint.json").read_text())
+    index["checkpoints"] = [e for e in index["checkpoints"] if e["name"] != "ckpt-10"]
+    (d / "checkpoint.json").write_text(json.dumps(index))
+    assert [e["name"] for e in list_checkpoints(d)] == ["ckpt-5", "ckpt-10"]
+    m2 = _model(seed=4)
+    _fit(m2, [Checkpoint(d, save_every=5)], epochs=2)
+    assert not stale.exists()
+    assert int(m2.optimizer.iterations.numpy()) == 20  # resumed at step 10
+
+
+def test_keep_last_and_keep_best(tmp_path):
+    scores = [5.0, 1.0, 4.0, 3.0, 2.5, 6.0]
+
+    class Score(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            logs["score"] = scores[epoch]
+
+    d = tmp_path / "ck"
+    cb = Checkpoint(d, save_every="epoch", keep_last=2, keep_best=1, monitor="score", mode="min")
+    _fit(_model(), [Score(), cb], epochs=6, batch_size=8)
+    entries = list_checkpoints(d)
+    # 5 steps per epoch; the best (epoch 1, score 1.0) and the last two survive.
+    assert [(e["name"], e["completed_epoch"], e["value"]) for e in entries] == [
+        ("ckpt-10", 1, 1.0), ("ckpt-25", 4, 2.5), ("ckpt-30", 5, 6.0),
+    ]
+    assert sorted(p.name for p in d.iterdir()) == ["checkpoint.json", "ckpt-10", "ckpt-25", "ckpt-30"]
+    assert json.loads((d / "checkpoint.json").read_text())["best"] == ["ckpt-10"]
+    assert cb.best_checkpoint()["name"] == "ckpt-10"
+    assert cb.get_state()["best"] == ["ckpt-10", "ckpt-25", "ckpt-30"]
+    # mode="max" keeps the highest instead.
+    d2 = tmp_path / "ck2"
+    _fit(_model(), [Score(), Checkpoint(d2, keep_last=1, keep_best=2, monitor="score", mode="max")], epochs=6,
+         batch_size=8)
+    assert [e["value"] for e in list_checkpoints(d2)] == [5.0, 6.0]
+
+
+def test_non_chief_writes_nothing_shared(tmp_path, monkeypatch):
+    from trainwell import runtime
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(runtime, "is_chief", lambda strategy=None: False)
+    monkeypatch.setattr(ckpt_mod.tempfile, "tempdir", str(scratch))
+    written = []
+    monkeypatch.setattr(ckpt_mod, "_BEFORE_COMMIT", lambda tmp: written.append(tmp))
+    d = tmp_path / "ck"
+    _fit(_model(), [Checkpoint(d, save_every=4)], epochs=1)
+    assert len(written) == 3  # it did write (to scratch): steps 4, 8 and the final save at 10
+    assert all(str(scratch) in w for w in written)
+    assert os.listdir(d) == [] and os.listdir(scratch) == []
+
+
+# --------------------------------------------------------------------------- state content
+
+
+def test_mixed_float16_loss_scale_saved_and_restored(tmp_path):
+    d = tmp_path / "ck"
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=1024.0)
+        m1 = _model(optimizer=opt)
+        _fit(m1, [Checkpoint(d)], epochs=1)
+        scale1 = float(m1.optimizer.dynamic_scale.numpy())
+        counter1 = int(m1.optimizer.step_counter.numpy())
+        meta, arrays = ckpt_mod._read_checkpoint(latest_checkpoint(d))
+        assert np.allclose(arrays["opt:dynamic_scale"], scale1) and scale1 <= 1024.0
+        m2 = _model(seed=2, optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)))
+        seen = {}
+
+        class Probe(keras.callbacks.Callback):
+            def on_train_begin(self, logs=None):
+                seen["scale"] = float(self.model.optimizer.dynamic_scale.numpy())
+                seen["counter"] = int(self.model.optimizer.step_counter.numpy())
+                seen["iterations"] = int(self.model.optimizer.iterations.numpy())
+
+        _fit(m2, [Checkpoint(d), Probe()], epochs=1)  # already complete: restores, trains nothing
+        assert seen == {"scale": scale1, "counter": counter1, "iterations": 10}
+        assert _weights_close(m1, m2)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_weights_only_warm_start_applies_lr_warmup(tmp_path):
+    d = tmp_path / "ck"
+    at_step6 = {}
+
+    class Grab(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.n += 1
+            if self.n == 6:
+                at_step6["w"] = self.model.get_weights()
+
+    m1 = _model(optimizer=keras.optimizers.SGD(0.1))
+    with pytest.raises(Crash):
+        _fit(m1, [Checkpoint(d, save_every=3, weights_only=True), Grab(), CrashAt(7)], epochs=2)
+    meta, arrays = ckpt_mod._read_checkpoint(latest_checkpoint(d))
+    assert meta["weights_only"] and not any(k.startswith(("opt:", "rng:", "seed:")) for k in arrays)
+
+    lrs, start = [], {}
+
+    class Record(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            start["w"] = self.model.get_weights()
+
+        def on_train_batch_end(self, batch, logs=None):
+            it = int(self.model.optimizer.iterations.numpy())
+            if it > len(lrs):  # a trained step (replayed steps of the resumed epoch do not train)
+                lrs.append(float(self.model.optimizer.learning_rate.numpy()))
+
+    m2 = _model(seed=9, optimizer=keras.optimizers.SGD(0.1))
+    cb = Checkpoint(d, save_every=3, weights_only=True, warm_start_warmup_steps=4)
+    _fit(m2, [cb, Record()], epochs=2)
+    assert all(np.allclose(a, b) for a, b in zip(start["w"], at_step6["w"]))
+    assert np.allclose(lrs, [0.025, 0.05, 0.075, 0.1] + [0.1] * 10)  # resumed at step 6 of 20, fresh optimizer
+    assert int(m2.optimizer.iterations.numpy()) == 14
+
+
+def test_warm_start_with_schedule_uses_lr_multiplier(tmp_path):
+    schedules = pytest.importorskip("trainwell.callbacks.schedules")
+    if not hasattr(schedules, "WarmupCosineDecay"):
+        pytest.skip("trainwell.callbacks.schedules has no WarmupCosineDecay")
+    d = tmp_path / "ck"
+
+    def opt():
+        return keras.optimizers.SGD(schedules.WarmupCosineDecay(0.1, 1000))
+
+    with pytest.raises(Crash):
+        _fit(_model(optimizer=opt()), [Checkpoint(d, save_every=3, weights_only=True), CrashAt(7)], epochs=1)
+    mults = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) > len(mults):
+                mults.append(schedules.get_lr_multiplier(self.model.optimizer))
+
+    m2 = _model(seed=4, optimizer=opt())
+    _fit(m2, [Checkpoint(d, save_every=3, weights_only=True, warm_start_warmup_steps=2), Record()], epochs=1)
+    assert np.allclose(mults, [0.5, 1.0, 1.0, 1.0])  # steps 7..10 after resuming at step 6
+
+
+def test_async_save_equals_sync_save(tmp_path):
+    out = {}
+    for mode in (False, True):
+        d = tmp_path / f"ck-{mode}"
+        cb = Checkpoint(d, save_every=3, keep_last=10, async_save=mode)
+        _fit(_model(), [cb], epochs=2)
+        assert cb._worker is None and (cb._queue is None or cb._queue.unfinished_tasks == 0)  # waited, stopped
+        out[mode] = {e["name"]: ckpt_mod._read_checkpoint(e["path"]) for e in list_checkpoints(d)}
+    assert list(out[False]) == list(out[True]) == ["ckpt-3", "ckpt-6", "ckpt-9", "ckpt-12", "ckpt-15", "ckpt-18",
+                                                   "ckpt-20"]
+    for name, (meta, arrays) in out[False].items():
+        meta2, arrays2 = out[True][name]
+        assert sorted(arrays) == sorted(arrays2)
+        for k in arrays:
+            assert np.allclose(arrays[k], arrays2[k]), (name, k)
+        assert meta["position"] == meta2["position"]
+
+
+def test_callback_states_config_and_lr_multiplier_saved(tmp_path, monkeypatch):
+    import trainwell.callbacks as tcb
+
+    fake = types.ModuleType("trainwell.callbacks.schedules")
+    fake.get_lr_multiplier = lambda opt: getattr(opt, "_fake_mult", 1.0)
+    fake.set_lr_multiplier = lambda opt, v: setattr(opt, "_fake_mult", float(v))
+    monkeypatch.setitem(sys.modules, "trainwell.callbacks.schedules", fake)
+    monkeypatch.setattr(tcb, "schedules", fake, raising=False)
+
+    @dataclasses.dataclass
+    class Cfg:
+        lr: float = 0.05
+
+        def to_dict(self):
+            return dataclasses.asdict(self)
+
+    d = tmp_path / "ck"
+    m1 = _model()
+    m1.optimizer._fake_mult = 0.25
+    counter = Counter()
+    _fit(m1, [counter, Checkpoint(d, config=Cfg())], epochs=1)
+    meta, _ = ckpt_mod._read_checkpoint(latest_checkpoint(d))
+    assert meta["config"] == {"lr": 0.05}
+    assert meta["callbacks"]["counter"] == {"batches": 10, "epoch_begins": 1}
+    assert meta["lr_multiplier"] == 0.25
+    m2 = _model(seed=3)
+    c2 = Counter()
+    _fit(m2, [Checkpoint(d, config={"lr": 0.05}), c2], epochs=2)
+    assert m2.optimizer._fake_mult == 0.25
+    assert (c2.batches, c2.epoch_begins) == (20, 2)
+
+
+def test_without_schedules_module_multiplier_is_skipped(tmp_path, monkeypatch):
+    monkeypatch.setattr(ckpt_mod, "_schedules_module", lambda: None)
+    d = tmp_path / "ck"
+    _fit(_model(), [Checkpoint(d)], epochs=1)
+    meta, _ = ckpt_mod._read_checkpoint(latest_checkpoint(d))
+    assert "lr_multiplier" not in meta
+
+
+def test_rng_states_round_trip():
+    import tensorflow as tf
+    from keras.src.random.seed_generator import global_seed_generator
+
+    random.seed(3)
+    np.random.seed(3)
+    global_seed_generator()
+    tf.random.get_global_generator()
+    arrays, meta = ckpt_mod._rng_capture()
+    assert json.loads(json.dumps(meta)) == meta
+    first = (random.random(), np.random.rand(3).tolist(), keras.random.uniform((2,)).numpy().tolist(),
+             tf.random.get_global_generator().uniform((2,)).numpy().tolist())
+    ckpt_mod._rng_restore(arrays, meta)
+    again = (random.random(), np.random.rand(3).tolist(), keras.random.uniform((2,)).numpy().tolist(),
+             tf.random.get_global_generator().uniform((2,)).numpy().tolist())
+    assert first == again
+
+
+def test_mismatched_model_raises_clear_error(tmp_path):
+    d = tmp_path / "ck"
+    _fit(_model(), [Checkpoint(d)], epochs=1)
+    other = _model(width=6)
+    with pytest.raises(CheckpointMismatchError, match=r"model:layers/dense/0: checkpoint \(4, 8\) vs model \(4, 6\)"):
+        load_checkpoint(d, other)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(CheckpointMismatchError, match="model weights"):
+        _fit(other, [Checkpoint(d)], epochs=2)
+    # The failed fit cleaned up after itself.
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert not hasattr(other.train_function, "_trainwell_checkpoint_original")
+    assert other._initial_epoch is None
+
+
+def test_sigterm_without_step_boundary_falls_through_after_grace(tmp_path):
+    calls = []
+
+    def handler(signum, frame):
+        calls.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+
+        class SlowEpochEnd(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                if epoch == 1:  # last epoch: no step boundary follows
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(1.0)
+
+        cb = Checkpoint(tmp_path / "ck", save_every=100)
+        cb.PREEMPTION_GRACE_S = 0.2
+        m = _model()
+        _fit(m, [cb, SlowEpochEnd()], epochs=2)  # no SystemExit: the previous handler took over
+        assert calls == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is handler  # restored
+        assert int(m.optimizer.iterations.numpy()) == 20
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_restore_latest_for_inference(tmp_path):
+    d = tmp_path / "ck"
+    m1 = _model()
+    _fit(m1, [Checkpoint(d)], epochs=2)
+    keras.utils.set_random_seed(7)
+    infer = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dropout(0.2), keras.layers.Dense(1)])
+    entry = Checkpoint.restore_latest(d, infer)
+    assert entry["global_step"] == 20 and entry["path"] == latest_checkpoint(d)
+    assert np.allclose(infer.predict(X, verbose=0), m1.predict(X, verbose=0), atol=1e-6)
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(tmp_path / "empty", infer)
+
+
+def test_get_config_and_state_round_trip(tmp_path):
+    cb = Checkpoint(tmp_path, save_every=7, keep_last=2, keep_best=0, monitor="loss", mode="min",
+                    weights_only=True, async_save=True, config={"a": 1}, resume=False, warm_start_warmup_steps=3)
+    cfg = cb.get_config()
+    assert cfg == {"directory": str(tmp_path), "save_every": 7, "keep_last": 2, "keep_best": 0, "monitor": "loss",
+                   "mode": "min", "weights_only": True, "async_save": True, "config": {"a": 1}, "resume": False,
+                   "warm_start_warmup_steps": 3}
+    assert Checkpoint.from_config(cfg).get_config() == cfg
+    state = {"global_step": 12, "epoch": 1, "step_in_epoch": 2, "last_save_step": 10,
+             "checkpoints": [{"name": "ckpt-10", "seq": 1, "global_step": 10, "value": 0.5, "monitor": "loss"}],
+             "best": ["ckpt-10"], "warmup": None}
+    cb2 = Checkpoint(tmp_path, monitor="loss")
+    cb2.set_state(state)
+    assert cb2.get_state() == state
+    assert json.loads(json.dumps(cb2.get_state())) == state
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"save_every": 0}, "save_every"),
+        ({"save_every": "step"}, "save_every"),
+        ({"save_every": True}, "save_every"),
+        ({"keep_last": 0}, "keep_last"),
+        ({"keep_best": -1}, "keep_best"),
+        ({"monitor": ""}, "monitor"),
+        ({"mode": "up"}, "mode"),
+        ({"weights_only": 1}, "weights_only"),
+        ({"async_save": "yes"}, "async_save"),
+        ({"resume": None}, "resume"),
+        ({"warm_start_warmup_steps": -2}, "warm_start_warmup_steps"),
+        ({"config": 3}, "config"),
+        ({"directory": ""}, "directory"),
+    ],
+)
+def test_argument_validation(tmp_path, kwargs, name):
+    args = {"directory": str(tmp_path), **kwargs}
+    with pytest.raises(ValueError, match=rf"Invalid value for argument `{name}`.*Received: {name}="):
+        Checkpoint(**args)

@@ -1,0 +1,243 @@
+"""Tests of trainwell.callbacks.early_stopping.EarlyStopping."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import keras
+import numpy as np
+import pytest
+
+from trainwell.callbacks.checkpoint import Checkpoint, list_checkpoints
+from trainwell.callbacks.early_stopping import EarlyStopping
+
+RS = np.random.RandomState(0)
+X = RS.randn(16, 3).astype("float32")
+Y = (X @ RS.randn(3, 1)).astype("float32")
+
+
+def _model(seed=1):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+class Score(keras.callbacks.Callback):
+    """Puts a scripted `score` into the epoch logs (must come before the callbacks reading it)."""
+
+    def __init__(self, scores):
+        super().__init__()
+        self.scores = scores
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["score"] = self.scores[epoch]
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashAt(keras.callbacks.Callback):
+    def __init__(self, n):
+        super().__init__()
+        self.n, self.seen = n, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.n:
+            raise Crash()
+
+
+class WeightsAt(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.by_epoch = {}
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.by_epoch[epoch] = self.model.get_weights()
+
+
+def _fit(model, callbacks, epochs, batch_size=8):
+    return model.fit(X, Y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
+
+
+def _close(a, b):
+    return all(np.allclose(p, q, rtol=0, atol=1e-7) for p, q in zip(a, b))
+
+
+WORSENING = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, stopped",
+    [
+        ({}, 1),
+        ({"warmup_epochs": 3}, 4),  # epochs 0-2 not counted: best at 3, stop at 4
+        ({"start_from_epoch": 2}, 3),  # Keras's argument still works
+        ({"start_from_epoch": 2, "warmup_epochs": 5}, 6),  # the later of the two wins
+    ],
+)
+def test_warmup_epochs_not_counted(kwargs, stopped):
+    es = EarlyStopping(monitor="score", mode="min", patience=1, **kwargs)
+    hist = _fit(_model(), [Score(WORSENING), es], epochs=8)
+    assert es.stopped_epoch == stopped and len(hist.history["loss"]) == stopped + 1
+    assert es.stop_reason == "patience"
+    assert es.best_epoch == max(kwargs.get("warmup_epochs", 0), kwargs.get("start_from_epoch", 0))
+
+
+@pytest.mark.parametrize(
+    "scores, kwargs, stopped, reason",
+    [
+        ([3.0, 2.0, math.nan, 1.0], {}, 2, "non_finite"),
+        ([3.0, math.inf, 1.0], {"warmup_epochs": 5}, 1, "non_finite"),  # safety stops ignore the warmup
+        ([3.0, 2.0, 50.0, 1.0], {"divergence_threshold": 10.0}, 2, "divergence"),
+        ([0.5, 0.6, 0.05, 0.9], {"mode": "max", "divergence_threshold": 0.1}, 2, "divergence"),
+        ([3.0, 2.0, 2.5, 2.6, 2.7], {"patience": 2}, 3, "patience"),
+    ],
+)
+def test_stop_reasons(scores, kwargs, stopped, reason, caplog):
+    args = {"monitor": "score", "mode": "min", "patience": 10, **kwargs}
+    es = EarlyStopping(**args)
+    with caplog.at_level(logging.INFO, logger="trainwell.early_stopping"):
+        hist = _fit(_model(), [Score(scores), es], epochs=len(scores))
+    assert (es.stopped_epoch, es.stop_reason) == (stopped, reason)
+    assert len(hist.history["loss"]) == stopped + 1
+    assert es.get_state()["stop_reason"] == reason
+    assert f"early stopping ({reason})" in caplog.text
+
+
+def test_no_stop_keeps_reason_none():
+    es = EarlyStopping(monitor="score", mode="min", patience=3)
+    _fit(_model(), [Score([5.0, 4.0, 3.0, 2.0]), es], epochs=4)
+    assert es.stop_reason is None and es.stopped_epoch == 0 and es.best == 2.0 and es.best_epoch == 3
+
+
+# Uninterrupted: best 1.5 at epoch 3, then 3 epochs without improvement: stops at epoch 6.
+PLATEAU = [3.0, 2.0, 2.5, 1.5, 1.6, 1.7, 1.8, 1.9, 2.0, 2.1]
+
+
+def _es(**kw):
+    return EarlyStopping(monitor="score", mode="min", patience=3, restore_best_weights=True, **kw)
+
+
+def _ckpt(d, **kw):
+    return Checkpoint(d, save_every="epoch", keep_last=3, keep_best=1, monitor="score", mode="min", **kw)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    d = tmp_path_factory.mktemp("es_ref")
+    model, es, seen = _model(), _es(), WeightsAt()
+    hist = _fit(model, [Score(PLATEAU), seen, _ckpt(d), es], epochs=10)
+    return {"model": model, "es": es, "weights": seen.by_epoch, "epochs": len(hist.history["loss"]), "dir": d}
+
+
+def test_uninterrupted_reference(uninterrupted):
+    es = uninterrupted["es"]
+    assert (es.stopped_epoch, es.best_epoch, es.stop_reason, uninterrupted["epochs"]) == (6, 3, "patience", 7)
+    assert _close(uninterrupted["model"].get_weights(), uninterrupted["weights"][3])
+
+
+def test_state_survives_restart_and_stops_at_same_epoch(tmp_path, uninterrupted):
+    d = tmp_path / "ck"
+    with pytest.raises(Crash):  # 2 steps per epoch: dies in epoch 5, after epoch 4's checkpoint
+        _fit(_model(), [Score(PLATEAU), _ckpt(d), _es(), CrashAt(11)], epochs=10)
+    saved = json.loads((d / list_checkpoints(d)[-1]["name"] / "state.json").read_text())
+    assert saved["callbacks"]["early_stopping"] == {
+        "wait": 1, "best": 1.5, "best_epoch": 3, "stopped_epoch": 0, "stop_reason": None,
+    }
+    model, es = _model(seed=7), _es()
+    hist = _fit(model, [Score(PLATEAU), _ckpt(d), es], epochs=10)
+    assert len(hist.history["loss"]) == 2  # epochs 5 and 6
+    assert (es.stopped_epoch, es.best_epoch, es.stop_reason) == (6, 3, "patience")
+    assert es.get_state() == uninterrupted["es"].get_state()
+    # The best epoch (3) ran before the restart, so its weights came from its checkpoint.
+    assert es.best_weights is None and es.restored_from.endswith("ckpt-8")
+    assert _close(model.get_weights(), uninterrupted["weights"][3])
+    # A rerun after the early stop does not train again.
+    model2 = _model(seed=8)
+    hist2 = _fit(model2, [Score(PLATEAU), _ckpt(d), _es()], epochs=10)
+    assert hist2.history == {} and int(model2.optimizer.iterations.numpy()) == 14
+
+
+def test_without_checkpoint_restart_loses_patience():
+    # The contrast that makes the test above meaningful: fresh state => a later stop.
+    es = _es()
+    _fit(_model(), [Score(PLATEAU[5:]), es], epochs=5)
+    assert es.stopped_epoch == 3  # would be epoch 8 of the original run, not 6
+
+
+def test_best_weights_from_memory_without_checkpoint():
+    model, es, seen = _model(), _es(), WeightsAt()
+    _fit(model, [Score(PLATEAU), seen, es], epochs=10)
+    assert es.restored_from == "memory"
+    assert _close(model.get_weights(), seen.by_epoch[3])
+
+
+def test_best_weights_fall_back_to_best_checkpoint(tmp_path):
+    # The checkpoint of the best epoch was pruned; in-memory weights are gone after the restart;
+    # the Checkpoint's best by the same monitor is used.
+    d = tmp_path / "ck"
+    seen = WeightsAt()
+    with pytest.raises(Crash):
+        _fit(_model(), [Score(PLATEAU), seen, _ckpt(d), _es(), CrashAt(11)], epochs=10)
+    model, es = _model(seed=3), _es()
+    # Drop the epoch-3 checkpoint from disk and from the index to simulate its pruning.
+    import shutil
+
+    entry = next(e for e in list_checkpoints(d) if e["completed_epoch"] == 3)
+    index = json.loads((d / "checkpoint.json").read_text())
+    index["checkpoints"] = [e for e in index["checkpoints"] if e["name"] != entry["name"]]
+    (d / "checkpoint.json").write_text(json.dumps(index))
+    shutil.rmtree(entry["path"])
+    _fit(model, [Score(PLATEAU), _ckpt(d), es], epochs=10)
+    best = min(list_checkpoints(d), key=lambda e: e["value"])
+    assert best["completed_epoch"] == 4 and es.restored_from == best["path"]
+    assert _close(model.get_weights(), seen.by_epoch[4])
+
+
+def test_on_train_begin_resets_only_without_restored_state():
+    es = EarlyStopping(patience=2)
+    es.set_model(_model())
+    es.set_state({"wait": 2, "best": 0.5, "best_epoch": 4, "stopped_epoch": 0, "stop_reason": None})
+    es.on_train_begin()
+    assert (es.wait, es.best, es.best_epoch) == (2, 0.5, 4)
+    es.on_train_end()
+    es.on_train_begin()  # next fit, nothing restored: fresh
+    assert (es.wait, es.best, es.best_epoch, es.stop_reason) == (0, None, 0, None)
+
+
+def test_get_config_and_state_round_trip():
+    cfg = {"monitor": "val_acc", "min_delta": 0.01, "patience": 4, "verbose": 0, "mode": "max", "baseline": 0.2,
+           "restore_best_weights": True, "start_from_epoch": 1, "warmup_epochs": 2, "divergence_threshold": 0.05}
+    es = EarlyStopping(**cfg)
+    assert es.get_config() == cfg
+    assert EarlyStopping.from_config(cfg).get_config() == cfg
+    state = {"wait": 3, "best": 0.75, "best_epoch": 5, "stopped_epoch": 9, "stop_reason": "divergence"}
+    es.set_state(state)
+    assert es.get_state() == state and json.loads(json.dumps(es.get_state())) == state
+    assert EarlyStopping().patience == 10
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"patience": -1}, "patience"),
+        ({"patience": 1.5}, "patience"),
+        ({"mode": "up"}, "mode"),
+        ({"monitor": ""}, "monitor"),
+        ({"min_delta": "x"}, "min_delta"),
+        ({"baseline": "x"}, "baseline"),
+        ({"restore_best_weights": 1}, "restore_best_weights"),
+        ({"start_from_epoch": -1}, "start_from_epoch"),
+        ({"warmup_epochs": 2.0}, "warmup_epochs"),
+        ({"divergence_threshold": math.nan}, "divergence_threshold"),
+        ({"verbose": "loud"}, "verbose"),
+    ],
+)
+def test_argument_validation(kwargs, name):
+    with pytest.raises(ValueError, match=rf"Invalid value for argument `{name}`.*Received: {name}="):
+        EarlyStopping(**kwargs)
