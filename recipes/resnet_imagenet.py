@@ -322,7 +322,9 @@ def train(cfg: Config | None = None, **overrides):
     steps = data.steps_per_epoch
     if not steps:
         raise ValueError(f"Cannot tell the number of training batches of {cfg.dataset!r}; set a sized source.")
-    train_ds = augment_batch(cfg, data.train, data.num_classes)
+    # Exact resume: the resumed epoch sees the same order and augmentation as it would have.
+    train_ds = recipe.advance_epochs(data.train, recipe.resume_epoch(ctx.run_dir / "checkpoints"))
+    train_ds = augment_batch(cfg, train_ds, data.num_classes)
     with ctx.strategy.scope():
         model = build_model(cfg, data.num_classes, data.channels)
         model.compile(

@@ -101,6 +101,9 @@ def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext
 def read_history_csv(path: str | os.PathLike) -> dict[str, list[float]]:
     """Reads a Keras `CSVLogger` file into `{column: [floats]}` ({} if missing).
 
+    A resumed run appends to the same file (`CSVLogger(append=True)`); rows of an
+    epoch that was written again after a restart replace the earlier ones.
+
     Example:
     >>> read_history_csv("missing.csv")
     {}
@@ -108,17 +111,64 @@ def read_history_csv(path: str | os.PathLike) -> dict[str, list[float]]:
     path = Path(path)
     if not path.is_file():
         return {}
-    out: dict[str, list[float]] = {}
+    rows: list[dict] = []
     with path.open(newline="") as f:
         for row in csv.DictReader(f):
-            for k, v in row.items():
-                if k is None:
-                    continue
-                try:
-                    out.setdefault(k, []).append(float(v))
-                except (TypeError, ValueError):
-                    out.setdefault(k, []).append(math.nan)
+            try:  # a resumed run rewrites epochs from where it restarted: drop the stale tail
+                e = int(float(row["epoch"]))
+                rows = [r for r in rows if int(float(r["epoch"])) < e]
+            except (KeyError, TypeError, ValueError):
+                pass
+            rows.append(row)
+    out: dict[str, list[float]] = {}
+    for row in rows:
+        for k, v in row.items():
+            if k is None:
+                continue
+            try:
+                out.setdefault(k, []).append(float(v))
+            except (TypeError, ValueError):
+                out.setdefault(k, []).append(math.nan)
     return out
+
+
+def resume_epoch(checkpoint_dir: str | os.PathLike) -> int:
+    """The epoch a run in `checkpoint_dir` resumes in (0 for a fresh run).
+
+    Example:
+    >>> resume_epoch("/nonexistent")
+    0
+    """
+    from trainwell.callbacks.checkpoint import list_checkpoints
+
+    try:
+        entries = list_checkpoints(checkpoint_dir)
+    except (OSError, ValueError):
+        return 0
+    if not entries:
+        return 0
+    newest = max(entries, key=lambda e: (int(e.get("global_step", 0)), int(e.get("seq", 0))))
+    return int(newest.get("epoch", 0))
+
+
+def advance_epochs(dataset, epochs: int):
+    """Positions a reshuffling `tf.data` pipeline at the start of epoch `epochs`.
+
+    Keras makes a new iterator of the training dataset each epoch. A dataset shuffled
+    with a fixed seed and `reshuffle_each_iteration=True` (and augmented with seeds
+    drawn inside the pipeline) gives its k-th iterator the k-th epoch's order, so a
+    process that resumes at epoch e must have made e iterators first. Making an
+    iterator reads no data, so this costs milliseconds even on ImageNet, unlike
+    replaying the consumed batches. `Checkpoint` then skips the batches already done
+    inside the resumed epoch. Returns `dataset` itself.
+
+    Example:
+    >>> ds = advance_epochs(data.train, resume_epoch(run_dir / "checkpoints"))  # doctest: +SKIP
+    """
+    for _ in range(int(epochs)):
+        it = iter(dataset)
+        del it
+    return dataset
 
 
 def plot_history(history: dict[str, list[float]], path: str | os.PathLike) -> Path | None:
@@ -197,9 +247,10 @@ def standard_callbacks(
     """trainwell's reliability stack plus Keras's loggers, in the order they must run.
 
     Order matters only for logs: `WarmupCosine` (LR into the epoch logs) first,
-    `NaNRollback` before anything that reads the loss, `EarlyStopping` before
-    `Checkpoint` so the checkpoint holds the early-stopping state of the same epoch,
-    `CSVLogger` (`history.csv`, appended on resume) and `TensorBoard` last.
+    `NaNRollback` before anything that reads the loss (it repairs the running mean
+    after a rollback), `CSVLogger` (`history.csv`, appended on resume) and
+    `TensorBoard` last. `Checkpoint` saves at step boundaries, so its place in the
+    list does not matter.
 
     Args:
         cfg: The recipe config (saved inside every checkpoint).

@@ -110,3 +110,53 @@ def test_cli_dry_run_and_errors(tmp_path):
     r = subprocess.run([trainwell, "train", "resnet-imagenet", "--set", "epochs=many"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "Received: epochs='many'" in r.stderr and "Traceback" not in r.stderr
+
+
+def _train_cmd(overrides: dict, out: Path) -> list[str]:
+    code = (
+        "import sys, numpy as np\n"
+        "from trainwell.recipes import resnet_imagenet as r\n"
+        f"run = r.train(**{overrides!r})\n"
+        f"np.savez({str(out)!r}, *run.model.get_weights())\n"
+        "print('HISTORY', len(run.history['loss']))\n"
+    )
+    return [sys.executable, "-c", code]
+
+
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
+    import os
+    import signal
+    import time
+
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    kw = {**TINY, "augment": None, "epochs": 3, "checkpoint_every": "7", "deterministic": True}
+    ref = subprocess.run(_train_cmd({**kw, "run_dir": str(tmp_path / "ref")}, tmp_path / "ref.npz"),
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    run_dir = tmp_path / "crash"
+    cmd = _train_cmd({**kw, "run_dir": str(run_dir)}, tmp_path / "crash.npz")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    index = run_dir / "checkpoints" / "checkpoint.json"
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline and proc.poll() is None:  # kill once a mid-epoch-2 checkpoint exists
+            if index.is_file():
+                steps = [c["global_step"] for c in json.loads(index.read_text())["checkpoints"]]
+                if max(steps) >= 28:
+                    break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run finished before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not (tmp_path / "crash.npz").exists()
+    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "HISTORY 3" in resumed.stdout  # the whole history, epochs before the crash included
+    a, b = np.load(tmp_path / "ref.npz"), np.load(tmp_path / "crash.npz")
+    assert len(a.files) == len(b.files)
+    for k in a.files:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
