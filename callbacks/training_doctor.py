@@ -1,0 +1,733 @@
+"""`TrainingDoctor`: says what is wrong with a training run, shows the evidence, says what to change."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+
+from trainwell import diagnostics as dx
+from trainwell.callbacks.base import StatefulCallback
+from trainwell.diagnostics import CODES, DEFAULT_THRESHOLDS, Finding
+
+__all__ = ["TrainingDoctor", "Finding"]
+
+_DIAGNOSTICS_FILE = "diagnostics.json"
+_MAX_SCALE_HISTORY = 500
+_MAX_BACKOFFS = 1000
+#: Examples in a probe batch taken from the fit's data: about 0.6 of a 64-example
+#: training step per probe (measured on the CNN of bench/doctor_overhead.py).
+_AUTO_PROBE_SIZE = 32
+_CONSEQUENCES_OF_DIVERGENCE = ("dead_units", "vanishing_gradients", "oscillation", "slow_convergence")
+
+
+def _invalid(name: str, expected: str, value: Any) -> ValueError:
+    return ValueError(f"Invalid value for argument `{name}`. Expected {expected}. Received: {name}={value!r}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _inner_optimizer(optimizer):
+    seen = 0
+    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and seen < 8:
+        optimizer = optimizer.inner_optimizer
+        seen += 1
+    return optimizer
+
+
+def _current_lr(optimizer) -> float | None:
+    try:
+        from trainwell.callbacks.schedules import current_lr
+
+        return float(current_lr(optimizer))
+    except Exception:
+        return None
+
+
+def _momentum(optimizer) -> float | None:
+    inner = _inner_optimizer(optimizer)
+    for attr in ("momentum", "beta_1"):
+        v = getattr(inner, attr, None)
+        if v is None:
+            continue
+        try:
+            v = float(v.numpy()) if hasattr(v, "numpy") else float(v)
+        except (TypeError, ValueError):
+            continue
+        if v > 0:
+            return v
+    return None
+
+
+def _fit_epoch_iterator(model):
+    """The `EpochIterator` of the `fit` call now running on `model`, if it can be found.
+
+    Keras does not hand the training data to callbacks. `fit` keeps it in a local
+    variable, `epoch_iterator`, of the frame that calls `on_train_begin`; this
+    looks a few frames up for it. Returns `None` when it is not there (another
+    Keras version, a custom training loop).
+    """
+    frame = sys._getframe(1)
+    for _ in range(25):
+        if frame is None:
+            return None
+        loc = frame.f_locals
+        if frame.f_code.co_name == "fit" and loc.get("self") is model and "epoch_iterator" in loc:
+            return loc["epoch_iterator"]
+        frame = frame.f_back
+    return None
+
+
+def _batch_from_iterator(epoch_iterator):
+    """`(batch, train_batch_size)` from a `fit` call's data, without consuming it.
+
+    Arrays: a random (seeded, not the global RNG) sample of one batch size.
+    `tf.data.Dataset`: its first batch from a fresh iterator. `PyDataset`: item
+    0. Python generators are never touched (reading one would consume it).
+    """
+    adapter = getattr(epoch_iterator, "data_adapter", None)
+    if adapter is None:
+        return None, None
+    kind = type(adapter).__name__
+    try:
+        train_bs = adapter.batch_size
+    except Exception:
+        train_bs = None
+    if kind == "ArrayDataAdapter":
+        inputs = getattr(adapter, "_inputs", None)
+        n = int(getattr(adapter, "_num_samples", 0) or 0)
+        bs = int(getattr(adapter, "_batch_size", 0) or 0)
+        if inputs is None or n <= 0 or bs <= 0:
+            return None, train_bs
+        idx = np.sort(np.random.default_rng(0).choice(n, size=min(bs, n, _AUTO_PROBE_SIZE), replace=False))
+
+        def take(a):
+            if a is None:
+                return None
+            if hasattr(a, "numpy") and not isinstance(a, np.ndarray):
+                import tensorflow as tf
+
+                return tf.gather(a, idx)
+            return np.asarray(a)[idx]
+
+        return keras.tree.map_structure(take, inputs), bs
+    if kind == "TFDatasetAdapter":
+        ds = getattr(adapter, "_dataset", None)
+        if ds is None:
+            return None, train_bs
+        batch = next(iter(ds.take(1)))
+        return _head(batch), train_bs or _batch_len(batch)
+    if kind == "PyDatasetAdapter":
+        batch = adapter.py_dataset[0]
+        return _head(batch), train_bs or _batch_len(batch)
+    return None, train_bs
+
+
+def _head(batch, n: int = _AUTO_PROBE_SIZE):
+    """The first `n` examples of a batch (a tuple of nested arrays/tensors)."""
+    if isinstance(batch, list):
+        batch = tuple(batch)
+    return keras.tree.map_structure(lambda t: None if t is None else t[:n], batch)
+
+
+def _batch_len(batch) -> int | None:
+    try:
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(tuple(batch) if isinstance(batch, list) else batch)
+        first = next(iter(keras.tree.flatten(x)))
+        return int(first.shape[0])
+    except Exception:
+        return None
+
+
+class TrainingDoctor(StatefulCallback):
+    """Diagnoses a training run: what is wrong, the evidence, what to change.
+
+    Watches the losses and metrics every step and, every `every_n_steps` steps
+    (and at the first step), runs a `trainwell.diagnostics.GradientProbe` on a
+    fixed probe batch: per-layer gradient norms, update-to-weight ratios,
+    activation saturation and dead-ReLU fractions, computed by a separate
+    compiled function (the model's `train_step` is untouched, and the probe
+    restores every non-trainable and metric variable it touched, so training is
+    unchanged). It diagnoses, as `Finding`s in `self.findings`:
+
+    - `divergence`: a non-finite loss or weights (NaN weights can hide behind a
+      finite loss), or a loss that rose `diverge_factor` x above its best, above
+      its initial value, to a new high.
+    - `oscillation`: large repeated swings of the loss (5-step medians).
+    - `slow_convergence`: the loss barely moved after `window` steps (with the
+      update-to-weight ratio telling a too-low LR from a plateau), or stalled.
+    - `vanishing_gradients` / `exploding_gradients`: from the probe's per-layer
+      gradients (first vs last layer; gradient vs weight norm; growth).
+    - `dead_units`: ReLU layers whose units are zero for the whole probe batch.
+    - `amp_instability`: under `mixed_float16`, the loss scale backing off again
+      and again (the overflow rate), and the first layer whose forward or
+      backward pass produced NaN/Inf, with the fix of keeping it in float32.
+    - `overfitting`: validation loss rising above its best while the training
+      loss falls.
+    - `input_bound`: steps that take much longer than their compute (timed on
+      the probe batch), i.e. the run waits for data.
+
+    Each code is reported once per run: one printed line when found, the
+    finding in `self.findings` and in `run_dir/diagnostics.json` (rewritten
+    atomically), and a summary at the end. A healthy run reports nothing. The
+    loss-scale history is kept (and written to the epoch logs as `loss_scale`, so
+    `CSVLogger`/`History` record it: list this callback before them). With
+    `run_dir`, probe statistics go to TensorBoard under
+    `run_dir/tensorboard/doctor`. Only the chief writes files.
+
+    The probe batch: `probe_batch`, else up to 32 examples taken from the `fit`
+    call's own data at `on_train_begin` (arrays: a seeded random sample; a
+    `tf.data.Dataset`: the head of its first batch; a `PyDataset`: of item 0).
+    Python generators are never read (that would consume them): pass
+    `probe_batch` then, or the gradient, activation and input-bound checks are
+    skipped. For the input-bound check the probe's compute time is scaled
+    linearly to the training batch size (an over-estimate on accelerators,
+    which only makes the check more conservative).
+
+    Cost at the defaults: one probe (a forward and backward pass of 32 examples)
+    every 100 steps plus about 30 microseconds of Python per step; see
+    `bench/doctor_overhead.py`. The doctor implements `on_train_batch_end`, so
+    Keras converts the logs to Python numbers after every step (as for any
+    batch-level callback); on an accelerator that is one device sync per step.
+
+    Extends no Keras built-in: `TensorBoard(histogram_freq=...)` logs weights,
+    not gradients, and nothing in Keras diagnoses. A `StatefulCallback`: the
+    findings, counters and loss windows survive a restart through trainwell's
+    `Checkpoint`, so a resumed run does not report the same problem again.
+
+    Args:
+        every_n_steps: Steps between probes (and the loss-rule checks).
+            Defaults to `100`.
+        probe_batch: `(x, y)` or `(x, y, sample_weight)`, ideally one training
+            batch; `None` takes one from the fit's data (see above).
+            Defaults to `None`.
+        run_dir: Directory for `diagnostics.json` and
+            `tensorboard/doctor`; `None` writes nothing. Defaults to `None`.
+        verbose: `0` silent, `1` one line per new finding and a summary.
+            Defaults to `1`.
+        window: Steps in the loss windows (slow-convergence horizon,
+            oscillation window, overflow-rate window). Defaults to `200`.
+        checks: The codes to check (a subset of `trainwell.diagnostics.CODES`);
+            `None` checks all. Defaults to `None`.
+        thresholds: Overrides of `trainwell.diagnostics.DEFAULT_THRESHOLDS`.
+            Defaults to `None`.
+        track_updates: Measure update-to-weight ratios (keeps one device-side
+            copy of the trainable weights). Defaults to `True`.
+
+    Example:
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+    ...                           keras.layers.Dense(1)])
+    >>> model.compile(keras.optimizers.SGD(0.05), "mse")
+    >>> x = np.random.default_rng(0).normal(size=(256, 4)).astype("float32")
+    >>> doctor = TrainingDoctor(every_n_steps=20, verbose=0)
+    >>> _ = model.fit(x, x[:, :1], batch_size=32, epochs=2, verbose=0, callbacks=[doctor])
+    >>> doctor.findings
+    []
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 100,
+        probe_batch=None,
+        run_dir: str | os.PathLike | None = None,
+        verbose: int = 1,
+        window: int = 200,
+        checks: list[str] | tuple[str, ...] | None = None,
+        thresholds: dict[str, float] | None = None,
+        track_updates: bool = True,
+    ) -> None:
+        if not _is_int(every_n_steps) or every_n_steps < 1:
+            raise _invalid("every_n_steps", "an integer >= 1", every_n_steps)
+        if probe_batch is not None and not isinstance(probe_batch, (tuple, list)):
+            raise _invalid("probe_batch", "None or a tuple `(x, y)` / `(x, y, sample_weight)`", type(probe_batch).__name__)
+        if probe_batch is not None and not 1 <= len(probe_batch) <= 3:
+            raise _invalid("probe_batch", "a tuple of 1 to 3 items `(x, y, sample_weight)`", f"<{len(probe_batch)} items>")
+        if verbose not in (0, 1, 2):
+            raise _invalid("verbose", "0, 1 or 2", verbose)
+        if not _is_int(window) or window < 20:
+            raise _invalid("window", "an integer >= 20", window)
+        if checks is not None:
+            bad = [c for c in checks if c not in CODES]
+            if bad or isinstance(checks, str):
+                raise _invalid("checks", f"None or a list of codes from {CODES}", checks)
+        if thresholds is not None:
+            if not isinstance(thresholds, dict) or any(k not in DEFAULT_THRESHOLDS for k in thresholds):
+                raise _invalid("thresholds", f"None or a dict with keys from {sorted(DEFAULT_THRESHOLDS)}", thresholds)
+        if not isinstance(track_updates, bool):
+            raise _invalid("track_updates", "a bool", track_updates)
+        self.every_n_steps = int(every_n_steps)
+        self.probe_batch = probe_batch
+        self.run_dir = None if run_dir is None else os.fspath(run_dir)
+        self.verbose = verbose
+        self.window = int(window)
+        self.checks = None if checks is None else list(checks)
+        self.thresholds = None if thresholds is None else dict(thresholds)
+        self.track_updates = track_updates
+        self._th = {**DEFAULT_THRESHOLDS, **(self.thresholds or {})}
+        self._probe = None
+        self._writer = None
+        super().__init__()
+
+    # ---------------------------------------------------------------- config / state
+    def get_config(self) -> dict[str, Any]:
+        """Returns the constructor arguments (`probe_batch` as given: data, not JSON)."""
+        return {
+            "every_n_steps": self.every_n_steps,
+            "probe_batch": self.probe_batch,
+            "run_dir": self.run_dir,
+            "verbose": self.verbose,
+            "window": self.window,
+            "checks": self.checks,
+            "thresholds": self.thresholds,
+            "track_updates": self.track_updates,
+        }
+
+    def reset_state(self) -> None:
+        """Fresh-run state: no findings, empty windows."""
+        self.findings: list[Finding] = []
+        self.step = 0
+        self.probes = 0
+        self.tracker = dx.LossTracker(window=self.window)
+        self.epoch_losses: list[float] = []
+        self.epoch_val_losses: list[float] = []
+        self.scale_history: list[list[float]] = []   # [step, scale] at each change
+        self.backoff_steps: list[int] = []
+        self.first_global_norm: float | None = None
+        self.prev_dead: dict[str, float] | None = None
+        self.probe_losses: list[list[float]] = []  # [step, loss on the probe batch]
+        self.null_loss: float | None = None  # the probe's null-model loss at the first probe
+        self.step_times: deque[float] = deque(maxlen=100)
+        self.compute_times: deque[float] = deque(maxlen=10)
+        self.last_probe: dict[str, Any] = {}
+        self._located = False
+        self._last_scale: float | None = None
+        self._nonfinite: dict | None = None
+        self._amp_checked_at = 0
+        self._last_locate = -(10**9)
+
+    def get_state(self) -> dict[str, Any]:
+        """JSON-serialisable state: findings, counters, loss windows, loss-scale history."""
+        return {
+            "findings": [f.to_dict() for f in self.findings],
+            "step": self.step,
+            "probes": self.probes,
+            "tracker": self.tracker.get_state(),
+            "epoch_losses": [dx._jsonable(v) for v in self.epoch_losses],
+            "epoch_val_losses": [dx._jsonable(v) for v in self.epoch_val_losses],
+            "scale_history": [[int(s), dx._jsonable(v)] for s, v in self.scale_history],
+            "backoff_steps": list(self.backoff_steps),
+            "first_global_norm": dx._jsonable(self.first_global_norm),
+            "prev_dead": self.prev_dead,
+            "probe_losses": [[int(s), dx._jsonable(v)] for s, v in self.probe_losses],
+            "null_loss": self.null_loss,
+            "located": self._located,
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restores `get_state()`'s output."""
+        super().set_state(state)
+        self.reset_state()
+        self._state_restored = True
+        self.findings = [Finding.from_dict(d) for d in state.get("findings", [])]
+        self.step = int(state.get("step", 0))
+        self.probes = int(state.get("probes", 0))
+        self.tracker.set_state(state.get("tracker", {}))
+        self.epoch_losses = [float(dx._unjson(v)) for v in state.get("epoch_losses", [])]
+        self.epoch_val_losses = [float(dx._unjson(v)) for v in state.get("epoch_val_losses", [])]
+        self.scale_history = [[int(s), float(dx._unjson(v))] for s, v in state.get("scale_history", [])]
+        self.backoff_steps = [int(s) for s in state.get("backoff_steps", [])]
+        fg = state.get("first_global_norm")
+        self.first_global_norm = None if fg is None else float(dx._unjson(fg))
+        self.prev_dead = state.get("prev_dead")
+        self.probe_losses = [[int(s), float(dx._unjson(v))] for s, v in state.get("probe_losses", [])]
+        self.null_loss = state.get("null_loss")
+        self._located = bool(state.get("located", False))
+        if self.scale_history:
+            self._last_scale = self.scale_history[-1][1]
+
+    # ---------------------------------------------------------------- helpers
+    def _enabled(self, code: str) -> bool:
+        return self.checks is None or code in self.checks
+
+    @property
+    def codes(self) -> list[str]:
+        """Codes of the findings so far, in the order found."""
+        return [f.code for f in self.findings]
+
+    def _report(self, finding: Finding | None) -> None:
+        if finding is None or not self._enabled(finding.code) or finding.code in self.codes:
+            return
+        if finding.code in _CONSEQUENCES_OF_DIVERGENCE and "divergence" in self.codes:
+            return  # after a divergence these describe the wreck, not the cause
+        self.findings.append(finding)
+        if self.verbose:
+            print(f"\nTrainingDoctor: {finding.line()}", flush=True)
+        self._write_json()
+
+    def _is_lso(self) -> bool:
+        return isinstance(getattr(self.model, "optimizer", None), keras.optimizers.LossScaleOptimizer)
+
+    def _chief(self) -> bool:
+        try:
+            from trainwell import runtime
+
+            return runtime.is_chief(getattr(self.model, "distribute_strategy", None))
+        except Exception:  # pragma: no cover
+            return True
+
+    # ---------------------------------------------------------------- hooks
+    def on_train_begin(self, logs=None) -> None:
+        super().on_train_begin(logs)
+        self._th = {**DEFAULT_THRESHOLDS, **(self.thresholds or {})}
+        self._t_begin = None
+        self._begin_batch = 0
+        self._probe = None
+        self._probe_error = None
+        self._train_bs = None
+        self._last_scale = self.scale_history[-1][1] if self.scale_history else None
+        opt = getattr(self.model, "optimizer", None)
+        if self._last_scale is None and self._is_lso():
+            try:
+                built = getattr(opt, "built", False)
+                self._last_scale = float(opt.dynamic_scale.numpy() if built else opt.initial_scale)
+                self.scale_history.append([self.step, self._last_scale])
+            except Exception:  # pragma: no cover - another LossScaleOptimizer layout
+                self._last_scale = None
+        batch = self.probe_batch
+        try:
+            it = _fit_epoch_iterator(self.model)
+            if it is not None:
+                auto, self._train_bs = _batch_from_iterator(it)
+                if batch is None:
+                    batch = auto
+        except Exception as e:  # never let the doctor break training
+            self._probe_error = f"could not take a probe batch from the data: {e}"
+        if batch is not None:
+            try:
+                self._probe = dx.GradientProbe(self.model, batch, track_updates=self.track_updates)
+            except Exception as e:
+                self._probe_error = f"probe disabled: {type(e).__name__}: {e}"
+        elif self._probe_error is None:
+            self._probe_error = "no probe batch (pass probe_batch=(x, y)): gradient, activation and input-bound checks skipped"
+        if self._probe_error and self.verbose:
+            print(f"TrainingDoctor: {self._probe_error}", flush=True)
+        self._writer = None
+        if self.run_dir is not None and self._chief():
+            try:
+                import tensorflow as tf
+
+                self._writer = tf.summary.create_file_writer(str(Path(self.run_dir) / "tensorboard" / "doctor"))
+            except Exception:  # pragma: no cover
+                self._writer = None
+
+    def on_epoch_begin(self, epoch, logs=None) -> None:
+        self.tracker.new_epoch()
+
+    def _probe_due(self, after: int) -> bool:
+        return after // self.every_n_steps > self.step // self.every_n_steps or self.step == 0
+
+    def on_train_batch_begin(self, batch, logs=None) -> None:
+        self._begin_batch = int(batch)
+        if self._probe is not None and self.track_updates:
+            spe = int(getattr(self.model, "steps_per_execution", 1) or 1)
+            if self._probe_due(self.step + spe):
+                try:
+                    self._probe.snapshot()
+                except Exception:
+                    pass
+        self._t_begin = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        t_end = time.perf_counter()
+        n = max(int(batch) - self._begin_batch + 1, 1)
+        before = self.step
+        self.step += n
+        if self._t_begin is not None and self._begin_batch > 0:
+            # The first step of an epoch also starts the epoch's data iterator.
+            self.step_times.append((t_end - self._t_begin) / n)
+        logs = logs or {}
+        loss = logs.get("loss")
+        if loss is not None:
+            self.tracker.update_from_running_mean(int(batch), float(loss))
+        lso = self._is_lso()
+        if lso:
+            self._track_loss_scale()
+        step_loss = self.tracker.losses[-1] if self.tracker.losses else math.nan
+        if not math.isfinite(step_loss) and self._probe is not None:
+            if lso:  # overflow may be transient: locate again at most once per probe interval
+                if "amp_instability" not in self.codes and self.step - self._last_locate >= self.every_n_steps:
+                    self._last_locate = self.step
+                    self._run_probe(locate_only=True)
+            elif not self._located:
+                self._run_probe(locate_only=True)
+        if not (lso and not math.isfinite(step_loss)):
+            # Under a LossScaleOptimizer a non-finite loss is a skipped step, not a divergence.
+            if self._enabled("divergence") and "divergence" not in self.codes:
+                f = dx.check_divergence(self.tracker, self.step, thresholds=self._th)
+                if f is not None:
+                    self._report(self._with_lr(dx.check_divergence, self.tracker) or f)
+        if lso and self._enabled("amp_instability") and "amp_instability" not in self.codes:
+            if len(self.backoff_steps) != self._amp_checked_at:
+                self._amp_checked_at = len(self.backoff_steps)
+                self._check_amp()
+        if before // self.every_n_steps < self.step // self.every_n_steps or before == 0:
+            if self._probe is not None:
+                self._run_probe()
+            self._loss_rules()
+
+    def _with_lr(self, rule, *args) -> Finding | None:
+        return rule(*args, self.step, lr=_current_lr(self.model.optimizer), thresholds=self._th)
+
+    def _track_loss_scale(self) -> None:
+        opt = self.model.optimizer
+        if not getattr(opt, "built", False):
+            return
+        scale = float(opt.dynamic_scale.numpy())
+        if self._last_scale is not None and scale < self._last_scale:
+            k = int(round(math.log2(self._last_scale / scale))) if scale > 0 else 1
+            self.backoff_steps.extend([self.step] * max(k, 1))
+            del self.backoff_steps[:-_MAX_BACKOFFS]
+        if self._last_scale is None or scale != self._last_scale:
+            self.scale_history.append([self.step, scale])
+            del self.scale_history[:-_MAX_SCALE_HISTORY]
+            self._last_scale = scale
+
+    def _check_amp(self, nonfinite: dict | None = None) -> None:
+        scales = [s for _, s in self.scale_history]
+        f = dx.check_amp(scales, self.backoff_steps, self.step, window=self.window, nonfinite=nonfinite, thresholds=self._th)
+        if f is not None and nonfinite is None and self._probe is not None:
+            # Unstable: name the layer that overflows now (one extra probe, once).
+            self._nonfinite = None
+            self._run_probe(locate_only=True)
+            if self._nonfinite is not None:
+                f = dx.check_amp(
+                    scales, self.backoff_steps, self.step, window=self.window,
+                    nonfinite=self._nonfinite, thresholds=self._th,
+                )
+        self._report(f)
+
+    def _loss_rules(self) -> None:
+        lr = None
+        if self._enabled("oscillation") and "oscillation" not in self.codes:
+            lr = _current_lr(self.model.optimizer)
+            probe = None
+            if self._probe is not None:
+                since = self.step - max(self.window, 3 * self.every_n_steps)
+                probe = [l for s, l in self.probe_losses if s > since]
+            self._report(
+                dx.check_oscillation(
+                    self.tracker, self.step, lr=lr, momentum=_momentum(self.model.optimizer),
+                    probe_losses=probe, reference=self.null_loss, thresholds=self._th,
+                )
+            )
+        if (
+            self._enabled("slow_convergence")
+            and "slow_convergence" not in self.codes
+            and not {"oscillation", "divergence"} & set(self.codes)
+        ):
+            lr = _current_lr(self.model.optimizer) if lr is None else lr
+            self._report(
+                dx.check_slow_convergence(
+                    self.tracker, self.step, lr=lr, update_ratio=self.last_probe.get("update_ratio"), thresholds=self._th,
+                    explained_by=[c for c in self.codes if c in ("vanishing_gradients", "dead_units", "exploding_gradients")],
+                    reference=self.null_loss,
+                )
+            )
+
+    def _run_probe(self, locate_only: bool = False) -> None:
+        try:
+            t0 = time.perf_counter()
+            stats = self._probe.run()
+            dt = time.perf_counter() - t0
+        except Exception as e:
+            self._probe_error = f"probe failed and was disabled: {type(e).__name__}: {e}"
+            if self.verbose:
+                print(f"TrainingDoctor: {self._probe_error}", flush=True)
+            self._probe = None
+            return
+        lso = self._is_lso()
+        nonfinite = stats.get("nonfinite")
+        if nonfinite is not None and lso:
+            # Under a LossScaleOptimizer overflow in float16 layers is the loss scale's
+            # business unless it keeps happening (the rate rule) or is in the forward pass.
+            self._nonfinite = nonfinite
+            if nonfinite.get("pass") == "forward" and "amp_instability" not in self.codes:
+                self._check_amp(nonfinite)
+        elif nonfinite is not None and not self._located:
+            self._located = True
+            if self._enabled("divergence"):
+                f = self._with_lr(dx.check_divergence, self.tracker)
+                if f is None and not stats["weights_finite"]:
+                    f = dx.check_divergence(self.tracker, self.step, weights_finite=False, thresholds=self._th)
+                if f is not None:
+                    f.evidence["first_nonfinite_layer"] = nonfinite["layer"]
+                    f.evidence["first_nonfinite_pass"] = nonfinite["pass"]
+                    f.summary += f' First NaN/Inf: layer "{nonfinite["layer"]}" ({nonfinite["pass"]} pass).'
+                self._report(f)
+        if locate_only:
+            return
+        self.probes += 1
+        if self.probes > 1:  # the first call traces the function
+            scale = 1.0
+            pb = self._probe.batch_size
+            if self._train_bs and pb:
+                scale = self._train_bs / pb
+            self.compute_times.append(dt * scale)
+        self.probe_losses.append([self.step, stats["loss"]])
+        if self.null_loss is None and math.isfinite(stats.get("null_loss", math.nan)):
+            self.null_loss = stats["null_loss"]
+        del self.probe_losses[:-50]
+        self.last_probe = {
+            "step": self.step,
+            "loss": stats["loss"],
+            "global_norm": stats["global_norm"],
+            "update_ratio": stats["update_ratio"],
+            "loss_scale": stats["loss_scale"],
+        }
+        if not stats["weights_finite"] and self._enabled("divergence"):
+            self._report(dx.check_divergence(self.tracker, self.step, weights_finite=False, thresholds=self._th))
+        if self.first_global_norm is None and math.isfinite(stats["global_norm"]) and stats["global_norm"] > 0:
+            self.first_global_norm = stats["global_norm"]
+        lr = _current_lr(self.model.optimizer)
+        grad_stats = dict(stats)
+        if lso:
+            grad_stats["grads_finite"] = True  # float16 overflow is the loss scale's business
+        if stats["weights_finite"] and (self._enabled("vanishing_gradients") or self._enabled("exploding_gradients")):
+            for f in dx.check_gradients(grad_stats, self.step, first_global_norm=self.first_global_norm, lr=lr, thresholds=self._th):
+                if f.code == "exploding_gradients" and (
+                    "divergence" in self.codes or (lso and not math.isfinite(stats["global_norm"]))
+                ):
+                    continue  # a consequence of the divergence / the loss scale's business
+                self._report(f)
+        if self._enabled("dead_units"):
+            self._report(dx.check_dead_units(stats["dead"], self.prev_dead, self.step, lr=lr, thresholds=self._th))
+            self.prev_dead = dict(stats["dead"])
+        if self._enabled("input_bound") and "input_bound" not in self.codes:
+            self._report(dx.check_input_bound(list(self.step_times), list(self.compute_times), self.step, thresholds=self._th))
+        self._write_tensorboard(stats)
+
+    def on_epoch_end(self, epoch, logs=None) -> None:
+        logs = logs if logs is not None else {}
+        if self._is_lso() and self._last_scale is not None:
+            logs["loss_scale"] = float(self._last_scale)
+        loss, val = logs.get("loss"), logs.get("val_loss")
+        if loss is not None:
+            self.epoch_losses.append(float(loss))
+            self.epoch_val_losses.append(float(val) if val is not None else math.nan)
+            if val is not None and self._enabled("overfitting") and "overfitting" not in self.codes:
+                self._report(dx.check_overfitting(self.epoch_losses, self.epoch_val_losses, self.step, thresholds=self._th))
+        self._write_json()
+        if self._writer is not None:
+            try:
+                self._writer.flush()
+            except Exception:  # pragma: no cover
+                pass
+
+    def on_train_end(self, logs=None) -> None:
+        self._write_json()
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            except Exception:  # pragma: no cover
+                pass
+            self._writer = None
+        if self.verbose:
+            print(self.summary(), flush=True)
+        super().on_train_end(logs)
+
+    # ---------------------------------------------------------------- output
+    def summary(self) -> str:
+        """A few lines: the findings with their evidence and first fixes, or "no problems".
+
+        Example:
+        >>> TrainingDoctor(verbose=0).summary()
+        'TrainingDoctor: no problems found in 0 steps (0 probes).'
+        """
+        if not self.findings:
+            return f"TrainingDoctor: no problems found in {self.step} steps ({self.probes} probes)."
+        lines = [f"TrainingDoctor: {len(self.findings)} finding(s) in {self.step} steps:"]
+        for f in self.findings:
+            lines.append(f"  {f.line()}")
+            for fix in f.fixes[1:3]:
+                lines.append(f"      also: {fix}")
+        return "\n".join(lines)
+
+    def report(self) -> dict[str, Any]:
+        """What `diagnostics.json` holds: findings, steps, probes, loss-scale history, last probe."""
+        cfg = {k: v for k, v in self.get_config().items() if k != "probe_batch"}
+        return {
+            "findings": [f.to_dict() for f in self.findings],
+            "steps": self.step,
+            "probes": self.probes,
+            "loss_scale_history": [[int(s), dx._jsonable(v)] for s, v in self.scale_history],
+            "loss_scale_backoffs": len(self.backoff_steps),
+            "last_probe": {k: dx._jsonable(v) for k, v in self.last_probe.items()},
+            "probe": self._probe_error or "ok",
+            "config": cfg,
+        }
+
+    def _write_json(self) -> None:
+        if self.run_dir is None or not self._chief():
+            return
+        try:
+            from trainwell.io import atomic_write_json
+
+            atomic_write_json(Path(self.run_dir) / _DIAGNOSTICS_FILE, self.report())
+        except OSError as e:  # pragma: no cover - a full disk must not stop training
+            if self.verbose:
+                print(f"TrainingDoctor: could not write {_DIAGNOSTICS_FILE}: {e}", flush=True)
+
+    def _write_tensorboard(self, stats: dict[str, Any]) -> None:
+        if self._writer is None:
+            return
+        try:
+            self._write_scalars(stats)
+        except Exception as e:  # never let logging break training
+            if self.verbose:
+                print(f"TrainingDoctor: TensorBoard logging disabled: {type(e).__name__}: {e}", flush=True)
+            self._writer = None
+
+    def _write_scalars(self, stats: dict[str, Any]) -> None:
+        import tensorflow as tf
+
+        meta = _scalar_metadata()
+
+        def scalar(name, value):
+            # `tf.summary.write` with the scalars plugin's metadata is what
+            # `tf.summary.scalar` does, without needing the tensorboard package.
+            if value is not None and math.isfinite(float(value)):
+                tf.summary.write(name, tf.constant(float(value), tf.float32), step=self.step, metadata=meta)
+
+        with self._writer.as_default():
+            scalar("doctor/probe_loss", stats["loss"])
+            scalar("doctor/global_grad_norm", stats["global_norm"])
+            scalar("doctor/update_ratio", stats["update_ratio"])
+            scalar("doctor/loss_scale", stats["loss_scale"] if self._is_lso() else None)
+            if self.step_times:
+                scalar("doctor/step_ms", 1e3 * dx._median(self.step_times))
+            for l in stats["layers"]:
+                scalar(f"doctor/grad_norm/{l['name']}", l["grad_norm"])
+                if "update_ratio" in l:
+                    scalar(f"doctor/update_ratio/{l['name']}", l["update_ratio"])
+            for k, v in stats["dead"].items():
+                scalar(f"doctor/dead_fraction/{k}", v)
+            for k, v in stats["saturation"].items():
+                scalar(f"doctor/saturation/{k}", v)
+
+
+def _scalar_metadata() -> bytes:
+    """Serialized `SummaryMetadata` of TensorBoard's scalars plugin."""
+    from tensorflow.core.framework import summary_pb2
+
+    return summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
+    ).SerializeToString()

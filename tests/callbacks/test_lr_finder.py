@@ -1,0 +1,235 @@
+"""The LR range test: the ramp, the smoothing, the stop, the suggestions, the restore, the CLI."""
+
+import dataclasses
+import math
+import types
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import yaml
+
+import trainwell
+from trainwell.callbacks import LRFinder
+from trainwell.callbacks.lr_finder import LRFindResult, cli_main, minimum, steep, suggest, valley, write_config_value
+from trainwell.config import BaseConfig, ConfigError
+
+RNG = np.random.default_rng(0)
+XR = RNG.normal(size=(512, 8)).astype("float32")
+W_TRUE = RNG.normal(size=(8, 1)).astype("float32")
+YR = XR @ W_TRUE + 0.1 * RNG.normal(size=(512, 1)).astype("float32")
+
+
+def regression(optimizer=None, bn=False):
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((8,)), keras.layers.Dense(16, activation="relu")]
+    if bn:
+        layers += [keras.layers.BatchNormalization(), keras.layers.Dropout(0.2)]
+    model = keras.Sequential(layers + [keras.layers.Dense(1)])
+    model.compile(optimizer or keras.optimizers.Adam(1e-3), "mse")
+    return model
+
+
+def test_ramp_is_exponential_and_is_the_lr_really_used():
+    """One weight, loss = w (gradient exactly 1): plain SGD moves w by the LR it used."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+    model.compile(keras.optimizers.SGD(0.5), lambda y, p: keras.ops.mean(p))
+
+    class Used(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.w = float(self.model.trainable_weights[0].numpy().ravel()[0])
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.used.append(self.w - float(self.model.trainable_weights[0].numpy().ravel()[0]))
+
+    used = Used()
+    used.used = []
+    finder = LRFinder(start_lr=1e-3, end_lr=1.0, steps=10, diverge_factor=None)
+    model.fit(np.ones((320, 1), "float32"), np.zeros((320, 1)), batch_size=8, epochs=1, verbose=0, callbacks=[finder, used])
+    r = finder.result
+    expected = 1e-3 * 1000.0 ** (np.arange(10) / 9)
+    assert r.stopped == "steps" and len(r.lrs) == 10
+    assert np.allclose(r.lrs, expected, rtol=1e-6)
+    assert np.allclose(used.used, expected, rtol=1e-4)
+    assert float(model.optimizer.learning_rate) == pytest.approx(0.5)  # restored
+
+
+def test_smoothing_is_fastais_debiased_ema():
+    model = regression()
+    r = trainwell.lr_find(model, (XR, YR), start_lr=1e-4, end_lr=1e-2, steps=20, smooth=0.9)
+    avg, expect = 0.0, []
+    for i, loss in enumerate(r.raw_losses):
+        avg = 0.9 * avg + 0.1 * loss
+        expect.append(avg / (1 - 0.9 ** (i + 1)))
+    assert np.allclose(r.losses, expect)
+    # The raw losses are the per-step losses (recovered from Keras's running mean).
+    assert np.isclose(r.raw_losses[0], r.losses[0]) and len(set(np.round(r.raw_losses, 6))) > 10
+
+
+def test_stops_on_divergence_and_restores_everything():
+    model = regression(keras.optimizers.Adam(1e-3), bn=True)
+    model.fit(XR, YR, epochs=1, verbose=0)  # built optimizer with non-trivial state
+    before = [v.numpy().copy() for v in model.variables]
+    opt_before = [v.numpy().copy() for v in model.optimizer.variables]
+    r = trainwell.lr_find(model, (XR, YR), steps=100)
+    assert r.stopped == "diverged" and len(r.lrs) < 100
+    assert r.losses[-1] > 4 * min(r.losses) or not math.isfinite(r.losses[-1])
+    assert all(np.array_equal(a, b) for a, b in zip(before, [v.numpy() for v in model.variables]))
+    assert all(np.array_equal(a, b) for a, b in zip(opt_before, [v.numpy() for v in model.optimizer.variables]))
+    assert float(model.optimizer.learning_rate) == pytest.approx(1e-3)
+    # And the model trains exactly as one that never ran the test.
+    twin = regression(keras.optimizers.Adam(1e-3), bn=True)
+    twin.fit(XR, YR, epochs=1, verbose=0)
+    for m in (model, twin):
+        keras.utils.set_random_seed(1)
+        m.fit(XR, YR, epochs=1, verbose=0, shuffle=False)
+    assert all(np.allclose(a.numpy(), b.numpy()) for a, b in zip(model.variables, twin.variables))
+
+
+def test_unbuilt_optimizer_and_schedule_are_restored():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.01, 100, 0.5)
+    model = regression(keras.optimizers.SGD(schedule, momentum=0.9))
+    w0 = [v.numpy().copy() for v in model.trainable_variables]
+    ds = tf.data.Dataset.from_tensor_slices((XR, YR)).batch(32)
+    r = trainwell.lr_find(model, ds, start_lr=1e-5, end_lr=1.0, steps=30)
+    assert len(r.lrs) >= 20
+    assert model.optimizer._learning_rate is schedule and int(model.optimizer.iterations.numpy()) == 0
+    assert all(np.array_equal(a, b.numpy()) for a, b in zip(w0, model.trainable_variables))
+    assert all(np.all(v.numpy() == 0) for v in model.optimizer.variables if "momentum" in v.path)
+
+
+def test_suggestion_on_linear_regression_is_below_the_stability_limit():
+    """MSE on x ~ N(0, I): the Hessian is 2I, plain SGD diverges above LR = 2 / 2 = 1."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    r = trainwell.lr_find(model, (XR, YR), start_lr=1e-5, end_lr=10.0, steps=100, batch_size=64)
+    assert r.stopped == "diverged"
+    assert r.method == "minimum" and r.suggestion == r.suggestions["minimum"]
+    assert 1e-2 < r.suggestion < 1.0
+    assert r.suggestions["valley"] < r.suggestion
+    # A short run at the suggested LR actually learns.
+    keras.utils.set_random_seed(0)
+    fresh = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    fresh.compile(keras.optimizers.SGD(r.suggestion), "mse")
+    h = fresh.fit(XR, YR, batch_size=64, epochs=3, verbose=0)
+    assert h.history["loss"][-1] < 0.1 * h.history["loss"][0]
+
+
+def test_suggesters_match_fastai_definitions():
+    lrs = list(np.geomspace(1e-5, 1.0, 30))
+    drops = [0.05, 0.1, 0.1, 0.2, 0.5, 0.2, 0.1, 0.1, 0.05, 0.05, 0.02, 0.01, 0.01, 0.01]  # steepest at 4
+    losses = [2.0] * 11 + list(2.0 - np.cumsum(drops)) + [1.0, 2.0, 4.0, 8.0, 16.0]
+    # Trim as fastai: drop the first 30 // 10 = 3 and the last 5. The longest decreasing
+    # run is 15 long (2.0 at index 10, then 14 drops) ending at index 24: start
+    # 24 - 3 - 15 = 6 in the trimmed list, 6 + int(15/3) + int(5/2) = 13 -> lrs[3 + 13].
+    s = suggest(lrs, losses, 30)
+    assert np.isclose(s["valley"], lrs[16])
+    assert np.isclose(s["steep"], lrs[14])  # the 0.5 drop, from index 14 to 15
+    assert np.isclose(s["minimum"], lrs[24] / 10)
+    # fastai's start index is end - length (one before the run): kept as fastai has it.
+    assert valley([1, 2, 3, 4, 5, 6, 7], [9.0, 7.0, 6.0, 5.0, 4.0, 3.0, 8.0]) == (3.0, 2)
+    assert steep([1, 10, 100], [1.0, 0.5, 0.4]) == (1.0, 0)
+    assert minimum([1, 10, 100], [1.0, 0.5, 0.9]) == (1.0, 1)
+    # A NaN cuts the curve.
+    s = suggest(list(range(1, 21)), [5.0] * 3 + list(np.linspace(5, 1, 10)) + [math.nan] * 7, 20)
+    assert s["minimum"] <= 1.3
+
+
+def test_plot_and_result_json(tmp_path):
+    model = regression()
+    r = trainwell.lr_find(model, (XR, YR), start_lr=1e-4, end_lr=1.0, steps=30)
+    p = r.plot(tmp_path / "lr.png")
+    data = p.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    d = r.to_dict()
+    assert d["suggestion"] == r.suggestion and len(d["lrs"]) == len(r.lrs)
+
+
+def test_validation():
+    for kwargs in (
+        {"start_lr": 0},
+        {"end_lr": 1e-8},
+        {"steps": 1},
+        {"smooth": 1.0},
+        {"diverge_factor": 1.0},
+        {"restore": "yes"},
+    ):
+        with pytest.raises(ValueError, match="Received:"):
+            LRFinder(**kwargs)
+    with pytest.raises(ValueError, match="Received: method='best'"):
+        LRFinder(method="best")
+    cfg = LRFinder(start_lr=1e-6, steps=50, method="valley").get_config()
+    assert LRFinder.from_config(cfg).get_config() == cfg
+
+
+# ----------------------------------------------------------------------------- command line
+@dataclasses.dataclass
+class TinyConfig(BaseConfig):
+    lr: float = 0.1  # the recipe's peak LR
+    batch_size: int = 64
+
+
+def tiny_recipe(**extra):
+    def build_data(cfg):
+        return {"train": tf.data.Dataset.from_tensor_slices((XR, YR)).batch(cfg.batch_size), "val": None}
+
+    def build_model(cfg):
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(cfg.lr), "mse")
+        return model
+
+    return types.SimpleNamespace(__name__="tiny", Config=TinyConfig, build_data=build_data, build_model=build_model, **extra)
+
+
+def test_cli_main_prints_and_writes_the_suggestion(tmp_path, capsys):
+    config = tmp_path / "tiny.yaml"
+    config.write_text("# my run\nepochs: 3  # short\nlr: 0.1  # peak LR\n")
+    cfg = TinyConfig.load(config, [f"run_dir={tmp_path / 'run'}", "strategy=one_device", "precision=float32"])
+    args = types.SimpleNamespace(write=True, config=str(config), dry_run=False)
+    assert cli_main(tiny_recipe(), cfg, args) == 0
+    out = capsys.readouterr().out
+    assert "Suggested peak learning rate (minimum):" in out
+    written = yaml.safe_load(config.read_text())
+    assert written["epochs"] == 3 and 1e-3 < written["lr"] < 1.0 and written["lr"] != 0.1
+    assert config.read_text().startswith("# my run\nepochs: 3  # short\nlr: ") and "# peak LR" in config.read_text()
+    assert (tmp_path / "run" / "lr_find.png").is_file() and (tmp_path / "run" / "lr_find.json").is_file()
+
+
+def test_cli_main_errors_and_protocol_hooks(tmp_path, capsys):
+    cfg = TinyConfig(run_dir=str(tmp_path / "run"), strategy="one_device", precision="float32")
+    with pytest.raises(ConfigError, match="needs `--config FILE`"):
+        cli_main(tiny_recipe(), cfg, types.SimpleNamespace(write=True, config=None, dry_run=False))
+    # lr_find_setup and lr_to_config take precedence.
+    config = tmp_path / "c.yaml"
+    config.write_text("lr: 0.5\n")
+    calls = {}
+
+    def lr_find_setup(c):
+        calls["setup"] = True
+        m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        m.compile(keras.optimizers.SGD(0.1), "mse")
+        return m, (XR, YR)
+
+    def lr_to_config(c, peak):
+        return {"lr": peak / 2, "batch_size": 32}
+
+    rec = tiny_recipe(lr_find_setup=lr_find_setup, lr_to_config=lr_to_config)
+    assert cli_main(rec, cfg, types.SimpleNamespace(write=True, config=str(config), dry_run=False)) == 0
+    written = yaml.safe_load(config.read_text())
+    assert calls["setup"] and written["batch_size"] == 32 and written["lr"] < 0.5
+
+
+def test_write_config_value_keeps_comments_and_handles_json(tmp_path):
+    p = tmp_path / "a.yaml"
+    p.write_text("lr: 0.1   # peak\nlr_floor: 0.0\n")
+    write_config_value(p, "lr", 0.003)
+    assert p.read_text() == "lr: 0.003   # peak\nlr_floor: 0.0\n"
+    write_config_value(p, "peak_lr", 0.2)
+    assert yaml.safe_load(p.read_text()) == {"lr": 0.003, "lr_floor": 0.0, "peak_lr": 0.2}
+    j = tmp_path / "a.json"
+    j.write_text('{"lr": 1}')
+    write_config_value(j, "lr", 0.5)
+    assert yaml.safe_load(j.read_text()) == {"lr": 0.5}
