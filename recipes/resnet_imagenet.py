@@ -228,13 +228,19 @@ def augment_batch(cfg: Config, train_ds, num_classes: int):
 
 
 # --------------------------------------------------------------------------- optimiser
-def build_optimizer(cfg: Config, steps_per_epoch: int):
+def build_optimizer(cfg: Config, steps_per_epoch: int, learning_rate=None):
     """SGD with Nesterov momentum (or LARS above `lars_threshold`) on a warmup schedule.
 
     Weight decay is decoupled and not applied to BatchNorm parameters and biases
     (`exclude_from_weight_decay`, a Keras built-in). The schedule is a trainwell
     `WarmupCosineDecay` / `WarmupStepDecay`, whose LR multiplier lets NaN rollback
     lower the LR of the built optimizer.
+
+    Args:
+        cfg: The config.
+        steps_per_epoch: Training batches per epoch (sizes the schedule).
+        learning_rate: A fixed LR (or schedule) instead of the recipe's schedule,
+            e.g. for the LR range test. Defaults to `None`.
 
     Example:
     >>> opt = build_optimizer(Config(batch_size=256), steps_per_epoch=100)  # doctest: +SKIP
@@ -245,7 +251,9 @@ def build_optimizer(cfg: Config, steps_per_epoch: int):
 
     total = max(1, cfg.epochs * steps_per_epoch)
     warmup = min(total, int(round(cfg.warmup_epochs * steps_per_epoch)))
-    if cfg.schedule == "cosine":
+    if learning_rate is not None:
+        lr = learning_rate
+    elif cfg.schedule == "cosine":
         lr = WarmupCosineDecay(cfg.peak_lr, total_steps=total, warmup_steps=warmup, min_lr=cfg.min_lr)
     else:
         lr = WarmupStepDecay(
@@ -264,6 +272,36 @@ def build_optimizer(cfg: Config, steps_per_epoch: int):
         )
         opt.exclude_from_weight_decay(var_names=["gamma", "beta", "bias"])
     return opt
+
+
+def compile_model(cfg: Config, model, steps_per_epoch: int, learning_rate=None) -> None:
+    """Compiles `model` with the recipe's optimizer, loss (label smoothing) and metrics."""
+    import keras
+
+    model.compile(
+        optimizer=build_optimizer(cfg, steps_per_epoch, learning_rate=learning_rate),
+        loss=keras.losses.CategoricalCrossentropy(label_smoothing=cfg.label_smoothing),
+        metrics=["accuracy"],
+        jit_compile="auto" if cfg.jit_compile is None else cfg.jit_compile,
+        steps_per_execution=cfg.steps_per_execution,
+    )
+
+
+def lr_find_setup(cfg: Config):
+    """A compiled model (fixed LR) and the training data, for `trainwell lr-find`.
+
+    Example:
+    >>> model, data = lr_find_setup(Config(dataset="digits", image_size=8))  # doctest: +SKIP
+    """
+    data = build_data(cfg)
+    model = build_model(cfg, data.num_classes, data.channels)
+    compile_model(cfg, model, data.steps_per_epoch or 1, learning_rate=1e-3)
+    return model, data.train
+
+
+def lr_to_config(cfg: Config, peak_lr: float) -> dict:
+    """The config change that makes `peak_lr` the recipe's peak LR (`base_lr` is per 256)."""
+    return {"base_lr": peak_lr * cfg.lr_base_batch / cfg.batch_size}
 
 
 # --------------------------------------------------------------------------- callbacks
@@ -312,8 +350,6 @@ def train(cfg: Config | None = None, **overrides):
     >>> run = train(dataset="mnist5k", epochs=1, image_size=28, batch_size=128,
     ...             model="resnet18", width=16)  # doctest: +SKIP
     """
-    import keras
-
     from trainwell import recipe
 
     cfg = _cfg(cfg, overrides)
@@ -327,13 +363,7 @@ def train(cfg: Config | None = None, **overrides):
     train_ds = augment_batch(cfg, train_ds, data.num_classes)
     with ctx.strategy.scope():
         model = build_model(cfg, data.num_classes, data.channels)
-        model.compile(
-            optimizer=build_optimizer(cfg, steps),
-            loss=keras.losses.CategoricalCrossentropy(label_smoothing=cfg.label_smoothing),
-            metrics=["accuracy"],
-            jit_compile="auto" if cfg.jit_compile is None else cfg.jit_compile,
-            steps_per_execution=cfg.steps_per_execution,
-        )
+        compile_model(cfg, model, steps)
     schedule = getattr(getattr(model.optimizer, "inner_optimizer", model.optimizer), "_learning_rate", None)
     callbacks = build_callbacks(cfg, ctx.run_dir, schedule=schedule, chief=ctx.is_chief)
     verbose = cfg.verbose if cfg.verbose == "auto" else int(cfg.verbose)

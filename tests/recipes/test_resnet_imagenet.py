@@ -160,3 +160,20 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     assert len(a.files) == len(b.files)
     for k in a.files:
         np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_lr_find_cli_writes_base_lr_into_the_config(tmp_path):
+    import yaml
+
+    trainwell = str(Path(sys.executable).with_name("trainwell"))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("dataset: digits\nimage_size: 8\nmodel: resnet18\nwidth: 4\nbatch_size: 64\nepochs: 3\n"
+                   "warmup_epochs: 1\n")
+    r = subprocess.run([trainwell, "lr-find", "resnet-imagenet", "--config", str(cfg), "--write"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Suggested peak learning rate" in r.stdout
+    suggested = float(r.stdout.split("Suggested peak learning rate")[1].split(":")[1].split()[0])
+    base_lr = yaml.safe_load(cfg.read_text())["base_lr"]
+    assert base_lr == pytest.approx(suggested * 256 / 64, rel=0.02)  # written as the per-256 base LR
+    assert list(tmp_path.glob("runs/lr-find-*/lr_find.png"))
