@@ -120,8 +120,10 @@ def test_get_config_round_trip():
 
 def test_fit_with_model_excludes_batchnorm_and_bias():
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization(),
-                              keras.layers.Dense(2)])
+    # explicit names: auto-generated ones depend on what else ran in the process
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="dense"),
+                              keras.layers.BatchNormalization(name="batch_normalization"),
+                              keras.layers.Dense(2, name="dense_1")], name="sequential")
     opt = LARS(0.1, weight_decay=1e-2, exclude_from_weight_decay=list(NORM_AND_BIAS_PATTERNS))
     model.compile(optimizer=opt, loss="mse")
     x = np.random.default_rng(1).normal(size=(32, 4)).astype("float32")
