@@ -369,7 +369,7 @@ def train(cfg: Config | None = None, **overrides):
     verbose = cfg.verbose if cfg.verbose == "auto" else int(cfg.verbose)
     history = model.fit(
         train_ds, validation_data=data.val, epochs=cfg.epochs, steps_per_epoch=steps,
-        callbacks=callbacks, verbose=verbose,
+        callbacks=callbacks, verbose=verbose, shuffle=False,  # the pipeline shuffles (seeded)
     )
     test = model.evaluate(data.test, verbose=0, return_dict=True) if data.test is not None else {}
     metrics = {f"test_{k}": v for k, v in test.items()}
