@@ -86,7 +86,7 @@ class Config(BaseConfig):
     early_stopping_patience: Optional[int] = None  # None: off, the recipe runs all epochs
     doctor: bool = True  # TrainingDoctor at low overhead settings
     deterministic: bool = False  # op determinism (slower); needed for bit-exact resume
-    verbose: str = "auto"  # Keras fit verbosity: "auto", "0", "1", "2"
+    verbose: Literal["auto", 0, 1, 2] = "auto"  # Keras fit verbosity
 
     def validate(self) -> None:
         super().validate()
@@ -118,7 +118,6 @@ class Config(BaseConfig):
         check_positive(self, "early_stopping_patience")
         if self.checkpoint_every != "epoch" and not (self.checkpoint_every.isdigit() and int(self.checkpoint_every) > 0):
             _fail("checkpoint_every", self.checkpoint_every, "'epoch' or a positive number of steps")
-        check_choice(self, "verbose", ("auto", "0", "1", "2"))
 
     @property
     def depth(self) -> int:
@@ -366,10 +365,9 @@ def train(cfg: Config | None = None, **overrides):
         compile_model(cfg, model, steps)
     schedule = getattr(getattr(model.optimizer, "inner_optimizer", model.optimizer), "_learning_rate", None)
     callbacks = build_callbacks(cfg, ctx.run_dir, schedule=schedule, chief=ctx.is_chief)
-    verbose = cfg.verbose if cfg.verbose == "auto" else int(cfg.verbose)
     history = model.fit(
         train_ds, validation_data=data.val, epochs=cfg.epochs, steps_per_epoch=steps,
-        callbacks=callbacks, verbose=verbose, shuffle=False,  # the pipeline shuffles (seeded)
+        callbacks=callbacks, verbose=cfg.verbose, shuffle=False,  # the pipeline shuffles (seeded)
     )
     test = model.evaluate(data.test, verbose=0, return_dict=True) if data.test is not None else {}
     metrics = {f"test_{k}": v for k, v in test.items()}

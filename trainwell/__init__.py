@@ -17,7 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("runtime", "config", "data", "models", "optimizers", "io", "recipe", "tuning", "cli", "diagnostics")
+_SUBMODULES = ("runtime", "config", "data", "models", "optimizers", "io", "recipe", "tuning", "cli", "diagnostics", "keras_fixes")
 _LAZY_FUNCS = {"lr_find": "trainwell.callbacks.lr_finder"}
 
 

@@ -94,7 +94,7 @@ def coerce(key: str, value: Any, tp: Any, from_string: bool = False) -> Any:
         _fail(key, value, expected)
     if origin is Literal:
         for a in args:
-            if value == a or (from_string and isinstance(value, str) and str(a) == value):
+            if value == a or (isinstance(value, str) and str(a) == value):
                 return a
         _fail(key, value, expected)
     if origin in (tuple, list):

@@ -139,6 +139,8 @@ def make_strategy(spec: Any = "auto"):
     validate_strategy_spec(spec)
     tf = _tf()
     if isinstance(spec, tf.distribute.Strategy):
+        if isinstance(spec, tf.distribute.MultiWorkerMirroredStrategy):
+            _apply_multiworker_fixes()
         return spec
     m = _CPU_RE.match(spec)
     if m:
@@ -171,13 +173,14 @@ def make_strategy(spec: Any = "auto"):
     return tf.distribute.TPUStrategy(resolver)
 
 
+def _apply_multiworker_fixes() -> None:
+    from trainwell import keras_fixes
+
+    keras_fixes.apply()
+
+
 def _make_multiworker(tf):
-    try:
-        from trainwell import keras_fixes
-    except ImportError:  # pragma: no cover - arrives with the distribution work
-        keras_fixes = None
-    if keras_fixes is not None:
-        keras_fixes.apply()
+    _apply_multiworker_fixes()
     return tf.distribute.MultiWorkerMirroredStrategy()
 
 

@@ -10,7 +10,7 @@ from trainwell.config import ConfigError
 from trainwell.recipes import resnet_imagenet as recipe
 
 TINY = dict(dataset="digits", image_size=8, model="resnet18", width=4, epochs=3, batch_size=64,
-            warmup_epochs=1, base_lr=0.8, weight_decay=5e-4, verbose="0", doctor=False,
+            warmup_epochs=1, base_lr=0.8, weight_decay=5e-4, verbose=0, doctor=False,
             augment="none")
 
 

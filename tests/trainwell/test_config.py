@@ -114,3 +114,15 @@ def test_coerce_and_parse_helpers():
     assert coerce("x", "1e-3", float, from_string=True) == 0.001
     assert coerce("x", "1_000", int, from_string=True) == 1000
     assert parse_overrides(["a=b=c"]) == {"a": "b=c"}
+
+
+def test_literal_of_ints_accepts_their_strings():
+    @dataclasses.dataclass
+    class V(BaseConfig):
+        verbose: Literal["auto", 0, 1, 2] = "auto"
+
+    assert V(verbose=0).verbose == 0
+    assert V(verbose="1").verbose == 1  # YAML/JSON strings too
+    assert V.load(overrides=["verbose=2"]).verbose == 2
+    with pytest.raises(ConfigError, match="Received: verbose=3"):
+        V(verbose=3)
