@@ -73,6 +73,7 @@ class Config(BaseConfig):
     # -- data
     data_dir: Optional[str] = None  # TFDS data_dir / base of folder and TFRecord paths
     augment: Optional[str] = None  # None: inception crop (> 64 px), pad-crop for small images
+    crop_padding: Optional[int] = None  # pad-crop shift in px; None: image_size/8 (He et al. CIFAR: 4 at 32)
     cache: bool = False
     val_fraction: float = 0.1  # carved from train when the source has no validation split
     # -- performance
@@ -112,6 +113,7 @@ class Config(BaseConfig):
         check_positive(self, "mixup_alpha", allow_zero=True)
         check_positive(self, "cutmix_alpha", allow_zero=True)
         check_range(self, "val_fraction", 0.0, 1.0, hi_open=True)
+        check_positive(self, "crop_padding", allow_zero=True)
         check_positive(self, "steps_per_execution")
         check_positive(self, "keep_last")
         check_positive(self, "snapshot_every")
@@ -166,6 +168,7 @@ def build_data(cfg: Config, input_context=None):
         data_dir=cfg.data_dir,
         cache=cfg.cache,
         augment=cfg.augment,
+        crop_padding=cfg.crop_padding,
         val_fraction=cfg.val_fraction,
         input_context=input_context,
         one_hot=True,

@@ -416,3 +416,18 @@ def test_distribute_datasets_from_function_mirrored_cpu2(python_subprocess):
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["seen"] == [[2, 16]]  # 2 replicas in sync, per-replica batch 32 / 2
     assert np.isfinite(out["loss"])
+
+
+def test_crop_padding_sets_the_shift_range():
+    from trainwell.data.images import build_image_datasets as build
+
+    # zero padding: the pad-and-crop augmentation is the identity, so train images equal eval images
+    d = build("digits", image_size=8, global_batch_size=256, augment="pad_crop", crop_padding=0, val_fraction=0.0,
+              seed=1)
+    e = build("digits", image_size=8, global_batch_size=256, augment="none", val_fraction=0.0, seed=1)
+    (xd, yd), (xe, ye) = next(iter(d.train)), next(iter(e.train))
+    np.testing.assert_allclose(np.asarray(xd), np.asarray(xe))
+    s = build("digits", image_size=8, global_batch_size=256, augment="pad_crop", crop_padding=3, val_fraction=0.0, seed=1)
+    assert not np.allclose(np.asarray(next(iter(s.train))[0]), np.asarray(xe))
+    with pytest.raises(ValueError, match="Received: crop_padding=-1"):
+        build("digits", image_size=8, global_batch_size=32, crop_padding=-1)
