@@ -1,0 +1,253 @@
+"""The ResNet recipe against the same network trained by hand with plain Keras, on mnist5k.
+
+Both train the network of `configs/demo_mnist5k.yaml` (what `make demo` runs:
+ResNet-18 v1.5, width 16, small 3x3 stem, 28 px) for the same number of epochs on the
+same train split of the embedded 5,000 MNIST digits (3,500 train / 500 validation /
+1,000 test, split seed 0), and are scored on the same 1,000 test digits:
+
+- recipe: `trainwell.recipes.resnet_imagenet.train(cfg)` with the demo config: SGD +
+  Nesterov with the linear-scaled peak LR, warmup then cosine decay, decoupled weight
+  decay, label smoothing 0.1, pad-and-crop augmentation, its callbacks (NaN rollback,
+  training doctor, checkpoints, logs) and its run directory (under a temporary
+  directory here);
+- plain: what a user writes by hand: `trainwell.models.resnet.build_resnet` with the same
+  depth, width and stem, `Adam(1e-3)`, no schedule, no label smoothing, no augmentation,
+  `model.fit(x_train / 255, y_train, batch_size, epochs, validation_data=...)` with
+  integer labels and sparse categorical cross-entropy, then `model.evaluate` on test.
+
+Each run is a fresh subprocess (no state carried between runs); per seed the two
+alternate which goes first, so both see the same load on a shared machine. Wall time
+is measured inside the subprocess, from before the data are loaded to after the test
+evaluation (the recipe's `train()` call, which also writes its run directory; imports
+excluded). Prints one JSON object: per seed and summarised (mean/min/max) test accuracy
+and wall time of each, and the differences/ratios.
+
+Run:
+    python bench/recipe_vs_plain_keras.py                 # 20 epochs x 3 seeds: ~20-40 min on 2 cores
+    python bench/recipe_vs_plain_keras.py --quick         # 2 epochs x 1 seed smoke run
+    python bench/recipe_vs_plain_keras.py --epochs 10 --seeds 0,1
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from _common import load_avg, log, machine_info, print_json, ratio, rnd, summary  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_CONFIG = REPO / "configs" / "demo_mnist5k.yaml"
+KINDS = ("recipe", "plain")
+
+
+# --------------------------------------------------------------------------- workers
+def _load_config(path: str, epochs: int | None, seed: int, run_dir: str | None):
+    from trainwell.recipes import resnet_imagenet as R
+
+    overrides = {"seed": seed, "verbose": "0"}
+    if run_dir is not None:
+        overrides["run_dir"] = run_dir
+    if epochs is not None:
+        overrides["epochs"] = epochs
+        warmup = R.Config.load(path).warmup_epochs
+        if warmup >= epochs:  # e.g. --quick: fewer epochs than the config's warmup
+            overrides["warmup_epochs"] = float(max(0, epochs - 1))
+    return R.Config.load(path, overrides=overrides)
+
+
+def run_recipe(cfg) -> dict:
+    """The recipe's `train()`; returns its test metrics and wall time."""
+    from trainwell.recipes import resnet_imagenet as R
+
+    t0 = time.perf_counter()
+    run = R.train(cfg)
+    wall = time.perf_counter() - t0
+    return {
+        "test_accuracy": float(run.metrics["test_accuracy"]),
+        "test_loss": float(run.metrics["test_loss"]),
+        "epochs_run": len(run.history.get("loss", [])),
+        "final_val_accuracy": (run.history.get("val_accuracy") or [None])[-1],
+        "wall_s": wall,
+        "config": {k: getattr(cfg, k) for k in ("model", "width", "image_size", "batch_size", "epochs",
+                                                  "base_lr", "warmup_epochs", "weight_decay", "label_smoothing")},
+    }
+
+
+def run_plain(cfg) -> dict:
+    """The same network trained the plain way: Adam 1e-3, integer labels, `model.fit`."""
+    import keras
+    import numpy as np
+
+    from trainwell.data import embedded
+    from trainwell.models.resnet import build_resnet
+
+    keras.utils.set_random_seed(cfg.seed)
+    t0 = time.perf_counter()
+    # The recipe's split: val_fraction from the config, test_fraction 0.2, split seed 0.
+    splits = embedded.load(cfg.dataset, val_fraction=cfg.val_fraction, test_fraction=0.2, seed=0)
+    (x, y), (xv, yv), (xt, yt) = splits.train, splits.val, splits.test
+
+    def prep(a):
+        return np.asarray(a, np.float32) / 255.0
+
+    model = build_resnet(cfg.depth, num_classes=splits.num_classes, input_shape=tuple(x.shape[1:]),
+                         small_stem=cfg.use_small_stem, width=cfg.width)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    history = model.fit(prep(x), y, batch_size=cfg.batch_size, epochs=cfg.epochs,
+                        validation_data=(prep(xv), yv) if len(yv) else None, verbose=0)
+    test = model.evaluate(prep(xt), yt, verbose=0, return_dict=True)
+    wall = time.perf_counter() - t0
+    return {
+        "test_accuracy": float(test["accuracy"]),
+        "test_loss": float(test["loss"]),
+        "epochs_run": len(history.history["loss"]),
+        "final_val_accuracy": (history.history.get("val_accuracy") or [None])[-1],
+        "wall_s": wall,
+        "train_examples": int(len(y)),
+        "test_examples": int(len(yt)),
+    }
+
+
+def worker(args) -> None:
+    t0 = time.perf_counter()
+    cfg = _load_config(args.config, args.epochs, args.seed, args.run_dir)
+    with contextlib.redirect_stdout(sys.stderr):  # the parent reads one JSON line from stdout
+        out = run_recipe(cfg) if args.worker == "recipe" else run_plain(cfg)
+    out.update(kind=args.worker, seed=args.seed, process_wall_s=time.perf_counter() - t0)
+    sys.stdout.write(json.dumps(out) + "\n")
+    sys.stdout.flush()
+
+
+# --------------------------------------------------------------------------- driver
+def spawn(kind: str, seed: int, args, tmp: Path) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--seed", str(seed),
+           "--config", str(args.config)]
+    if args.epochs is not None:
+        cmd += ["--epochs", str(args.epochs)]
+    if kind == "recipe":
+        cmd += ["--run-dir", str(tmp / f"recipe-seed{seed}")]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, cwd=str(tmp))
+    if r.returncode != 0:
+        raise RuntimeError(f"{kind} run for seed {seed} failed with exit code {r.returncode}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out["subprocess_wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def parse_seeds(text: str) -> list[int]:
+    """`"3"` -> `[0, 1, 2]`; `"0,4,7"` -> `[0, 4, 7]`."""
+    parts = [p for p in str(text).split(",") if p.strip()]
+    if len(parts) == 1:
+        n = int(parts[0])
+        if n < 1:
+            raise ValueError(f"Invalid value for argument `--seeds`. Expected >= 1. Received: seeds={text!r}")
+        return list(range(n))
+    return [int(p) for p in parts]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--epochs", type=int, default=None, help="Epochs of both (default: the config's, 20).")
+    p.add_argument("--seeds", default=None, help="A count ('3': seeds 0,1,2; the default) or a list ('0,5').")
+    p.add_argument("--quick", action="store_true", help="Smoke run: 2 epochs, 1 seed (unless given).")
+    p.add_argument("--config", default=str(DEMO_CONFIG), help="The recipe config (default: the demo's).")
+    p.add_argument("--keep-runs", action="store_true", help="Keep the recipe's run directories (printed).")
+    p.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.epochs = args.epochs or 2
+        args.seeds = args.seeds or "1"
+    args.seeds = args.seeds or "3"
+    return args
+
+
+def main(argv=None) -> dict | None:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return None
+    seeds = parse_seeds(args.seeds)
+    machine = machine_info()
+    t_start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="trainwell-recipe-vs-plain-"))
+    per_seed = []
+    try:
+        for i, seed in enumerate(seeds):
+            order = list(KINDS) if i % 2 == 0 else list(reversed(KINDS))
+            row = {"seed": seed, "order": order}
+            for kind in order:
+                log(f"seed {seed}: {kind} ...")
+                row[kind] = spawn(kind, seed, args, tmp)
+                log(f"seed {seed}: {kind} test_accuracy={row[kind]['test_accuracy']:.4f} "
+                    f"wall={row[kind]['wall_s']:.1f}s")
+            row["accuracy_diff_recipe_minus_plain"] = rnd(row["recipe"]["test_accuracy"] - row["plain"]["test_accuracy"], 4)
+            row["wall_ratio_recipe_over_plain"] = ratio(row["recipe"]["wall_s"], row["plain"]["wall_s"])
+            per_seed.append(row)
+    finally:
+        if args.keep_runs:
+            log(f"recipe run directories kept under {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def compact(r: dict) -> dict:
+        keys = ("test_accuracy", "test_loss", "final_val_accuracy", "wall_s", "process_wall_s", "epochs_run")
+        return {k: (rnd(r[k], 4) if isinstance(r.get(k), float) else r.get(k)) for k in keys}
+
+    summ = {}
+    for kind in KINDS:
+        acc = summary(r[kind]["test_accuracy"] for r in per_seed)
+        wall = summary(r[kind]["wall_s"] for r in per_seed)
+        summ[kind] = {
+            "test_accuracy": {k: rnd(v, 4) for k, v in acc.items()},
+            "wall_s": {k: rnd(v, 1) for k, v in wall.items()},
+        }
+    first = per_seed[0]
+    out = {
+        "benchmark": "recipe_vs_plain_keras",
+        "dataset": "mnist5k",
+        "config": str(Path(args.config).resolve().relative_to(REPO)) if str(Path(args.config).resolve()).startswith(str(REPO)) else str(args.config),
+        "epochs": first["recipe"]["epochs_run"],
+        "seeds": seeds,
+        "recipe_settings": first["recipe"].get("config"),
+        "plain_settings": {"optimizer": "Adam(1e-3)", "schedule": None, "label_smoothing": 0.0,
+                           "augmentation": None, "labels": "int", "input": "x / 255",
+                           "batch_size": first["recipe"].get("config", {}).get("batch_size"),
+                           "train_examples": first["plain"].get("train_examples"),
+                           "test_examples": first["plain"].get("test_examples")},
+        "machine": machine,
+        "load_avg_1min_end": load_avg(),
+        "per_seed": [
+            {"seed": r["seed"], "order": r["order"], "recipe": compact(r["recipe"]), "plain": compact(r["plain"]),
+             "accuracy_diff_recipe_minus_plain": r["accuracy_diff_recipe_minus_plain"],
+             "wall_ratio_recipe_over_plain": r["wall_ratio_recipe_over_plain"]}
+            for r in per_seed
+        ],
+        "summary": summ,
+        "accuracy_diff_recipe_minus_plain": {k: rnd(v, 4) for k, v in summary(
+            r["accuracy_diff_recipe_minus_plain"] for r in per_seed).items()},
+        "wall_ratio_recipe_over_plain": {k: rnd(v, 3) for k, v in summary(
+            r["wall_ratio_recipe_over_plain"] for r in per_seed).items()},
+        "total_wall_s": rnd(time.perf_counter() - t_start, 1),
+    }
+    print_json(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
