@@ -30,12 +30,13 @@ import json
 import math
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
 import keras
 import numpy as np
+
+from trainwell.io import atomic_write_bytes
 
 __all__ = ["LRFinder", "LRFindResult", "lr_find", "cli_main", "suggest", "valley", "steep", "minimum", "write_config_value"]
 
@@ -210,30 +211,7 @@ class LRFindResult:
         fig.tight_layout()
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
-        return _atomic_write_bytes(path, buf.getvalue())
-
-
-def _atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Temp file in the same directory, fsync, rename (as `trainwell.io`, for bytes)."""
-    from trainwell.io import fsync_dir
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_dir(path.parent)
-    return path
+        return atomic_write_bytes(path, buf.getvalue())
 
 
 def suggest(lrs: Sequence[float], losses: Sequence[float], steps: int) -> dict[str, float]:

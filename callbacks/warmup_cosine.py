@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import keras
 import numpy as np
 from keras import ops
+
+from trainwell.io import atomic_write_bytes
 
 from trainwell.callbacks.schedules import (
     WarmupCosineDecay,
@@ -300,27 +301,6 @@ class WarmupCosine(keras.callbacks.Callback):
         fig.tight_layout()
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
-        return _atomic_write_bytes(path, buf.getvalue())
+        return atomic_write_bytes(path, buf.getvalue())
 
 
-def _atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Temp file in the same directory, fsync, rename (as `trainwell.io`, for bytes)."""
-    from trainwell.io import fsync_dir
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_dir(path.parent)
-    return path

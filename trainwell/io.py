@@ -33,28 +33,27 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Writes `text` to `path` atomically (temp file, fsync, rename).
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Writes `data` to `path` atomically (temp file in the same directory, fsync, rename).
 
     Args:
         path: Target file. Its directory is created if missing.
-        text: Content to write (UTF-8).
+        data: Bytes to write.
 
     Returns:
         The target path.
 
     Example:
     >>> import tempfile, os
-    >>> p = atomic_write_text(os.path.join(tempfile.mkdtemp(), "a.txt"), "hi")
-    >>> p.read_text()
-    'hi'
+    >>> atomic_write_bytes(os.path.join(tempfile.mkdtemp(), "a.bin"), b"hi").read_bytes()
+    b'hi'
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -66,6 +65,36 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
         raise
     fsync_dir(path.parent)
     return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Writes `text` (UTF-8) to `path` atomically. See `atomic_write_bytes`.
+
+    Example:
+    >>> import tempfile, os
+    >>> atomic_write_text(os.path.join(tempfile.mkdtemp(), "a.txt"), "hi").read_text()
+    'hi'
+    """
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int = 100) -> Path:
+    """Saves a matplotlib figure as PNG atomically and closes it.
+
+    Example:
+    >>> import matplotlib; matplotlib.use("Agg")
+    >>> import matplotlib.pyplot as plt, tempfile, os
+    >>> save_figure(plt.figure(), os.path.join(tempfile.mkdtemp(), "f.png")).suffix
+    '.png'
+    """
+    import io as _io
+
+    import matplotlib.pyplot as plt
+
+    buf = _io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    return atomic_write_bytes(path, buf.getvalue())
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from trainwell import runtime
-from trainwell.io import atomic_write_json
+from trainwell.io import atomic_write_json, save_figure
 
 
 @dataclasses.dataclass
@@ -204,10 +204,7 @@ def plot_history(history: dict[str, list[float]], path: str | os.PathLike) -> Pa
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def finish_run(ctx: RunContext, cfg, model, test_metrics: dict[str, float], history=None) -> RunResult:
@@ -348,7 +345,4 @@ def plot_schedule(schedule, total_steps: int, path: str | os.PathLike) -> Path:
     ax.set_title(type(schedule).__name__)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
