@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import keras
 import numpy as np
 
+from trainwell.callbacks.schedules import inner_optimizer
 from trainwell.io import atomic_write_bytes
 
 __all__ = ["LRFinder", "LRFindResult", "lr_find", "cli_main", "suggest", "valley", "steep", "minimum", "write_config_value"]
@@ -53,12 +54,6 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and math.isfinite(float(x))
 
 
-def _inner(optimizer):
-    seen = 0
-    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and seen < 8:
-        optimizer = optimizer.inner_optimizer
-        seen += 1
-    return optimizer
 
 
 # --------------------------------------------------------------------------- suggestions
@@ -369,7 +364,7 @@ class LRFinder(keras.callbacks.Callback):
         opt = getattr(model, "optimizer", None)
         if opt is None:
             raise ValueError("LRFinder needs a compiled model with an optimizer. Received: optimizer=None")
-        inner = _inner(opt)
+        inner = inner_optimizer(opt)
         if not getattr(opt, "built", False):
             opt.build(model.trainable_variables)
         self._model_vars = list(model.variables)

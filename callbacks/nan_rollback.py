@@ -25,6 +25,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from trainwell.callbacks.schedules import inner_optimizer
 from trainwell.callbacks.base import StatefulCallback
 
 _EVENTS_FILE = "nan_rollback.jsonl"
@@ -48,40 +49,6 @@ class TrainingDivergedError(RuntimeError):
     def __init__(self, message: str, events: list[dict] | None = None) -> None:
         super().__init__(message)
         self.events = list(events or [])
-
-
-# --------------------------------------------------------------------------- LR helpers
-def _lr_helpers():
-    """`(scale_learning_rate, current_lr)`: trainwell's schedules, else a plain-LR fallback."""
-    try:
-        from trainwell.callbacks.schedules import current_lr, scale_learning_rate
-
-        return scale_learning_rate, current_lr
-    except ImportError:
-        return _fallback_scale_learning_rate, _fallback_current_lr
-
-
-def _inner(optimizer):
-    return getattr(optimizer, "inner_optimizer", optimizer)
-
-
-def _fallback_current_lr(optimizer) -> float:
-    return float(keras.ops.convert_to_numpy(_inner(optimizer).learning_rate))
-
-
-def _fallback_scale_learning_rate(optimizer, factor: float) -> tuple[float, float]:
-    opt = _inner(optimizer)
-    if isinstance(opt._learning_rate, keras.optimizers.schedules.LearningRateSchedule) or callable(
-        opt._learning_rate
-    ):
-        raise TypeError(
-            "NaNRollback cannot lower the learning rate of an optimizer built with a "
-            "LearningRateSchedule without `trainwell.callbacks.schedules`; use a trainwell "
-            "schedule (it multiplies by a variable) or a float learning rate."
-        )
-    old = _fallback_current_lr(opt)
-    opt.learning_rate = old * factor
-    return old, _fallback_current_lr(opt)
 
 
 # --------------------------------------------------------------------------- small utils
@@ -388,7 +355,7 @@ class NaNRollback(StatefulCallback):
         """Model weights + optimizer variables, minus the learning-rate variable(s)."""
         opt = self.model.optimizer
         skip = set()
-        for o in (opt, _inner(opt)):
+        for o in (opt, inner_optimizer(opt)):
             lr = getattr(o, "_learning_rate", None)
             if isinstance(lr, keras.Variable):
                 skip.add(id(lr))
@@ -617,7 +584,7 @@ class NaNRollback(StatefulCallback):
 
     def _diverged(self, causes: list[str], loss: float | None, scale: float | None) -> None:
         opt = self.model.optimizer
-        scale_lr, current_lr = _lr_helpers()
+        from trainwell.callbacks.schedules import current_lr, scale_learning_rate as scale_lr
         it_before = self._iterations()
         lr_before = float(current_lr(opt))
         recent = self._window_rollbacks()

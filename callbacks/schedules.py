@@ -424,12 +424,24 @@ def _to_float(x) -> float:
     return float(np.asarray(ops.convert_to_numpy(x)))
 
 
-def _inner(optimizer):
-    """The optimizer that owns the learning rate (unwraps `LossScaleOptimizer`)."""
+def inner_optimizer(optimizer):
+    """The optimizer that owns the learning rate: unwraps `LossScaleOptimizer`s.
+
+    Example:
+    >>> opt = keras.optimizers.SGD(0.1)
+    >>> inner_optimizer(keras.optimizers.LossScaleOptimizer(opt)) is opt
+    True
+    """
     seen = 0
     while isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and seen < 8:
         optimizer = optimizer.inner_optimizer
         seen += 1
+    return optimizer
+
+
+def _inner(optimizer):
+    """`inner_optimizer`, checking that there is an optimizer at all."""
+    optimizer = inner_optimizer(optimizer)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(
             f"Expected a `keras.optimizers.Optimizer`. Received: optimizer={optimizer!r} "

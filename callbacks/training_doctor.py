@@ -14,6 +14,7 @@ import keras
 import numpy as np
 
 from trainwell import diagnostics as dx
+from trainwell.callbacks.schedules import inner_optimizer
 from trainwell.callbacks.base import StatefulCallback
 from trainwell.diagnostics import CODES, DEFAULT_THRESHOLDS, Finding
 
@@ -36,12 +37,6 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-def _inner_optimizer(optimizer):
-    seen = 0
-    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and seen < 8:
-        optimizer = optimizer.inner_optimizer
-        seen += 1
-    return optimizer
 
 
 def _current_lr(optimizer) -> float | None:
@@ -54,7 +49,7 @@ def _current_lr(optimizer) -> float | None:
 
 
 def _momentum(optimizer) -> float | None:
-    inner = _inner_optimizer(optimizer)
+    inner = inner_optimizer(optimizer)
     for attr in ("momentum", "beta_1"):
         v = getattr(inner, attr, None)
         if v is None:
