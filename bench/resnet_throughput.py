@@ -27,7 +27,10 @@ of each configuration. A configuration is a name made of dash-separated tokens:
 Tokens after the kind: `f32` or `mixed` (mixed_float16; required), `xla` / `noxla`
 (`jit_compile=True/False`; absent: Keras's `"auto"`, which is off on CPUs and under a
 distribution strategy), `speN` (`steps_per_execution=N`; Model Garden's
-`--steps_per_loop=N`), `nocb` (recipe only). Examples: `recipe-f32`,
+`--steps_per_loop=N`), `nocb` (recipe only), `fusedbn` (recipe only, an experiment:
+the recipe's model built with Keras's BatchNormalization swapped for a layer on TF's
+fused batch-norm kernel, to measure what Keras 3's unfused BatchNormalization costs;
+same numbers in training and evaluation). Examples: `recipe-f32`, `recipe-f32-fusedbn`,
 `recipe-mixed-xla-spe8`, `apps-mixed-xla`, `modelgarden-f32`.
 
 Method: every configuration is built and warmed up once (tracing / XLA compilation
@@ -37,12 +40,16 @@ machine). In a round, an in-process configuration runs one `fit` of one warm-up
 execution plus `--steps` timed steps; images/s = timed steps x batch / wall time
 between the end of the warm-up execution and the end of the last execution (a
 `StepTimer` callback records when each execution's loss is ready). A Model Garden
-round is a fresh subprocess whose first `--mg-warmup` loops are excluded. The JSON
-has the median over rounds of each configuration and, per recipe configuration, the
-ratio to each baseline of the same precision (median of the per-round ratios).
+round is a fresh subprocess whose first `--mg-warmup` loops are excluded. Every
+configuration also reports images per second of process CPU time (`images_per_cpu_s`;
+Model Garden's read from /proc at each of its log lines), the per-image cost, which on
+a shared machine depends far less on other people's load than wall-clock images/s.
+The JSON has the median over rounds of each configuration and, per recipe
+configuration, the ratio to each baseline of the same precision (median of the
+per-round ratios, and the ratio of images per CPU-second).
 
 Run:
-    python bench/resnet_throughput.py                      # CPU: batch 16, 224 px, ~5 min
+    python bench/resnet_throughput.py                      # CPU: batch 16, 224 px, 5-8 min
     python bench/resnet_throughput.py --device gpu         # GPU: batch 256, mixed precision, < 5 min
     python bench/resnet_throughput.py --configs recipe-f32,recipe-f32-xla,apps-f32 --steps 6
 """
@@ -73,12 +80,14 @@ MG_IMAGE_SIZE = 224  # Model Garden's synthetic ImageNet input is fixed at 224 p
 DEFAULTS = {
     # CPU: the comparison of the issue (batch 16, 224 px, float32), small step counts.
     "cpu": dict(batch=16, steps=4, rounds=2, mg_warmup=2,
-                configs="recipe-f32,apps-f32,modelgarden-f32"),
-    # GPU: batch 256, mixed precision; the recipe with XLA on/off, steps_per_execution
-    # 1/8, float32, without its callbacks; the plain keras.applications baseline.
+                configs="recipe-f32,recipe-f32-fusedbn,apps-f32,modelgarden-f32"),
+    # GPU: batch 256, mixed precision, in order of priority (a config that would not fit
+    # the time budget is skipped): the fastest setting, the plain keras.applications
+    # baseline, the recipe's own default on one GPU (MirroredStrategy, jit "auto" = off,
+    # steps_per_execution 1), then XLA / steps_per_execution / float32 / callbacks apart.
     "gpu": dict(batch=256, steps=48, rounds=2, mg_warmup=2,
-                configs="recipe-mixed-xla-spe8,recipe-mixed-xla,recipe-mixed-spe8,recipe-mixed,"
-                        "recipe-mixed-xla-spe8-nocb,recipe-f32-xla-spe8,apps-mixed,modelgarden-mixed-xla-spe8"),
+                configs="recipe-mixed-xla-spe8,apps-mixed,recipe-mixed,recipe-mixed-xla,recipe-mixed-spe8,"
+                        "recipe-f32-xla-spe8,recipe-mixed-xla-spe8-nocb,modelgarden-mixed-xla-spe8"),
 }
 
 
@@ -89,7 +98,8 @@ def parse_config(name: str) -> dict:
     kind, rest = tokens[0], tokens[1:]
     if kind not in ("recipe", "apps", "modelgarden"):
         raise ValueError(f"Invalid config {name!r}: starts with 'recipe', 'apps' or 'modelgarden'.")
-    spec = {"name": name, "kind": kind, "precision": None, "jit_compile": "auto", "spe": 1, "callbacks": True}
+    spec = {"name": name, "kind": kind, "precision": None, "jit_compile": "auto", "spe": 1, "callbacks": True,
+            "fused_bn": False}
     for t in rest:
         if t in ("f32", "fp32", "float32"):
             spec["precision"] = "float32"
@@ -103,11 +113,67 @@ def parse_config(name: str) -> dict:
             spec["spe"] = int(t[3:])
         elif t == "nocb" and kind == "recipe":
             spec["callbacks"] = False
+        elif t == "fusedbn" and kind == "recipe":
+            spec["fused_bn"] = True
         else:
             raise ValueError(f"Invalid config {name!r}: unknown token {t!r}.")
     if spec["precision"] is None:
         raise ValueError(f"Invalid config {name!r}: give a precision token, 'f32' or 'mixed'.")
     return spec
+
+
+@contextlib.contextmanager
+def _fused_batchnorm(enabled: bool):
+    """While building: `keras.layers.BatchNormalization` -> a layer on TF's fused kernel.
+
+    An experiment of this benchmark only (`-fusedbn`), not a trainwell layer: Keras 3's
+    BatchNormalization computes moments and the normalisation with separate ops
+    (keras-team/keras-core#225), while tf.keras and Model Garden run one
+    `FusedBatchNormV3` per layer (oneDNN on CPUs, cuDNN on GPUs). Same parameters and
+    names (`gamma`, `beta`, `moving_mean`, `moving_variance`), so the recipe's weight
+    decay exclusions still apply; the moving averages use the layer's momentum.
+    """
+    if not enabled:
+        yield
+        return
+    import keras
+    import tensorflow as tf
+
+    class FusedBatchNormalization(keras.layers.Layer):
+        def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, gamma_initializer="ones", name=None, **kwargs):
+            super().__init__(name=name)
+            if axis not in (-1, 3):
+                raise ValueError(f"FusedBatchNormalization supports axis=-1 only. Received: axis={axis}")
+            self.momentum, self.epsilon, self.gamma_initializer = momentum, epsilon, gamma_initializer
+
+        def build(self, shape):
+            c = shape[-1]
+            self.gamma = self.add_weight(shape=(c,), initializer=self.gamma_initializer, name="gamma")
+            self.beta = self.add_weight(shape=(c,), initializer="zeros", name="beta")
+            self.moving_mean = self.add_weight(shape=(c,), initializer="zeros", trainable=False, name="moving_mean")
+            self.moving_variance = self.add_weight(shape=(c,), initializer="ones", trainable=False,
+                                                   name="moving_variance")
+
+        def call(self, x, training=None):
+            f32 = tf.float32
+            gamma, beta = tf.cast(self.gamma.value, f32), tf.cast(self.beta.value, f32)
+            if training:
+                y, mean, var = tf.compat.v1.nn.fused_batch_norm(x, gamma, beta, epsilon=self.epsilon, is_training=True)
+                m = self.momentum
+                self.moving_mean.assign(self.moving_mean * m + tf.cast(mean, self.moving_mean.dtype) * (1 - m))
+                self.moving_variance.assign(self.moving_variance * m + tf.cast(var, self.moving_variance.dtype) * (1 - m))
+                return y
+            y, _, _ = tf.compat.v1.nn.fused_batch_norm(
+                x, gamma, beta, mean=tf.cast(self.moving_mean.value, f32),
+                variance=tf.cast(self.moving_variance.value, f32), epsilon=self.epsilon, is_training=False)
+            return y
+
+    original = keras.layers.BatchNormalization
+    keras.layers.BatchNormalization = FusedBatchNormalization
+    try:
+        yield
+    finally:
+        keras.layers.BatchNormalization = original
 
 
 def _sync_only():
@@ -180,7 +246,7 @@ class InProcess:
         keras.mixed_precision.set_global_policy(s["precision"])
         data = R.build_data(self.cfg)
         self.dataset, self.steps_per_epoch = data.train, data.steps_per_epoch
-        with self.strategy.scope():
+        with self.strategy.scope(), _fused_batchnorm(s["fused_bn"]):
             model = R.build_model(self.cfg, data.num_classes, data.channels)
             model.compile(
                 optimizer=R.build_optimizer(self.cfg, self.steps_per_epoch),
@@ -238,7 +304,8 @@ class InProcess:
             callbacks = [c for c in callbacks if type(c).__name__ in keep]
             if "_SyncOnly" in keep:
                 callbacks.append(_sync_only())
-        self.callback_names = [type(c).__name__ for c in callbacks]
+        if keep is None:
+            self.callback_names = [type(c).__name__ for c in callbacks]
         callbacks.append(timer)
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON
@@ -278,6 +345,7 @@ class InProcess:
             "precision": s["precision"],
             "jit_compile": s["jit_compile"],
             "jit_compile_resolved": bool(getattr(self.model, "jit_compile", False)),
+            "fused_batchnorm_experiment": s.get("fused_bn", False),
             "steps_per_execution": s["spe"],
             "batch_size": self.batch,
             "build_s": rnd(self.build_s, 1),
@@ -285,6 +353,9 @@ class InProcess:
             "parameters": int(self.model.count_params()),
         }
         if s["kind"] == "recipe":
+            # <= 64 px the recipe picks the small-image stem (3x3 stride 1, no max-pool):
+            # 16x the activations of the ImageNet stem, not comparable with `apps`
+            out["small_stem"] = bool(self.cfg.use_small_stem)
             out["strategy"] = type(self.strategy).__name__
             out["callbacks"] = self.callback_names
         return out
@@ -308,12 +379,16 @@ def profile_callbacks(runner: InProcess, steps: int, rounds: int) -> dict:
 
     Every variant is one `fit` of one warm-up execution plus `steps` timed steps with
     fresh callbacks (as a new run) and the `StepTimer`; variants alternate, `rounds`
-    times. Wall-clock and process-CPU milliseconds per step are medians over rounds;
-    `fit_start_s` / `fit_end_s` are the one-off costs per `fit` outside the timed steps.
+    times. Per variant (medians over rounds): `median_ms_per_step`, the median duration
+    of one step (robust to other load: the constant per-step cost), `mean_ms_per_step`
+    (includes periodic work such as a probe or snapshot every 100 steps),
+    `cpu_ms_per_step` (process CPU time / steps), their excess over `none`, and
+    `fit_start_s` / `fit_end_s`, the one-off costs per `fit` outside the timed steps.
     """
     spe = runner.spec["spe"]
     execs = max(1, -(-steps // spe))
-    rows: dict[str, dict[str, list]] = {k: {"wall": [], "cpu": [], "start": [], "end": []} for k in PROFILE_VARIANTS}
+    keys = ("median", "mean", "cpu", "start", "end")
+    rows: dict[str, dict[str, list]] = {k: {x: [] for x in keys} for k in PROFILE_VARIANTS}
     for k in range(rounds):
         names = list(PROFILE_VARIANTS)
         if k % 2:
@@ -321,31 +396,35 @@ def profile_callbacks(runner: InProcess, steps: int, rounds: int) -> dict:
         for name in names:
             timer = runner._fit(executions=1 + execs, keep=PROFILE_VARIANTS[name])
             n, wall, cpu = timer.timed(skip=1)
+            ends = sorted(timer.ends)
+            per_exec = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(ends, ends[1:])]
             r = rows[name]
-            r["wall"].append(1000 * wall / n)
+            r["median"].append(1000 * statistics.median(per_exec))
+            r["mean"].append(1000 * wall / n)
             r["cpu"].append(1000 * cpu / n)
             r["start"].append(timer.fit_start_s)
             r["end"].append(timer.fit_end_s)
-        log(f"callback profile round {k + 1}/{rounds}: " + ", ".join(
-            f"{n}={rows[n]['wall'][-1]:.1f}ms" for n in PROFILE_VARIANTS))
-    base_wall = statistics.median(rows["none"]["wall"])
-    base_cpu = statistics.median(rows["none"]["cpu"])
+        log(f"callback profile round {k + 1}/{rounds} (median ms/step): " + ", ".join(
+            f"{n}={rows[n]['median'][-1]:.1f}" for n in PROFILE_VARIANTS))
+    base = {x: statistics.median(rows["none"][x]) for x in ("median", "mean", "cpu")}
     out = {}
     for name, r in rows.items():
-        w, c = statistics.median(r["wall"]), statistics.median(r["cpu"])
+        m = {x: statistics.median(r[x]) for x in keys}
         out[name] = {
-            "ms_per_step": rnd(w, 2),
-            "cpu_ms_per_step": rnd(c, 2),
-            "extra_ms_per_step": rnd(w - base_wall, 2),
-            "extra_cpu_ms_per_step": rnd(c - base_cpu, 2),
-            "fit_start_s": rnd(statistics.median(r["start"]), 2),
-            "fit_end_s": rnd(statistics.median(r["end"]), 2),
+            "median_ms_per_step": rnd(m["median"], 2),
+            "extra_median_ms_per_step": rnd(m["median"] - base["median"], 2),
+            "mean_ms_per_step": rnd(m["mean"], 2),
+            "extra_mean_ms_per_step": rnd(m["mean"] - base["mean"], 2),
+            "cpu_ms_per_step": rnd(m["cpu"], 2),
+            "extra_cpu_ms_per_step": rnd(m["cpu"] - base["cpu"], 2),
+            "fit_start_s": rnd(m["start"], 2),
+            "fit_end_s": rnd(m["end"], 2),
         }
     return {
         "model": runner.cfg.model, "width": runner.cfg.width, "image_size": runner.cfg.image_size,
-        "batch_size": runner.batch, "precision": runner.spec["precision"],
-        "jit_compile": runner.spec["jit_compile"], "steps_per_execution": spe,
-        "timed_steps": execs * spe, "rounds": rounds, "variants": out,
+        "batch_size": runner.batch, "parameters": int(runner.model.count_params()),
+        "precision": runner.spec["precision"], "jit_compile": runner.spec["jit_compile"],
+        "steps_per_execution": spe, "timed_steps": execs * spe, "rounds": rounds, "variants": out,
     }
 
 
@@ -526,7 +605,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup-executions", type=int, default=0,
                    help="Untimed executions after the compiling one, at build time (default 0: each timed "
                         "fit also leaves its first execution out).")
-    p.add_argument("--configs", help="Comma-separated config names (see the module docstring).")
+    p.add_argument("--configs", help="Comma-separated config names (see the module docstring); 'none' "
+                                     "with --profile-callbacks runs the callback profile alone.")
     p.add_argument("--modelgarden", action=argparse.BooleanOptionalAction, default=True,
                    help="Include the Model Garden configs (default: yes).")
     p.add_argument("--modelgarden-python", default=str(REPO / "bench" / ".venv-modelgarden" / "bin" / "python"))
@@ -535,11 +615,11 @@ def parse_args(argv=None):
     p.add_argument("--profile-callbacks", action=argparse.BooleanOptionalAction, default=None,
                    help="Also measure the per-step cost of each recipe callback (default: on for gpu, off for cpu).")
     p.add_argument("--profile-model", choices=("small", "main"), default=None,
-                   help="Model of the callback profile: 'small' (ResNet-18, width 16, 32 px, batch 64; the "
+                   help="Model of the callback profile: 'small' (ResNet-18, width 8, 16 px, batch 32; the "
                         "default on cpu, where a ResNet-50 step hides per-step costs) or 'main' (the first "
                         "recipe config; default on gpu).")
-    p.add_argument("--profile-steps", type=int, default=None, help="Timed steps per profile variant (cpu 40, gpu 96).")
-    p.add_argument("--profile-rounds", type=int, default=2)
+    p.add_argument("--profile-steps", type=int, default=None, help="Timed steps per profile variant (cpu 200, gpu 96).")
+    p.add_argument("--profile-rounds", type=int, default=None, help="Alternating profile rounds (cpu 2, gpu 1).")
     p.add_argument("--time-budget", type=float, default=None,
                    help="Soft limit in seconds (cpu 1200, gpu 270): configs, rounds and the profile that "
                         "would not fit are skipped and listed under 'skipped'.")
@@ -564,9 +644,11 @@ def main(argv=None) -> dict:
     if args.profile_callbacks is None:
         args.profile_callbacks = device == "gpu"
     args.profile_model = args.profile_model or ("main" if device == "gpu" else "small")
-    args.profile_steps = args.profile_steps or (96 if device == "gpu" else 40)
+    args.profile_steps = args.profile_steps or (96 if device == "gpu" else 200)
+    args.profile_rounds = args.profile_rounds or (1 if device == "gpu" else 2)
     args.time_budget = args.time_budget or (270.0 if device == "gpu" else 1200.0)
-    specs = [parse_config(c) for c in (args.configs or d["configs"]).split(",") if c.strip()]
+    names = args.configs or d["configs"]
+    specs = [] if names.strip().lower() == "none" else [parse_config(c) for c in names.split(",") if c.strip()]
     if not args.modelgarden:
         specs = [s for s in specs if s["kind"] != "modelgarden"]
 
@@ -629,7 +711,7 @@ def main(argv=None) -> dict:
                 prof_runner = main_recipe
             else:
                 spec = parse_config("recipe-f32" if device == "cpu" else "recipe-mixed")
-                spec.update(name="profile-resnet18", model="resnet18", width=16, image_size=32, batch=64)
+                spec.update(name="profile-resnet18", model="resnet18", width=8, image_size=16, batch=32)
                 log("callback profile: building the small model")
                 prof_runner = InProcess(spec, args, strategy, tmp)
             profile = profile_callbacks(prof_runner, args.profile_steps, args.profile_rounds)
