@@ -337,11 +337,13 @@ def build_callbacks(cfg: Config, run_dir, schedule=None, chief: bool = True) -> 
 
 
 # --------------------------------------------------------------------------- train
-def train(cfg: Config | None = None, **overrides):
+def train(cfg: Config | None = None, *, callbacks=None, **overrides):
     """Trains the recipe and returns a `trainwell.recipe.RunResult`.
 
     Args:
         cfg: A `Config`. Defaults to `None` (the published defaults).
+        callbacks: Extra Keras callbacks, run after the recipe's own (e.g. a
+            KerasTuner reporter). Defaults to `None`.
         **overrides: Config fields to change, e.g. `epochs=5`.
 
     Returns:
@@ -367,7 +369,7 @@ def train(cfg: Config | None = None, **overrides):
         model = build_model(cfg, data.num_classes, data.channels)
         compile_model(cfg, model, steps)
     schedule = getattr(getattr(model.optimizer, "inner_optimizer", model.optimizer), "_learning_rate", None)
-    callbacks = build_callbacks(cfg, ctx.run_dir, schedule=schedule, chief=ctx.is_chief)
+    callbacks = build_callbacks(cfg, ctx.run_dir, schedule=schedule, chief=ctx.is_chief) + list(callbacks or ())
     history = model.fit(
         train_ds, validation_data=data.val, epochs=cfg.epochs, steps_per_epoch=steps,
         callbacks=callbacks, verbose=cfg.verbose, shuffle=False,  # the pipeline shuffles (seeded)

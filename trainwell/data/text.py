@@ -1,0 +1,700 @@
+"""Text classification data: sources, label mapping, and tokenising `tf.data` pipelines.
+
+Two steps, kept apart so each can be tested and reused:
+
+1. `load_text_splits(source, ...)` reads a source into memory as train / validation /
+   test arrays of strings and int64 label ids (`TextSplits`), with one label mapping:
+
+   - `"rotten_tomatoes"`: the embedded review snippets (`trainwell.data.embedded`);
+   - `"tfds:NAME"` (`tfds:glue/sst2`, `tfds:imdb_reviews`, ...): a prepared TFDS text
+     dataset (never downloaded here); splits without labels (GLUE's test split, label
+     -1) are ignored, and the validation split serves as the test split when there is
+     no labelled test split;
+   - `"csv:PATH"` / `"jsonl:PATH"`: a file (train only: validation and test are carved
+     from it) or a directory with `train.csv` and optionally `val.csv` (or
+     `validation.csv`, `dev.csv`) and `test.csv` (`.jsonl` likewise);
+   - plain Python: `(texts, labels)` or `{"train": (texts, labels), "val": ..., "test": ...}`.
+
+   `text_field` and `label_field` name the columns (keys); the text field defaults to
+   the first of `text`, `sentence`, `review`, `content` that exists. Labels that are
+   all integers are used as ids; otherwise (strings) they are mapped to ids in sorted
+   order, and that mapping (`class_names`) is what `save_label_map` writes next to the
+   exported model. A label in validation/test data that training never saw, a
+   missing column, an empty file: a `ValueError` naming the field or file.
+   Validation (and test, when missing) are carved from train with
+   `trainwell.data.embedded.stratified_split`: deterministic and stratified.
+
+2. `build_text_datasets(splits, preprocessor, global_batch_size, ...)` turns the
+   arrays into batched `(inputs, labels)` datasets, tokenising **inside the tf.data
+   pipeline**: the keras-hub preprocessor (e.g. `BertTextClassifierPreprocessor`) is
+   mapped over the strings, once, and the token ids are cached in memory. Training
+   batches are grouped by length (`Dataset.group_by_window`, the `tf.data` form of
+   `bucket_by_sequence_length`; Hugging Face's `group_by_length`) and cut to their
+   bucket's boundary, so a batch of short review snippets is not padded to
+   `sequence_length`: the transformer's cost falls with the padded length. Evaluation
+   batches keep their order and are cut to the longest example in the batch rounded up
+   to a multiple of 16.
+
+Exact resume: the training set is shuffled with a fixed seed and
+`reshuffle_each_iteration=True`, and its cardinality is asserted (the exact number of
+full batches: per bucket `floor(n_bucket / batch)`, the same every epoch), so Keras
+makes a new iterator each epoch and `trainwell.recipe.advance_epochs` can position a
+restarted run at its epoch, as for the image pipelines.
+
+Example:
+>>> splits = load_text_splits((["good", "bad"] * 20, ["pos", "neg"] * 20), val_fraction=0.2, test_fraction=0.2)
+>>> splits.class_names, splits.sizes()
+(['neg', 'pos'], {'train': 24, 'val': 8, 'test': 8})
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+TEXT_FIELD_CANDIDATES = ("text", "sentence", "review", "content")
+LABEL_MAP_FILE = "labels.json"
+_VAL_NAMES = ("val", "validation", "dev")
+_BUCKET_BOUNDARIES = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+_EVAL_ROUND = 16
+# Splits of TFDS text datasets, for when the builder's info does not list them
+# (e.g. under `tfds.testing.mock_data`). GLUE's test labels are hidden (-1).
+_TFDS_KNOWN_SPLITS = {"glue": ("train", "validation"), "imdb_reviews": ("train", "test")}
+
+
+# --------------------------------------------------------------------------- splits
+@dataclasses.dataclass
+class TextSplits:
+    """Train / validation / test texts and label ids of one source, in memory.
+
+    Attributes:
+        name: The source (`"rotten_tomatoes"`, `"csv:reviews.csv"`, `"memory"`, ...).
+        train, val, test: `(texts, labels)`: an object array of `str` and int64 ids;
+            `val`/`test` may be `None` (when `val_fraction` / `test_fraction` is 0 and
+            the source has none).
+        class_names: Label names, indexed by id.
+
+    Example:
+    >>> s = load_text_splits((["a", "b"] * 10, [0, 1] * 10), val_fraction=0.1, test_fraction=0.0)
+    >>> s.num_classes, s.test is None
+    (2, True)
+    """
+
+    name: str
+    train: tuple[np.ndarray, np.ndarray]
+    val: tuple[np.ndarray, np.ndarray] | None
+    test: tuple[np.ndarray, np.ndarray] | None
+    class_names: list[str]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def label_to_id(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.class_names)}
+
+    def sizes(self) -> dict[str, int]:
+        return {k: (0 if getattr(self, k) is None else len(getattr(self, k)[1])) for k in ("train", "val", "test")}
+
+
+def _fail(arg: str, value: Any, expected: str):
+    raise ValueError(f"Invalid value for argument `{arg}`. Expected {expected}. Received: {arg}={value!r}")
+
+
+def _as_texts(values: Iterable[Any], where: str) -> np.ndarray:
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bytes):
+            v = v.decode("utf-8", errors="replace")
+        if v is None or not isinstance(v, str):
+            raise ValueError(f"Text #{i} of {where} is not a string. Received: {v!r}")
+        out.append(v)
+    return np.array(out, dtype=object)
+
+
+def _is_int_label(v: Any) -> bool:
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, (int, np.integer)):
+        return True
+    if isinstance(v, (float, np.floating)):
+        return float(v).is_integer()
+    if isinstance(v, str):
+        s = v.strip()
+        return bool(s) and (s.isdigit() or (s[0] == "-" and s[1:].isdigit()))
+    return False
+
+
+def _encode_labels(
+    raw: dict[str, list], class_names: Sequence[str] | None, where: dict[str, str]
+) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Maps raw labels of each split to ids; the training labels define the mapping."""
+    train = raw["train"]
+    for split, labels in raw.items():
+        for v in labels:
+            if v is None or (isinstance(v, str) and not v.strip()):
+                raise ValueError(f"Empty label in {where[split]}.")
+    if class_names is not None:
+        names = [str(c) for c in class_names]
+        index = {n: i for i, n in enumerate(names)}
+        as_int = all(_is_int_label(v) for vs in raw.values() for v in vs) and not all(
+            str(v).strip() in index for vs in raw.values() for v in vs
+        )
+    else:
+        as_int = all(_is_int_label(v) for vs in raw.values() for v in vs)
+        if as_int:
+            ids = [int(float(v)) for v in train]
+            if min(ids) < 0:
+                raise ValueError(
+                    f"Negative label {min(ids)} in {where['train']}: integer labels must be class ids >= 0."
+                )
+            names = [str(i) for i in range(max(ids) + 1)]
+        else:
+            names = sorted({str(v).strip() for v in train})
+        index = {n: i for i, n in enumerate(names)}
+    out: dict[str, np.ndarray] = {}
+    train_seen: set[int] = set()
+    for split in ("train", *[s for s in raw if s != "train"]):
+        ids = []
+        for v in raw[split]:
+            if as_int:
+                k = int(float(v))
+                if not 0 <= k < len(names):
+                    raise ValueError(
+                        f"Label {k} in {where[split]} is out of range: expected a class id in [0, {len(names)})."
+                    )
+            else:
+                key = str(v).strip()
+                if key not in index:
+                    if class_names is None:
+                        raise ValueError(
+                            f"Label {key!r} in {where[split]} never occurs in the training data "
+                            f"({where['train']}); known labels: {names}."
+                        )
+                    raise ValueError(f"Label {key!r} in {where[split]} is not one of class_names={names}.")
+                k = index[key]
+            ids.append(k)
+        arr = np.array(ids, dtype=np.int64)
+        if split == "train":
+            train_seen = set(arr.tolist())
+        elif as_int and class_names is None:
+            unseen = sorted(set(arr.tolist()) - train_seen)
+            if unseen:
+                raise ValueError(
+                    f"Label {unseen[0]} in {where[split]} never occurs in the training data ({where['train']})."
+                )
+        out[split] = arr
+    return out, names
+
+
+def _pick_text_field(fields: Sequence[str], text_field: str | None, where: str) -> str:
+    if text_field is not None:
+        if text_field not in fields:
+            raise ValueError(
+                f"Text field {text_field!r} not found in {where}; fields: {list(fields)}. Set `text_field`."
+            )
+        return text_field
+    for c in TEXT_FIELD_CANDIDATES:
+        if c in fields:
+            return c
+    raise ValueError(
+        f"No text field in {where}: none of {list(TEXT_FIELD_CANDIDATES)} among its fields {list(fields)}. "
+        "Set `text_field`."
+    )
+
+
+def _read_csv(path: Path) -> tuple[list[str], list[dict]]:
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        fields = [c for c in (reader.fieldnames or [])]
+        rows = [r for r in reader if any((v or "").strip() for v in r.values() if isinstance(v, str))]
+    return fields, rows
+
+
+def _read_jsonl(path: Path) -> tuple[list[str], list[dict]]:
+    rows: list[dict] = []
+    fields: list[str] = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"Invalid JSON on line {n} of {str(path)!r}: {e.msg}.") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"Line {n} of {str(path)!r} is not a JSON object. Received: {line.strip()[:80]!r}")
+            for k in row:
+                if k not in fields:
+                    fields.append(k)
+            rows.append(row)
+    return fields, rows
+
+
+def _read_table(path: Path, kind: str, text_field: str | None, label_field: str) -> tuple[list, list]:
+    if not path.is_file():
+        raise FileNotFoundError(f"Data file not found: {str(path)!r}")
+    if path.stat().st_size == 0:
+        raise ValueError(f"Empty file: {str(path)!r} has no rows.")
+    fields, rows = _read_csv(path) if kind == "csv" else _read_jsonl(path)
+    if not rows:
+        raise ValueError(f"Empty file: {str(path)!r} has no rows.")
+    where = repr(str(path))
+    tf_name = _pick_text_field(fields, text_field, where)
+    if label_field not in fields:
+        raise ValueError(f"Label field {label_field!r} not found in {where}; fields: {fields}. Set `label_field`.")
+    texts, labels = [], []
+    for i, r in enumerate(rows):
+        if r.get(tf_name) is None:
+            raise ValueError(f"Row {i + 1} of {where} has no value for the text field {tf_name!r}.")
+        if r.get(label_field) is None:
+            raise ValueError(f"Row {i + 1} of {where} has no value for the label field {label_field!r}.")
+        texts.append(r[tf_name])
+        labels.append(r[label_field])
+    return texts, labels
+
+
+def _file_source(kind: str, rest: str, data_dir: str | None, text_field, label_field) -> tuple[dict, dict]:
+    path = Path(rest).expanduser()
+    if not path.is_absolute() and data_dir:
+        path = Path(data_dir) / path
+    files: dict[str, Path] = {}
+    if path.is_dir():
+        ext = f".{kind}"
+        train = path / f"train{ext}"
+        if not train.is_file():
+            raise FileNotFoundError(f"No training file in {str(path)!r}: expected {train.name}.")
+        files["train"] = train
+        for name in _VAL_NAMES:
+            if (path / f"{name}{ext}").is_file():
+                files["val"] = path / f"{name}{ext}"
+                break
+        if (path / f"test{ext}").is_file():
+            files["test"] = path / f"test{ext}"
+    else:
+        files["train"] = path
+    raw, where = {}, {}
+    for split, p in files.items():
+        raw[split] = _read_table(p, kind, text_field, label_field)
+        where[split] = repr(str(p))
+    return raw, where
+
+
+def _tfds_source(name: str, data_dir: str | None, text_field, label_field) -> tuple[dict, dict, list[str] | None]:
+    import tensorflow_datasets as tfds
+
+    try:
+        builder = tfds.builder(name, data_dir=data_dir)
+    except Exception as e:  # DatasetNotFoundError and friends
+        raise ValueError(f"Unknown TFDS dataset {name!r} (source 'tfds:{name}'): {e}") from None
+    info = builder.info
+    features = dict(info.features.items())
+    text_keys = [k for k, f in features.items() if isinstance(f, tfds.features.Text)]
+    tf_name = _pick_text_field(text_keys or list(features), text_field, f"TFDS dataset {name!r}")
+    if label_field not in features:
+        raise ValueError(
+            f"Label field {label_field!r} not found in TFDS dataset {name!r}; fields: {list(features)}. "
+            "Set `label_field`."
+        )
+    label_feature = features[label_field]
+    names = list(label_feature.names) if isinstance(label_feature, tfds.features.ClassLabel) else None
+    known = dict(info.splits.items()) if info.splits else {}
+    available = list(known) if known else list(_TFDS_KNOWN_SPLITS.get(name.split("/")[0].split(":")[0], ("train", "test")))
+    if "train" not in available:
+        raise ValueError(f"TFDS dataset {name!r} has no 'train' split. Splits: {sorted(available)}.")
+    raw, where = {}, {}
+    for tfds_split, split in (("train", "train"), ("validation", "val"), ("test", "test")):
+        if tfds_split not in available:
+            continue
+        try:
+            ds = builder.as_dataset(split=tfds_split, shuffle_files=False)
+        except (AssertionError, FileNotFoundError) as e:
+            raise FileNotFoundError(
+                f"TFDS dataset {name!r} is not prepared in data_dir {str(builder.data_dir)!r}: "
+                f"{str(e).strip().rstrip('.')}. Prepare it first (e.g. `tfds build {name} --data_dir DIR`)."
+            ) from None
+        texts, labels = [], []
+        for ex in tfds.as_numpy(ds):
+            texts.append(ex[tf_name])
+            labels.append(int(ex[label_field]))
+        if not labels or all(v < 0 for v in labels):  # unlabelled (GLUE test: -1)
+            continue
+        raw[split] = (texts, labels)
+        where[split] = f"the {tfds_split!r} split of TFDS dataset {name!r}"
+    if "train" not in raw:
+        raise ValueError(f"The 'train' split of TFDS dataset {name!r} is empty.")
+    if "test" not in raw and "val" in raw:  # GLUE: validation is the held-out test
+        raw["test"], where["test"] = raw.pop("val"), where.pop("val")
+    return raw, where, names
+
+
+def _memory_source(source: Any) -> tuple[dict, dict]:
+    if isinstance(source, dict):
+        parts = {}
+        for k, v in source.items():
+            key = "val" if k in _VAL_NAMES else k
+            if key not in ("train", "val", "test"):
+                raise ValueError(f"Unknown split {k!r} in the data dict: expected 'train', 'val' or 'test'.")
+            parts[key] = v
+        if "train" not in parts:
+            raise ValueError("The data dict has no 'train' split.")
+    else:
+        parts = {"train": source}
+    raw, where = {}, {}
+    for split, pair in parts.items():
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise ValueError(f"The {split!r} data must be a pair (texts, labels). Received: {type(pair).__name__}")
+        texts, labels = list(pair[0]), list(pair[1])
+        if len(texts) != len(labels):
+            raise ValueError(
+                f"The {split!r} data has {len(texts)} texts but {len(labels)} labels: they must match one to one."
+            )
+        raw[split] = (texts, labels)
+        where[split] = f"the {split!r} data"
+    return raw, where
+
+
+def load_text_splits(
+    source: Any,
+    *,
+    text_field: str | None = None,
+    label_field: str = "label",
+    val_fraction: float = 0.1,
+    test_fraction: float = 0.2,
+    seed: int = 0,
+    data_dir: str | None = None,
+    class_names: Sequence[str] | None = None,
+    max_train_examples: int | None = None,
+) -> TextSplits:
+    """Reads a text classification source into train / validation / test arrays.
+
+    Args:
+        source: `"rotten_tomatoes"`, `"tfds:NAME"`, `"csv:PATH"`, `"jsonl:PATH"`,
+            `(texts, labels)` or `{"train": (texts, labels), "val": ..., "test": ...}`
+            (see the module docstring).
+        text_field: Column/key of the text. Defaults to `None` (the first of `text`,
+            `sentence`, `review`, `content` present).
+        label_field: Column/key of the label. Defaults to `"label"`.
+        val_fraction: Fraction of train carved out as validation when the source has no
+            validation split; `0` for none. Defaults to `0.1`.
+        test_fraction: Fraction of train carved out as test when the source has no
+            (labelled) test split; `0` for none. Defaults to `0.2`.
+        seed: Seed of the carved splits. Defaults to `0`.
+        data_dir: TFDS data directory, and base of relative file paths. Defaults to `None`.
+        class_names: Fixed label names (their order gives the ids) instead of the mapping
+            inferred from the training labels. Defaults to `None`.
+        max_train_examples: Keep only the first N training examples (after the split),
+            for quick runs. Defaults to `None` (all).
+
+    Returns:
+        A `TextSplits`.
+
+    Raises:
+        FileNotFoundError: a file, directory or TFDS dataset that is missing or not prepared.
+        ValueError: a missing text/label field, an empty file, a label unseen in
+            training, a bad argument; the message names the field or file.
+
+    Example:
+    >>> s = load_text_splits("rotten_tomatoes")
+    >>> s.class_names, s.sizes()["test"]
+    (['rotten', 'fresh'], 2562)
+    """
+    for arg, v in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+            _fail(arg, v, "a float in [0, 1)")
+    if val_fraction + test_fraction >= 1:
+        _fail("test_fraction", test_fraction, f"val_fraction + test_fraction < 1 (val_fraction={val_fraction})")
+    if max_train_examples is not None and (isinstance(max_train_examples, bool) or not isinstance(max_train_examples, int) or max_train_examples < 1):
+        _fail("max_train_examples", max_train_examples, "None or an int >= 1")
+    if not isinstance(label_field, str) or not label_field:
+        _fail("label_field", label_field, "a non-empty string")
+
+    from trainwell.data.embedded import load_rotten_tomatoes, stratified_split
+
+    names_from_source = None
+    if isinstance(source, str):
+        name = source.strip()
+        kind, _, rest = name.partition(":")
+        kind = kind.lower()
+        if name == "rotten_tomatoes":
+            s = load_rotten_tomatoes(val_fraction=val_fraction, test_fraction=test_fraction, seed=seed)
+            out = TextSplits(
+                name=name, train=s.train, val=s.val if val_fraction > 0 else None,
+                test=s.test if test_fraction > 0 else None, class_names=list(s.class_names),
+            )
+            return _truncate(out, max_train_examples)
+        if kind in ("csv", "jsonl") and rest:
+            raw, where = _file_source(kind, rest, data_dir, text_field, label_field)
+        elif kind == "tfds" and rest:
+            raw, where, names_from_source = _tfds_source(rest, data_dir, text_field, label_field)
+        else:
+            _fail("source", source, "'rotten_tomatoes', 'tfds:NAME', 'csv:PATH', 'jsonl:PATH', "
+                  "(texts, labels) or {'train': (texts, labels), ...}")
+    else:
+        name = "memory"
+        raw, where = _memory_source(source)
+
+    texts = {k: _as_texts(v[0], where[k]) for k, v in raw.items()}
+    for k, t in texts.items():
+        if len(t) == 0:
+            raise ValueError(f"No examples in {where[k]}.")
+    names_arg = class_names if class_names is not None else names_from_source
+    labels, names = _encode_labels({k: v[1] for k, v in raw.items()}, names_arg, where)
+
+    has_val, has_test = "val" in texts, "test" in texts
+    carve_val = 0.0 if has_val else val_fraction
+    carve_test = 0.0 if has_test else test_fraction
+    x, y = texts["train"], labels["train"]
+    if carve_val or carve_test:
+        idx = stratified_split(y, carve_val, carve_test, seed)
+        parts = {k: (x[i], y[i]) for k, i in idx.items()}
+    else:
+        parts = {"train": (x, y)}
+    train = parts["train"]
+    if len(train[1]) == 0:
+        raise ValueError(f"No training examples left in {where['train']} after carving validation/test.")
+    val = (texts["val"], labels["val"]) if has_val else (parts["val"] if carve_val else None)
+    test = (texts["test"], labels["test"]) if has_test else (parts["test"] if carve_test else None)
+    out = TextSplits(name=name, train=train, val=val, test=test, class_names=list(names))
+    return _truncate(out, max_train_examples)
+
+
+def _truncate(s: TextSplits, n: int | None) -> TextSplits:
+    if n is None or n >= len(s.train[1]):
+        return s
+    return dataclasses.replace(s, train=(s.train[0][:n], s.train[1][:n]))
+
+
+# --------------------------------------------------------------------------- label map
+def save_label_map(path: str | os.PathLike, class_names: Sequence[str]) -> Path:
+    """Writes the label mapping (`labels.json`) atomically.
+
+    Args:
+        path: A directory (the file is `path/labels.json`) or a `.json` file path.
+        class_names: Label names, indexed by id.
+
+    Returns:
+        The file written.
+
+    Example:
+    >>> import tempfile
+    >>> load_label_map(save_label_map(tempfile.mkdtemp(), ["neg", "pos"]))
+    ['neg', 'pos']
+    """
+    from trainwell.io import atomic_write_json
+
+    p = Path(path)
+    if p.suffix != ".json":
+        p = p / LABEL_MAP_FILE
+    names = [str(c) for c in class_names]
+    return atomic_write_json(p, {"class_names": names, "label_to_id": {n: i for i, n in enumerate(names)}})
+
+
+def load_label_map(path: str | os.PathLike) -> list[str]:
+    """Reads `labels.json` (a directory holding it, or the file) and returns the class names.
+
+    Example:
+    >>> load_label_map("runs/x/model")  # doctest: +SKIP
+    ['rotten', 'fresh']
+    """
+    p = Path(path)
+    if p.is_dir() or p.suffix != ".json":
+        p = p / LABEL_MAP_FILE
+    if not p.is_file():
+        raise FileNotFoundError(f"Label map not found: {str(p)!r}")
+    data = json.loads(p.read_text(encoding="utf-8"))
+    names = data.get("class_names") if isinstance(data, dict) else None
+    if not isinstance(names, list) or not names:
+        raise ValueError(f"Invalid label map {str(p)!r}: expected a non-empty `class_names` list.")
+    return [str(n) for n in names]
+
+
+# --------------------------------------------------------------------------- pipelines
+@dataclasses.dataclass
+class TextDatasets:
+    """Batched, tokenised datasets of `build_text_datasets` and what a recipe needs to know.
+
+    Attributes:
+        train: Shuffled `(inputs, labels)` batches grouped by length, full batches only.
+        val, test: Evaluation batches in order, or `None`.
+        splits: The `TextSplits` they were built from.
+        global_batch_size: Batch size (over all replicas).
+        sequence_length: Maximum tokens per example.
+        steps: Batches per epoch per split (`train`: full batches only).
+
+    Example:
+    >>> data = build_text_datasets(splits, preprocessor, 32)  # doctest: +SKIP
+    >>> data.steps_per_epoch  # doctest: +SKIP
+    """
+
+    train: Any
+    val: Any
+    test: Any
+    splits: TextSplits
+    global_batch_size: int
+    sequence_length: int
+    steps: dict[str, int]
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.steps["train"]
+
+    @property
+    def num_classes(self) -> int:
+        return self.splits.num_classes
+
+    @property
+    def class_names(self) -> list[str]:
+        return self.splits.class_names
+
+
+def bucket_boundaries(sequence_length: int) -> list[int]:
+    """Upper bounds of the length buckets for `sequence_length` (the last is it).
+
+    Example:
+    >>> bucket_boundaries(64)
+    [16, 24, 32, 48, 64]
+    """
+    return [b for b in _BUCKET_BOUNDARIES if b < sequence_length] + [int(sequence_length)]
+
+
+def _tokenised(texts: np.ndarray, labels: np.ndarray | None, preprocessor):
+    """`(inputs, label, length)` per example, tokenised by `preprocessor` inside tf.data."""
+    import tensorflow as tf
+
+    x = tf.constant(np.asarray(texts, dtype=object).astype(str))
+    ds = tf.data.Dataset.from_tensor_slices((x, np.zeros(len(texts), np.int32) if labels is None else labels.astype(np.int32)))
+
+    def tok(text, label):
+        inputs = preprocessor(text)
+        length = tf.reduce_sum(tf.cast(inputs["padding_mask"], tf.int32), axis=-1)
+        return inputs, label, length
+
+    # Tokenise batches (fast), then unbatch to single examples.
+    return ds.batch(256).map(tok, num_parallel_calls=tf.data.AUTOTUNE).unbatch()
+
+
+def _cut(inputs: dict, n):
+    return {k: v[:, :n] for k, v in inputs.items()}
+
+
+def make_eval_dataset(texts, labels, preprocessor, batch_size: int, sequence_length: int):
+    """Evaluation/prediction batches in input order, cut to their longest example.
+
+    Each batch is cut to the longest example it holds, rounded up to a multiple of 16
+    (at most `sequence_length`). Labels are all 0 when `labels` is None.
+
+    Example:
+    >>> ds = make_eval_dataset(["so good"], None, preprocessor, 32, 64)  # doctest: +SKIP
+    """
+    import tensorflow as tf
+
+    ds = _tokenised(np.asarray(texts, dtype=object), None if labels is None else np.asarray(labels), preprocessor)
+    ds = ds.batch(batch_size)
+
+    def cut(inputs, label, length):
+        n = tf.minimum(((tf.reduce_max(length) + _EVAL_ROUND - 1) // _EVAL_ROUND) * _EVAL_ROUND, sequence_length)
+        return _cut(inputs, n), label
+
+    ds = ds.map(cut, num_parallel_calls=tf.data.AUTOTUNE)
+    # Known length: Keras then runs exactly these steps (no "ran out of data" warning).
+    ds = ds.apply(tf.data.experimental.assert_cardinality(math.ceil(len(texts) / batch_size)))
+    return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def build_text_datasets(
+    splits: TextSplits,
+    preprocessor,
+    global_batch_size: int,
+    *,
+    sequence_length: int,
+    seed: int = 0,
+    bucket_by_length: bool = True,
+    eval_batch_size: int | None = None,
+) -> TextDatasets:
+    """Builds the tokenising train / validation / test pipelines of `splits`.
+
+    Args:
+        splits: From `load_text_splits`.
+        preprocessor: A keras-hub text classifier preprocessor (string in, dict of
+            `token_ids`, `padding_mask`, ... of length `sequence_length` out).
+        global_batch_size: Batch size over all replicas, >= 1.
+        sequence_length: The preprocessor's sequence length.
+        seed: Seed of the training shuffle. Defaults to `0`.
+        bucket_by_length: Group training batches by length and cut them to the
+            bucket's boundary. Defaults to `True`.
+        eval_batch_size: Batch size of validation/test. Defaults to `None`
+            (`2 * global_batch_size`).
+
+    Returns:
+        A `TextDatasets`.
+
+    Example:
+    >>> data = build_text_datasets(load_text_splits("rotten_tomatoes"), pre, 32, sequence_length=64)  # doctest: +SKIP
+    """
+    import tensorflow as tf
+
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        _fail("global_batch_size", global_batch_size, "an int >= 1")
+    if isinstance(sequence_length, bool) or not isinstance(sequence_length, int) or sequence_length < 2:
+        _fail("sequence_length", sequence_length, "an int >= 2")
+    x, y = splits.train
+    n = len(y)
+    if n < global_batch_size:
+        raise ValueError(
+            f"The training split of {splits.name!r} has {n} examples, fewer than one batch of "
+            f"global_batch_size={global_batch_size}."
+        )
+    cached = _tokenised(x, y, preprocessor).cache()
+    bounds = bucket_boundaries(sequence_length) if bucket_by_length else [int(sequence_length)]
+    # One pass fills the cache (tokenising once) and gives the lengths, hence the exact
+    # number of full batches per epoch.
+    lengths = np.concatenate([b.numpy() for b in cached.map(lambda i, l, n_: n_).batch(4096)])
+    bucket_ids = np.searchsorted(np.asarray(bounds), lengths, side="left")
+    steps_train = int(sum(c // global_batch_size for c in np.bincount(bucket_ids, minlength=len(bounds))))
+    if steps_train < 1:
+        raise ValueError(f"Too few training examples in {splits.name!r} for one full batch per length bucket.")
+    bounds_t = tf.constant(bounds, tf.int64)
+
+    def key(inputs, label, length):
+        return tf.cast(tf.searchsorted(bounds_t, tf.reshape(tf.cast(length, tf.int64), [1]), side="left")[0], tf.int64)
+
+    def cut_to_bucket(inputs, label, length):
+        b = tf.searchsorted(bounds_t, tf.reshape(tf.cast(tf.reduce_max(length), tf.int64), [1]), side="left")[0]
+        return _cut(inputs, tf.cast(tf.gather(bounds_t, b), tf.int32)), label
+
+    train = cached.shuffle(n, seed=seed, reshuffle_each_iteration=True)
+    train = train.group_by_window(
+        key_func=key,
+        reduce_func=lambda _, window: window.batch(global_batch_size, drop_remainder=True),
+        window_size=global_batch_size,
+    )
+    train = train.map(cut_to_bucket, num_parallel_calls=tf.data.AUTOTUNE)
+    train = train.apply(tf.data.experimental.assert_cardinality(steps_train)).prefetch(tf.data.AUTOTUNE)
+    options = tf.data.Options()
+    options.deterministic = True
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    train = train.with_options(options)
+
+    eb = eval_batch_size or 2 * global_batch_size
+
+    def ev(part):
+        if part is None:
+            return None, 0
+        ds = make_eval_dataset(part[0], part[1], preprocessor, eb, sequence_length).with_options(options)
+        return ds, math.ceil(len(part[1]) / eb)
+
+    val, steps_val = ev(splits.val)
+    test, steps_test = ev(splits.test)
+    return TextDatasets(
+        train=train, val=val, test=test, splits=splits, global_batch_size=global_batch_size,
+        sequence_length=int(sequence_length), steps={"train": steps_train, "val": steps_val, "test": steps_test},
+    )
