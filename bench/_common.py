@@ -16,6 +16,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any, Iterable
@@ -225,3 +226,30 @@ def ratio(a: float | None, b: float | None, digits: int = 3) -> float | None:
     if a is None or b is None or not b:
         return None
     return round(float(a) / float(b), digits)
+
+
+def parse_seeds(text: str) -> list[int]:
+    """`"3"` -> `[0, 1, 2]`; `"0,4,7"` -> `[0, 4, 7]`."""
+    parts = [p for p in str(text).split(",") if p.strip()]
+    if len(parts) == 1:
+        n = int(parts[0])
+        if n < 1:
+            raise ValueError(f"Invalid value for argument `--seeds`. Expected >= 1. Received: seeds={text!r}")
+        return list(range(n))
+    return [int(p) for p in parts]
+
+
+def run_worker(script: str, kind: str, seed: int, extra: list[str], cwd) -> dict:
+    """Runs `script --worker KIND --seed SEED EXTRA...` in a fresh process; its last stdout line is JSON.
+
+    Each measured run gets its own interpreter so no state (compiled functions, RNG,
+    allocator) leaks from one arm into the other. Adds `subprocess_wall_s`.
+    """
+    cmd = [sys.executable, os.path.abspath(script), "--worker", kind, "--seed", str(seed), *extra]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, cwd=str(cwd))
+    if r.returncode != 0:
+        raise RuntimeError(f"{kind} run for seed {seed} failed with exit code {r.returncode}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out["subprocess_wall_s"] = time.perf_counter() - t0
+    return out

