@@ -77,6 +77,18 @@ def _check_between(name: str, value: Any, peak_lr: float) -> float:
     return float(value)
 
 
+def _check_decay_args(peak_lr, total_steps, warmup_steps, min_lr, warmup_start):
+    """Validated `(peak_lr, total_steps, warmup_steps, min_lr, warmup_start)` of a decay schedule."""
+    peak_lr = _check_peak(peak_lr)
+    if not _is_int(total_steps) or total_steps < 1:
+        raise _invalid("total_steps", "an integer >= 1", total_steps)
+    total_steps = int(total_steps)
+    warmup_steps = _check_warmup(warmup_steps, total_steps, "total_steps")
+    min_lr = _check_between("min_lr", min_lr, peak_lr)
+    warmup_start = _check_between("warmup_start", warmup_start, peak_lr)
+    return peak_lr, total_steps, warmup_steps, min_lr, warmup_start
+
+
 # ---------------------------------------------------------------- base class
 class _WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
     """Shared plumbing: the multiplier variable and the linear warmup."""
@@ -164,13 +176,9 @@ class WarmupCosineDecay(_WarmupSchedule):
         t_mul: float = 1.0,
         m_mul: float = 1.0,
     ) -> None:
-        peak_lr = _check_peak(peak_lr)
-        if not _is_int(total_steps) or total_steps < 1:
-            raise _invalid("total_steps", "an integer >= 1", total_steps)
-        total_steps = int(total_steps)
-        warmup_steps = _check_warmup(warmup_steps, total_steps, "total_steps")
-        min_lr = _check_between("min_lr", min_lr, peak_lr)
-        warmup_start = _check_between("warmup_start", warmup_start, peak_lr)
+        peak_lr, total_steps, warmup_steps, min_lr, warmup_start = _check_decay_args(
+            peak_lr, total_steps, warmup_steps, min_lr, warmup_start
+        )
         if restart_steps is not None and (not _is_int(restart_steps) or restart_steps < 1):
             raise _invalid("restart_steps", "None or an integer >= 1", restart_steps)
         if not _is_number(t_mul) or t_mul < 1:
@@ -294,13 +302,9 @@ class WarmupLinearDecay(_WarmupSchedule):
         min_lr: float = 0.0,
         warmup_start: float = 0.0,
     ) -> None:
-        peak_lr = _check_peak(peak_lr)
-        if not _is_int(total_steps) or total_steps < 1:
-            raise _invalid("total_steps", "an integer >= 1", total_steps)
-        total_steps = int(total_steps)
-        warmup_steps = _check_warmup(warmup_steps, total_steps, "total_steps")
-        min_lr = _check_between("min_lr", min_lr, peak_lr)
-        warmup_start = _check_between("warmup_start", warmup_start, peak_lr)
+        peak_lr, total_steps, warmup_steps, min_lr, warmup_start = _check_decay_args(
+            peak_lr, total_steps, warmup_steps, min_lr, warmup_start
+        )
         super().__init__(peak_lr, warmup_steps, warmup_start)
         self.total_steps = total_steps
         self.min_lr = min_lr

@@ -328,6 +328,23 @@ def check_choice(cfg: Any, name: str, choices: typing.Iterable[Any]) -> None:
         _fail(name, v, "one of " + ", ".join(repr(c) for c in choices))
 
 
+def check_reliability_fields(cfg: Any) -> None:
+    """Checks the run fields every recipe `Config` shares (checkpoints, rollback, early stop).
+
+    `steps_per_execution`, `keep_last`, `snapshot_every` >= 1, `early_stopping_patience`
+    None or >= 1, and `checkpoint_every` "epoch" or a positive number of steps.
+
+    Example:
+    >>> from trainwell.recipes.resnet_imagenet import Config
+    >>> check_reliability_fields(Config())
+    """
+    for name in ("steps_per_execution", "keep_last", "snapshot_every", "early_stopping_patience"):
+        check_positive(cfg, name)
+    every = str(cfg.checkpoint_every)
+    if every != "epoch" and not (every.isdigit() and int(every) > 0):
+        _fail("checkpoint_every", cfg.checkpoint_every, "'epoch' or a positive number of steps")
+
+
 def _unknown_key_message(cls, key: str) -> str:
     import difflib
 

@@ -56,21 +56,6 @@ def _model(seed=1, built=True, lr=0.05, optimizer=None, spe=1, width=8):
     return model
 
 
-class Crash(Exception):
-    pass
-
-
-class CrashAt(keras.callbacks.Callback):
-    """Raises `Crash` at the n-th train batch end (a stand-in for a dying process)."""
-
-    def __init__(self, n):
-        super().__init__()
-        self.n, self.seen = n, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen += 1
-        if self.seen == self.n:
-            raise Crash(f"crash at batch end {self.n}")
 
 
 class Counter(StatefulCallback):
@@ -252,12 +237,12 @@ def reference_spe2():
 
 
 @pytest.mark.parametrize("built", [True, False])
-def test_mid_epoch_resume_with_steps_per_execution(tmp_path, reference_spe2, built):
+def test_mid_epoch_resume_with_steps_per_execution(tmp_path, reference_spe2, built, crash_at):
     ref_model, ref_counter, ref_hist = reference_spe2
     d = tmp_path / "ck"
     m1 = _model(spe=2, built=built)
-    with pytest.raises(Crash):
-        _fit(m1, [Checkpoint(d, save_every=3), Counter(), CrashAt(7)], epochs=3, validate=True)  # dies after step 14
+    with pytest.raises(crash_at.error):
+        _fit(m1, [Checkpoint(d, save_every=3), Counter(), crash_at(7)], epochs=3, validate=True)  # dies after step 14
     latest = list_checkpoints(d)[-1]
     # With spe=2 batch hooks fire every 2 steps: saves land at 4, 8, 12 (>= 3 steps apart).
     assert [e["global_step"] for e in list_checkpoints(d)] == [4, 8, 12]
@@ -282,11 +267,11 @@ class Remake(keras.callbacks.Callback):
         self.model.make_train_function(force=True)
 
 
-def test_resume_survives_train_function_rebuilt_by_later_callback(tmp_path, reference_spe2):
+def test_resume_survives_train_function_rebuilt_by_later_callback(tmp_path, reference_spe2, crash_at):
     ref_model = reference_spe2[0]
     d = tmp_path / "ck"
-    with pytest.raises(Crash):
-        _fit(_model(spe=2), [Checkpoint(d, save_every=3), Remake(), CrashAt(7)], epochs=3)
+    with pytest.raises(crash_at.error):
+        _fit(_model(spe=2), [Checkpoint(d, save_every=3), Remake(), crash_at(7)], epochs=3)
     assert [e["global_step"] for e in list_checkpoints(d)] == [4, 8, 12]
     m2 = _model(seed=99, spe=2)
     _fit(m2, [Checkpoint(d, save_every=3), Remake()], epochs=3)
@@ -469,7 +454,7 @@ def test_mixed_float16_loss_scale_saved_and_restored(tmp_path):
         keras.mixed_precision.set_global_policy("float32")
 
 
-def test_weights_only_warm_start_applies_lr_warmup(tmp_path):
+def test_weights_only_warm_start_applies_lr_warmup(tmp_path, crash_at):
     d = tmp_path / "ck"
     at_step6 = {}
 
@@ -484,8 +469,8 @@ def test_weights_only_warm_start_applies_lr_warmup(tmp_path):
                 at_step6["w"] = self.model.get_weights()
 
     m1 = _model(optimizer=keras.optimizers.SGD(0.1))
-    with pytest.raises(Crash):
-        _fit(m1, [Checkpoint(d, save_every=3, weights_only=True), Grab(), CrashAt(7)], epochs=2)
+    with pytest.raises(crash_at.error):
+        _fit(m1, [Checkpoint(d, save_every=3, weights_only=True), Grab(), crash_at(7)], epochs=2)
     meta, arrays = ckpt_mod._read_checkpoint(latest_checkpoint(d))
     assert meta["weights_only"] and not any(k.startswith(("opt:", "rng:", "seed:")) for k in arrays)
 
@@ -508,7 +493,7 @@ def test_weights_only_warm_start_applies_lr_warmup(tmp_path):
     assert int(m2.optimizer.iterations.numpy()) == 14
 
 
-def test_warm_start_with_schedule_uses_lr_multiplier(tmp_path):
+def test_warm_start_with_schedule_uses_lr_multiplier(tmp_path, crash_at):
     schedules = pytest.importorskip("trainwell.callbacks.schedules")
     if not hasattr(schedules, "WarmupCosineDecay"):
         pytest.skip("trainwell.callbacks.schedules has no WarmupCosineDecay")
@@ -517,8 +502,8 @@ def test_warm_start_with_schedule_uses_lr_multiplier(tmp_path):
     def opt():
         return keras.optimizers.SGD(schedules.WarmupCosineDecay(0.1, 1000))
 
-    with pytest.raises(Crash):
-        _fit(_model(optimizer=opt()), [Checkpoint(d, save_every=3, weights_only=True), CrashAt(7)], epochs=1)
+    with pytest.raises(crash_at.error):
+        _fit(_model(optimizer=opt()), [Checkpoint(d, save_every=3, weights_only=True), crash_at(7)], epochs=1)
     mults = []
 
     class Record(keras.callbacks.Callback):

@@ -36,19 +36,6 @@ class Score(keras.callbacks.Callback):
         logs["score"] = self.scores[epoch]
 
 
-class Crash(Exception):
-    pass
-
-
-class CrashAt(keras.callbacks.Callback):
-    def __init__(self, n):
-        super().__init__()
-        self.n, self.seen = n, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen += 1
-        if self.seen == self.n:
-            raise Crash()
 
 
 class WeightsAt(keras.callbacks.Callback):
@@ -141,10 +128,10 @@ def test_uninterrupted_reference(uninterrupted):
     assert _close(uninterrupted["model"].get_weights(), uninterrupted["weights"][3])
 
 
-def test_state_survives_restart_and_stops_at_same_epoch(tmp_path, uninterrupted):
+def test_state_survives_restart_and_stops_at_same_epoch(tmp_path, uninterrupted, crash_at):
     d = tmp_path / "ck"
-    with pytest.raises(Crash):  # 2 steps per epoch: dies in epoch 5, after epoch 4's checkpoint
-        _fit(_model(), [Score(PLATEAU), _ckpt(d), _es(), CrashAt(11)], epochs=10)
+    with pytest.raises(crash_at.error):  # 2 steps per epoch: dies in epoch 5, after epoch 4's checkpoint
+        _fit(_model(), [Score(PLATEAU), _ckpt(d), _es(), crash_at(11)], epochs=10)
     saved = json.loads((d / list_checkpoints(d)[-1]["name"] / "state.json").read_text())
     assert saved["callbacks"]["early_stopping"] == {
         "wait": 1, "best": 1.5, "best_epoch": 3, "stopped_epoch": 0, "stop_reason": None,
@@ -177,13 +164,13 @@ def test_best_weights_from_memory_without_checkpoint():
     assert _close(model.get_weights(), seen.by_epoch[3])
 
 
-def test_best_weights_fall_back_to_best_checkpoint(tmp_path):
+def test_best_weights_fall_back_to_best_checkpoint(tmp_path, crash_at):
     # The checkpoint of the best epoch was pruned; in-memory weights are gone after the restart;
     # the Checkpoint's best by the same monitor is used.
     d = tmp_path / "ck"
     seen = WeightsAt()
-    with pytest.raises(Crash):
-        _fit(_model(), [Score(PLATEAU), seen, _ckpt(d), _es(), CrashAt(11)], epochs=10)
+    with pytest.raises(crash_at.error):
+        _fit(_model(), [Score(PLATEAU), seen, _ckpt(d), _es(), crash_at(11)], epochs=10)
     model, es = _model(seed=3), _es()
     # Drop the epoch-3 checkpoint from disk and from the index to simulate its pruning.
     import shutil
