@@ -27,10 +27,10 @@ of each configuration. A configuration is a name made of dash-separated tokens:
 Tokens after the kind: `f32` or `mixed` (mixed_float16; required), `xla` / `noxla`
 (`jit_compile=True/False`; absent: Keras's `"auto"`, which is off on CPUs and under a
 distribution strategy), `speN` (`steps_per_execution=N`; Model Garden's
-`--steps_per_loop=N`), `nocb` (recipe only), `fusedbn` (recipe only, an experiment:
-the recipe's model built with Keras's BatchNormalization swapped for a layer on TF's
-fused batch-norm kernel, to measure what Keras 3's unfused BatchNormalization costs;
-same numbers in training and evaluation). Examples: `recipe-f32`, `recipe-f32-fusedbn`,
+`--steps_per_loop=N`), `nocb` (recipe only), `kerasbn` (recipe only: the model with
+Keras 3's own, unfused `BatchNormalization` instead of trainwell's
+`FusedBatchNormalization`, the recipe's default on TensorFlow; it shows what the fused
+kernel buys). Examples: `recipe-f32`, `recipe-f32-kerasbn`,
 `recipe-mixed-xla-spe8`, `apps-mixed-xla`, `modelgarden-f32`.
 
 Method: every configuration is built and warmed up once (tracing / XLA compilation
@@ -80,7 +80,7 @@ MG_IMAGE_SIZE = 224  # Model Garden's synthetic ImageNet input is fixed at 224 p
 DEFAULTS = {
     # CPU: the comparison of the issue (batch 16, 224 px, float32), small step counts.
     "cpu": dict(batch=16, steps=4, rounds=2, mg_warmup=2,
-                configs="recipe-f32,recipe-f32-fusedbn,apps-f32,modelgarden-f32"),
+                configs="recipe-f32,recipe-f32-kerasbn,apps-f32,modelgarden-f32"),
     # GPU: batch 256, mixed precision, in order of priority (a config that would not fit
     # the time budget is skipped): the fastest setting, the plain keras.applications
     # baseline, the recipe's own default on one GPU (MirroredStrategy, jit "auto" = off,
@@ -99,7 +99,7 @@ def parse_config(name: str) -> dict:
     if kind not in ("recipe", "apps", "modelgarden"):
         raise ValueError(f"Invalid config {name!r}: starts with 'recipe', 'apps' or 'modelgarden'.")
     spec = {"name": name, "kind": kind, "precision": None, "jit_compile": "auto", "spe": 1, "callbacks": True,
-            "fused_bn": False}
+            "keras_bn": False}
     for t in rest:
         if t in ("f32", "fp32", "float32"):
             spec["precision"] = "float32"
@@ -113,67 +113,13 @@ def parse_config(name: str) -> dict:
             spec["spe"] = int(t[3:])
         elif t == "nocb" and kind == "recipe":
             spec["callbacks"] = False
-        elif t == "fusedbn" and kind == "recipe":
-            spec["fused_bn"] = True
+        elif t == "kerasbn" and kind == "recipe":
+            spec["keras_bn"] = True
         else:
             raise ValueError(f"Invalid config {name!r}: unknown token {t!r}.")
     if spec["precision"] is None:
         raise ValueError(f"Invalid config {name!r}: give a precision token, 'f32' or 'mixed'.")
     return spec
-
-
-@contextlib.contextmanager
-def _fused_batchnorm(enabled: bool):
-    """While building: `keras.layers.BatchNormalization` -> a layer on TF's fused kernel.
-
-    An experiment of this benchmark only (`-fusedbn`), not a trainwell layer: Keras 3's
-    BatchNormalization computes moments and the normalisation with separate ops
-    (keras-team/keras-core#225), while tf.keras and Model Garden run one
-    `FusedBatchNormV3` per layer (oneDNN on CPUs, cuDNN on GPUs). Same parameters and
-    names (`gamma`, `beta`, `moving_mean`, `moving_variance`), so the recipe's weight
-    decay exclusions still apply; the moving averages use the layer's momentum.
-    """
-    if not enabled:
-        yield
-        return
-    import keras
-    import tensorflow as tf
-
-    class FusedBatchNormalization(keras.layers.Layer):
-        def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, gamma_initializer="ones", name=None, **kwargs):
-            super().__init__(name=name)
-            if axis not in (-1, 3):
-                raise ValueError(f"FusedBatchNormalization supports axis=-1 only. Received: axis={axis}")
-            self.momentum, self.epsilon, self.gamma_initializer = momentum, epsilon, gamma_initializer
-
-        def build(self, shape):
-            c = shape[-1]
-            self.gamma = self.add_weight(shape=(c,), initializer=self.gamma_initializer, name="gamma")
-            self.beta = self.add_weight(shape=(c,), initializer="zeros", name="beta")
-            self.moving_mean = self.add_weight(shape=(c,), initializer="zeros", trainable=False, name="moving_mean")
-            self.moving_variance = self.add_weight(shape=(c,), initializer="ones", trainable=False,
-                                                   name="moving_variance")
-
-        def call(self, x, training=None):
-            f32 = tf.float32
-            gamma, beta = tf.cast(self.gamma.value, f32), tf.cast(self.beta.value, f32)
-            if training:
-                y, mean, var = tf.compat.v1.nn.fused_batch_norm(x, gamma, beta, epsilon=self.epsilon, is_training=True)
-                m = self.momentum
-                self.moving_mean.assign(self.moving_mean * m + tf.cast(mean, self.moving_mean.dtype) * (1 - m))
-                self.moving_variance.assign(self.moving_variance * m + tf.cast(var, self.moving_variance.dtype) * (1 - m))
-                return y
-            y, _, _ = tf.compat.v1.nn.fused_batch_norm(
-                x, gamma, beta, mean=tf.cast(self.moving_mean.value, f32),
-                variance=tf.cast(self.moving_variance.value, f32), epsilon=self.epsilon, is_training=False)
-            return y
-
-    original = keras.layers.BatchNormalization
-    keras.layers.BatchNormalization = FusedBatchNormalization
-    try:
-        yield
-    finally:
-        keras.layers.BatchNormalization = original
 
 
 def _sync_only():
@@ -242,11 +188,12 @@ class InProcess:
             precision=s["precision"], strategy=a.strategy, seed=0,
             jit_compile=None if s["jit_compile"] == "auto" else s["jit_compile"],
             steps_per_execution=s["spe"], verbose="0", run_dir=str(self.tmp / s["name"]),
+            fused_batchnorm=False if s["keras_bn"] else None,
         )
         keras.mixed_precision.set_global_policy(s["precision"])
         data = R.build_data(self.cfg)
         self.dataset, self.steps_per_epoch = data.train, data.steps_per_epoch
-        with self.strategy.scope(), _fused_batchnorm(s["fused_bn"]):
+        with self.strategy.scope():
             model = R.build_model(self.cfg, data.num_classes, data.channels)
             model.compile(
                 optimizer=R.build_optimizer(self.cfg, self.steps_per_epoch),
@@ -345,7 +292,7 @@ class InProcess:
             "precision": s["precision"],
             "jit_compile": s["jit_compile"],
             "jit_compile_resolved": bool(getattr(self.model, "jit_compile", False)),
-            "fused_batchnorm_experiment": s.get("fused_bn", False),
+            "keras_batchnorm": s.get("keras_bn", False),
             "steps_per_execution": s["spe"],
             "batch_size": self.batch,
             "build_s": rnd(self.build_s, 1),

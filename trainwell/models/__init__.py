@@ -1,4 +1,4 @@
-"""Models of the recipes: ResNet v1.5 (`trainwell.models.resnet`).
+"""Models of the recipes: ResNet v1.5 (`trainwell.models.resnet`) and its fused BatchNorm (`layers`).
 
 Names are imported lazily so `import trainwell.models` does not import Keras.
 
@@ -16,6 +16,7 @@ _LAZY = {
     "RESNET_DEPTHS": "resnet",
     "build_resnet": "resnet",
     "build_resnet_from_name": "resnet",
+    "FusedBatchNormalization": "layers",
 }
 
 __all__ = list(_LAZY)

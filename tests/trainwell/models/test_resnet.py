@@ -124,3 +124,22 @@ def test_build_from_name_and_invalid_arguments():
         build_resnet(18, 2, (32, 32, 3), dropout=1.0)
     with pytest.raises(ValueError, match="Received: input_shape=\\(32, 32\\)"):
         build_resnet(18, 2, (32, 32))
+
+
+def test_fused_batchnorm_by_default_on_tensorflow_same_weights_either_way():
+    import keras
+
+    from trainwell.models.layers import FusedBatchNormalization
+
+    fused = build_resnet(18, 10, (16, 16, 1), small_stem=True, width=4)
+    plain = build_resnet(18, 10, (16, 16, 1), small_stem=True, width=4, fused_batchnorm=False)
+    bns = [layer for layer in fused.layers if isinstance(layer, keras.layers.BatchNormalization)]
+    assert bns and all(isinstance(layer, FusedBatchNormalization) for layer in bns)
+    assert not any(isinstance(layer, FusedBatchNormalization) for layer in plain.layers)
+    assert [w.path for w in fused.weights] == [w.path for w in plain.weights]
+    plain.set_weights(fused.get_weights())  # weight files interchange
+
+
+def test_fused_batchnorm_must_be_a_bool():
+    with pytest.raises(ValueError, match="Received: fused_batchnorm='yes'"):
+        build_resnet(18, 10, (16, 16, 1), fused_batchnorm="yes")
