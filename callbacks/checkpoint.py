@@ -651,6 +651,15 @@ class Checkpoint(StatefulCallback):
     A `fit` that raises uninstalls the handler too (when the error passes
     through a training step or the restore).
 
+    **Multi-worker.** Under `MultiWorkerMirroredStrategy` a SIGTERM usually
+    reaches one worker (its host is being preempted). Before every step the
+    workers OR-reduce their "preemption requested" flags
+    (`trainwell.runtime.any_across_workers`, one tiny all-reduce), so every
+    worker checkpoints at the same step (the chief commits it, the others
+    write to scratch and discard it) and exits with `PREEMPTED_EXIT_CODE`;
+    restarting every worker resumes from that checkpoint. The run directory
+    must be on storage that every worker reads (the chief writes; all load).
+
     **Weights-only and warm start.** `weights_only=True` saves the model weights
     (and the position) only. Resuming from such a checkpoint leaves the
     optimizer fresh and re-applies a linear warmup over
@@ -776,6 +785,7 @@ class Checkpoint(StatefulCallback):
         self._sigterm_installed = False
         self._grace_timer = None
         self._preempt_requested = False
+        self._preempt_from_peer = False
         self._in_fit = False
         super().__init__()
         self._reset_run_vars()
@@ -924,6 +934,7 @@ class Checkpoint(StatefulCallback):
         self._prev_initial_epoch = None
         self._orig_train_function = None
         self._is_chief = True
+        self._sync_strategy = None
         self._mode_resolved = None
         self._warmup_last_set = None
 
@@ -936,7 +947,10 @@ class Checkpoint(StatefulCallback):
         self._async_error = None
         from trainwell import runtime
 
-        self._is_chief = runtime.is_chief(getattr(self.model, "distribute_strategy", None))
+        strategy = getattr(self.model, "distribute_strategy", None)
+        self._is_chief = runtime.is_chief(strategy)
+        self._sync_strategy = strategy if runtime.num_workers(strategy) > 1 else None
+        self._preempt_from_peer = False
         Path(self.directory).mkdir(parents=True, exist_ok=True)
         if self._is_chief:
             self._clean_stale_temporaries()
@@ -1074,6 +1088,8 @@ class Checkpoint(StatefulCallback):
             self._apply_deferred(iterator)
         if self._pending_metrics is not None:
             self._restore_metrics(iterator)
+        if self._sync_strategy is not None:
+            self._agree_on_preemption()
         spe = self._spe()
         replay = self._replay
         if replay is not None:
@@ -1109,6 +1125,16 @@ class Checkpoint(StatefulCallback):
         self.global_step += done
         self.step_in_epoch = self._batch_begin + done
         return out
+
+    def _agree_on_preemption(self) -> None:
+        """Every worker learns, at the same step, whether any of them got a SIGTERM."""
+        from trainwell import runtime
+
+        (any_requested,) = runtime.any_across_workers(self._sync_strategy, [self._preempt_requested])
+        if any_requested and not self._preempt_requested:
+            logger.warning("A peer worker was preempted: checkpointing at this step, then exiting.")
+            self._preempt_requested = True
+            self._preempt_from_peer = True
 
     # ------------------------------------------------------------ saving
     def _save_due(self) -> bool:
@@ -1589,6 +1615,10 @@ class Checkpoint(StatefulCallback):
         self._sigterm_installed = False
 
     def _on_sigterm(self, signum, frame) -> None:
+        if self._preempt_from_peer and self._in_fit:
+            # Our own first SIGTERM after a peer's: the checkpoint is already under way.
+            self._preempt_from_peer = False
+            return
         if self._preempt_requested or not self._in_fit:
             # Second signal (or outside fit): fall through to the previous handler,
             # which now owns the shutdown.
@@ -1630,7 +1660,8 @@ class Checkpoint(StatefulCallback):
         prev = self._prev_sigterm
         self._uninstall_sigterm()
         self._preempt_requested = False
-        if callable(prev):
+        from_peer, self._preempt_from_peer = self._preempt_from_peer, False
+        if callable(prev) and not from_peer:
             prev(signal.SIGTERM, None)
         raise SystemExit(self.PREEMPTED_EXIT_CODE)
 

@@ -205,6 +205,19 @@ class NaNRollback(StatefulCallback):
     `steps_per_execution > 1` (checks then run every N steps, when Keras calls
     batch callbacks; steps are counted in batches).
 
+    Under `MultiWorkerMirroredStrategy` every worker runs this callback on its
+    own copy of the state, and a worker that rolled back alone would leave the
+    others with different weights. So the verdict of each check (is the loss
+    finite, and which causes fired) is OR-reduced across the workers with one
+    all-reduce of a 5-element int32 vector (`trainwell.runtime.any_across_workers`)
+    before anything is acted on: when any worker sees a divergence, every worker
+    rolls back at the same step, to the same snapshot, with the same LR, and
+    `max_rollbacks` runs out on all of them together. The reduction is a
+    collective, so it runs every check on every worker. (The class attribute
+    `sync_across_workers`, `None` = on exactly when the strategy spans more
+    than one worker, exists so a test can switch it off and show the workers
+    parting without it; leave it alone.)
+
     Args:
         snapshot_every: Steps (batches) between snapshots. A rollback lands at
             most this many steps back; PaLM restarted about 100 steps before a
@@ -251,6 +264,9 @@ class NaNRollback(StatefulCallback):
     >>> cb.get_state()["rollbacks"]  # doctest: +SKIP
     1
     """
+
+    #: Reduce each check's verdict across the workers (`None`: when there are several).
+    sync_across_workers: bool | None = None
 
     def __init__(
         self,
@@ -447,6 +463,11 @@ class NaNRollback(StatefulCallback):
         self._prev_count = 0.0
         self._epoch_batches = 0
         self._prev_mean = None
+        from trainwell.runtime import num_workers
+
+        self._strategy = getattr(self.model, "distribute_strategy", None)
+        sync = self.sync_across_workers
+        self._sync = num_workers(self._strategy) > 1 if sync is None else sync
         self._ready()  # builds the shadow copies; the first snapshot waits for the first batch
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
@@ -513,6 +534,9 @@ class NaNRollback(StatefulCallback):
                 if loss > self.spike_factor * ref:
                     causes.append("loss_spike")
 
+        if getattr(self, "_sync", False):
+            loss_finite, causes = self._agree(loss_finite, causes)
+
         if not loss_finite or causes:
             self._drop_from_tracker(logs)
         else:
@@ -537,6 +561,13 @@ class NaNRollback(StatefulCallback):
         self._machinery = None  # free the shadow copies
 
     # ------------------------------------------------------------------ internals
+    def _agree(self, loss_finite: bool, causes: list[str]) -> tuple[bool, list[str]]:
+        """The check's verdict OR-reduced over every worker (the same on all of them)."""
+        from trainwell.runtime import any_across_workers
+
+        flags = any_across_workers(self._strategy, [not loss_finite] + [c in causes for c in CAUSES])
+        return not flags[0], [c for c, f in zip(CAUSES, flags[1:]) if f]
+
     def _probe(self, check_weights: bool) -> np.ndarray:
         fn = self._machinery["probe_full" if check_weights else "probe_loss"]
         return np.asarray(fn())

@@ -68,6 +68,8 @@ def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext
     """Strategy, precision, seeds, run directory and manifest for `cfg`.
 
     The strategy comes first: `"cpu:N"` must split the CPU before any TensorFlow op.
+    Under multi-worker every worker gets the chief's run directory
+    (`runtime.shared_run_dir`) and only the chief writes the manifest.
 
     Args:
         cfg: A recipe config (`trainwell.config.BaseConfig` subclass).
@@ -88,7 +90,15 @@ def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext
         deterministic = bool(getattr(cfg, "deterministic", False))
     runtime.seed_everything(cfg.seed, deterministic=deterministic)
     chief = runtime.is_chief(strategy)
-    run_dir = runtime.make_run_dir(cfg.run_dir, prefix=recipe)
+    if runtime.num_replicas(strategy) > 1:
+        # Keras builds the model from one batch MEAN-reduced across replicas, which
+        # fails on multi-worker data and on boolean padding masks; the fix takes a
+        # local batch. Both recipes get it for every multi-replica strategy.
+        from trainwell import keras_fixes
+
+        keras_fixes.apply("symbolic_build")
+    # Every worker must use the chief's run directory (not its own timestamp).
+    run_dir = runtime.shared_run_dir(cfg.run_dir, strategy, prefix=recipe)
     if cfg.run_dir is None:
         cfg.run_dir = str(run_dir)
     if chief:

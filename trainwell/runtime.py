@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from trainwell.io import atomic_write_json, atomic_write_text
 
 STRATEGY_SPECS = ("auto", "mirrored", "multiworker", "tpu", "one_device", "cpu:N")
@@ -179,9 +181,110 @@ def _apply_multiworker_fixes() -> None:
     keras_fixes.apply()
 
 
+#: Environment variable: seconds a cross-worker collective may wait for a peer
+#: before it fails (`CommunicationOptions(timeout_seconds=...)`); unset or `0`:
+#: no per-collective timeout. A crashed peer is detected without it: TensorFlow's
+#: coordination service aborts the collectives of the others when the peer stops
+#: sending heartbeats (seconds on loopback). The timeout also catches a peer that
+#: is alive but stuck; keep it above the slowest step + the chief's checkpoint write.
+COLLECTIVE_TIMEOUT_ENV = "TRAINWELL_COLLECTIVE_TIMEOUT_S"
+#: Default of `COLLECTIVE_TIMEOUT_ENV` (None: no per-collective timeout).
+DEFAULT_COLLECTIVE_TIMEOUT_S = None
+
+
+def collective_timeout_s() -> float | None:
+    """Seconds a multi-worker collective waits for a peer (`None`: forever).
+
+    Read from the environment variable `TRAINWELL_COLLECTIVE_TIMEOUT_S`
+    (unset or `0`: no timeout).
+
+    Example:
+    >>> collective_timeout_s() is None or collective_timeout_s() > 0
+    True
+    """
+    raw = os.environ.get(COLLECTIVE_TIMEOUT_ENV, "")
+    if not raw.strip():
+        return DEFAULT_COLLECTIVE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(
+            f"Invalid value for environment variable `{COLLECTIVE_TIMEOUT_ENV}`. Expected seconds >= 0. "
+            f"Received: {COLLECTIVE_TIMEOUT_ENV}={raw!r}"
+        ) from None
+    if not value >= 0:
+        raise ValueError(
+            f"Invalid value for environment variable `{COLLECTIVE_TIMEOUT_ENV}`. Expected seconds >= 0. "
+            f"Received: {COLLECTIVE_TIMEOUT_ENV}={raw!r}"
+        )
+    return value or None
+
+
 def _make_multiworker(tf):
     _apply_multiworker_fixes()
-    return tf.distribute.MultiWorkerMirroredStrategy()
+    timeout = collective_timeout_s()
+    if timeout is None:
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
+    return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+
+
+def num_workers(strategy) -> int:
+    """Number of worker processes taking part in `strategy` (1 unless multi-worker).
+
+    Example:
+    >>> num_workers(None)
+    1
+    """
+    if strategy is None:
+        return 1
+    n = getattr(getattr(strategy, "extended", None), "_num_workers", None)
+    return int(n) if isinstance(n, int) and n > 0 else 1
+
+
+def any_across_workers(strategy, flags, flags_fn=None):
+    """Element-wise OR of boolean `flags` over every replica of `strategy`.
+
+    A decision that changes the training state (roll back, checkpoint and exit)
+    must be taken by every worker at the same step, or the workers' weights part
+    and their collectives stop matching. Each replica contributes its process's
+    flags (or `flags_fn(replica_id)`); one all-reduce of a small int32 vector sums
+    them, and a flag is set in the result when any replica set it. With a single
+    worker this is a plain copy of `flags` (no device work) unless `flags_fn` is
+    given.
+
+    It is a collective under multi-worker: every worker must call it the same
+    number of times, in the same order.
+
+    Args:
+        strategy: The `tf.distribute.Strategy` (or `None`: no reduction).
+        flags: Sequence of booleans, this process's view.
+        flags_fn: Optional `replica_id_in_sync_group -> sequence of booleans`, the
+            flags of each replica (for tests: replicas that disagree). Defaults to
+            `None` (every local replica contributes `flags`).
+
+    Returns:
+        A list of booleans, the same on every worker.
+
+    Example:
+    >>> any_across_workers(None, [False, True])
+    [False, True]
+    """
+    local = [bool(f) for f in flags]
+    if strategy is None or (flags_fn is None and num_workers(strategy) <= 1):
+        return local
+    tf = _tf()
+    n = len(local)
+
+    def value_fn(ctx):
+        vals = flags_fn(ctx.replica_id_in_sync_group) if flags_fn is not None else local
+        if len(vals) != n:
+            raise ValueError(f"flags_fn returned {len(vals)} flags, expected {n}. Received: {vals!r}")
+        return tf.constant([1 if v else 0 for v in vals], dtype=tf.int32)
+
+    per_replica = strategy.experimental_distribute_values_from_function(value_fn)
+    total = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+    return [bool(x > 0) for x in np.asarray(total).reshape(-1)]
 
 
 def num_replicas(strategy) -> int:
@@ -384,6 +487,58 @@ def make_run_dir(run_dir: str | os.PathLike | None, prefix: str = "run", root: s
         path = Path(run_dir)
     if path.exists() and not path.is_dir():
         raise ValueError(f"Invalid value for `run_dir`: not a directory. Received: run_dir={str(path)!r}")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def shared_run_dir(
+    run_dir: str | os.PathLike | None, strategy=None, prefix: str = "run", root: str = "runs"
+) -> Path:
+    """`make_run_dir` that every worker of a multi-worker job agrees on.
+
+    A given `run_dir` is used as is by every worker. With `run_dir=None`, each
+    worker would otherwise stamp its own `root/PREFIX-YYYYmmdd-HHMMSS` (clocks and
+    start times differ), so under multi-worker the chief picks the name (stamp and
+    collision suffix, as `make_run_dir` does) and sends it to the others with one
+    all-reduce; the others use the chief's name. On a cluster the run directory
+    should be on a filesystem every host mounts at the same path (the chief
+    writes there; the others only read checkpoints to resume).
+
+    Args:
+        run_dir: Directory to use, or `None` for the chief's timestamped name.
+        strategy: The strategy in use. Defaults to `None` (single process).
+        prefix: Name prefix when `run_dir` is None. Defaults to `"run"`.
+        root: Parent directory when `run_dir` is None. Defaults to `"runs"`.
+
+    Returns:
+        The path, created on this host.
+
+    Example:
+    >>> import tempfile
+    >>> shared_run_dir(tempfile.mkdtemp()).is_dir()
+    True
+    """
+    if run_dir is not None or num_workers(strategy) <= 1:
+        return make_run_dir(run_dir, prefix=prefix, root=root)
+    chief = is_chief(strategy)
+    stamp, suffix = 0, 0
+    if chief:
+        path = make_run_dir(None, prefix=prefix, root=root)
+        m = re.match(rf"^{re.escape(prefix)}-(\d{{8}})-(\d{{6}})(?:-(\d+))?$", path.name)
+        stamp, suffix = int(m.group(1) + m.group(2)), int(m.group(3) or 0)
+    # Replica 0 lives on the chief (the first task of the collective group): it
+    # alone contributes, so the SUM is the chief's value whatever the replica count.
+    tf = _tf()
+
+    def value_fn(ctx):
+        keep = ctx.replica_id_in_sync_group == 0
+        return tf.constant([stamp if keep else 0, suffix if keep else 0], dtype=tf.int64)
+
+    per_replica = strategy.experimental_distribute_values_from_function(value_fn)
+    got = np.asarray(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)).reshape(-1)
+    s = f"{int(got[0]):014d}"
+    name = f"{prefix}-{s[:8]}-{s[8:]}" + (f"-{int(got[1])}" if int(got[1]) else "")
+    path = Path(root) / name
     path.mkdir(parents=True, exist_ok=True)
     return path
 

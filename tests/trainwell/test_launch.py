@@ -1,0 +1,197 @@
+"""Tests of trainwell.launch (local workers on 127.0.0.1) and `trainwell train --workers N`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from trainwell import launch
+
+PY = sys.executable
+
+
+def _py(code: str) -> list[str]:
+    return [PY, "-c", textwrap.dedent(code)]
+
+
+def test_free_ports_and_tf_configs():
+    ports = launch.free_ports(3)
+    assert len(set(ports)) == 3
+    cfgs = [json.loads(c) for c in launch.tf_configs(2, ports=[1111, 2222])]
+    assert cfgs[0]["cluster"] == {"worker": ["127.0.0.1:1111", "127.0.0.1:2222"]}
+    assert [c["task"] for c in cfgs] == [{"type": "worker", "index": 0}, {"type": "worker", "index": 1}]
+    with pytest.raises(ValueError, match="Received: workers=0"):
+        launch.tf_configs(0)
+    with pytest.raises(ValueError, match=r"Received: ports=\[1\]"):
+        launch.tf_configs(2, ports=[1])
+    with pytest.raises(ValueError, match="Received: n=-1"):
+        launch.free_ports(-1)
+
+
+def test_worker_command_drops_workers_and_sets_strategy():
+    cmd = launch.worker_command(["train", "resnet-imagenet", "--workers", "2", "--set", "epochs=1", "--workers=3"])
+    assert cmd[:3] == [PY, "-m", "trainwell.cli"]
+    assert cmd[3:] == ["train", "resnet-imagenet", "--set", "epochs=1", "--set", "strategy=multiworker"]
+
+
+def test_launch_validates_arguments():
+    with pytest.raises(ValueError, match="Received: command='x'"):
+        launch.launch("x", 2)
+    with pytest.raises(ValueError, match="Received: workers=0"):
+        launch.launch([PY], 0)
+    with pytest.raises(ValueError, match="Received: peer_grace_s=-1"):
+        launch.launch([PY], 1, peer_grace_s=-1)
+
+
+def test_every_worker_gets_its_tf_config_and_success_is_0(tmp_path, capfd):
+    code = launch.launch(_py(f"""
+        import json, os
+        task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        open(os.path.join({str(tmp_path)!r}, f"w{{task}}"), "w").write(os.environ["TF_CONFIG"] + "|" + os.environ["{launch.LAUNCHED_ENV}"])
+        print("hello from", task)
+    """), 3, timeout_s=60)
+    assert code == 0
+    cfgs = [json.loads((tmp_path / f"w{i}").read_text().split("|")[0]) for i in range(3)]
+    assert all((tmp_path / f"w{i}").read_text().endswith("|1") for i in range(3))
+    assert len({tuple(c["cluster"]["worker"]) for c in cfgs}) == 1 and [c["task"]["index"] for c in cfgs] == [0, 1, 2]
+    assert all(h.startswith("127.0.0.1:") for h in cfgs[0]["cluster"]["worker"])
+    out = capfd.readouterr().out
+    assert "hello from 0" in out and "hello from 1" not in out  # only the chief's output is streamed
+
+
+def test_a_failing_worker_makes_the_job_fail_fast_and_kills_the_others(tmp_path):
+    procs = []
+    t0 = time.monotonic()
+    code = launch.launch(_py("""
+        import json, os, sys, time
+        task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        if task == 1:
+            print("worker 1 gives up", flush=True)
+            sys.exit(5)
+        time.sleep(120)
+    """), 2, peer_grace_s=1.0, timeout_s=100, log_dir=tmp_path, on_start=procs.extend)
+    assert code == 5
+    assert time.monotonic() - t0 < 30
+    assert procs[0].returncode == -signal.SIGKILL  # killed after the grace period
+    assert "worker 1 gives up" in (tmp_path / "worker-1.log").read_text()
+
+
+def test_a_worker_killed_by_a_signal_reports_128_plus_signal():
+    code = launch.launch(_py("""
+        import json, os, signal, time
+        if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(120)
+    """), 2, peer_grace_s=0.5, timeout_s=100)
+    assert code == 137
+
+
+def test_timeout_kills_everything_and_returns_124():
+    procs = []
+    code = launch.launch(_py("import time; time.sleep(120)"), 2, timeout_s=1.5, on_start=procs.extend)
+    assert code == launch.EXIT_TIMEOUT
+    assert all(p.poll() is not None for p in procs)
+
+
+def test_sigterm_is_forwarded_and_a_preempted_job_exits_143(tmp_path):
+    # The launcher runs in its own process (its signal handlers need the main thread).
+    worker = textwrap.dedent(f"""
+        import json, os, signal, sys, time
+        task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        def on_term(*_):
+            open(os.path.join({str(tmp_path)!r}, f"term{{task}}"), "w").close()
+            sys.exit(143)  # what trainwell's Checkpoint does after its checkpoint
+        signal.signal(signal.SIGTERM, on_term)
+        open(os.path.join({str(tmp_path)!r}, f"ready{{task}}"), "w").close()
+        time.sleep(120)
+    """)
+    runner = _py(f"""
+        import sys
+        from trainwell import launch
+        sys.exit(launch.launch([sys.executable, "-c", {worker!r}], 2, timeout_s=100))
+    """)
+    p = subprocess.Popen(runner)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready{i}").exists() for i in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 143
+        assert (tmp_path / "term0").exists() and (tmp_path / "term1").exists()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_cli_rejects_a_bad_worker_count():
+    trainwell = str(Path(PY).with_name("trainwell"))
+    r = subprocess.run([trainwell, "train", "resnet-imagenet", "--workers", "0"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "Received: workers='0'" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_cli_train_with_two_workers(tmp_path):
+    trainwell = str(Path(PY).with_name("trainwell"))
+    sets = ["dataset=digits", "image_size=8", "model=resnet18", "width=4", "epochs=1", "batch_size=64",
+            "warmup_epochs=0", "verbose=0", "doctor=false"]
+    cmd = [trainwell, "train", "resnet-imagenet", "--workers", "2"] + [a for s in sets for a in ("--set", s)]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Run finished." in r.stdout and r.stdout.count("Run finished.") == 1  # the chief's output only
+    (run_dir,) = list((tmp_path / "runs").iterdir())  # one shared run directory
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["strategy"] in ("MultiWorkerMirroredStrategy", "CollectiveAllReduceStrategy")
+    assert manifest["num_replicas"] == 2
+    assert Path(manifest["config"]["run_dir"]).name == run_dir.name
+    assert (run_dir / "metrics.json").is_file()
+
+
+# --------------------------------------------------------------------------- runtime helpers for multi-worker
+
+
+def test_collective_timeout_from_the_environment(monkeypatch):
+    from trainwell import runtime
+
+    monkeypatch.delenv(runtime.COLLECTIVE_TIMEOUT_ENV, raising=False)
+    assert runtime.collective_timeout_s() is runtime.DEFAULT_COLLECTIVE_TIMEOUT_S is None
+    monkeypatch.setenv(runtime.COLLECTIVE_TIMEOUT_ENV, "0")
+    assert runtime.collective_timeout_s() is None
+    monkeypatch.setenv(runtime.COLLECTIVE_TIMEOUT_ENV, "12.5")
+    assert runtime.collective_timeout_s() == 12.5
+    monkeypatch.setenv(runtime.COLLECTIVE_TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match="Received: TRAINWELL_COLLECTIVE_TIMEOUT_S='soon'"):
+        runtime.collective_timeout_s()
+
+
+def test_shared_run_dir_single_process(tmp_path):
+    from trainwell import runtime
+
+    assert runtime.shared_run_dir(tmp_path / "given") == tmp_path / "given"
+    made = runtime.shared_run_dir(None, None, prefix="x", root=str(tmp_path))
+    assert made.parent == tmp_path and made.name.startswith("x-") and made.is_dir()
+    assert runtime.any_across_workers(None, [True, False]) == [True, False]
+    assert runtime.num_workers(None) == 1
+
+
+def test_any_across_workers_ors_the_replicas_flags(python_subprocess):
+    # Two replicas (cpu:2) that disagree: the reduction gives every replica the OR.
+    r = python_subprocess("""
+        from trainwell import runtime
+        s = runtime.make_strategy("cpu:2")
+        print(runtime.any_across_workers(s, [False, False, True], flags_fn=lambda rid: [rid == 1, False, rid == 0]))
+        print(runtime.any_across_workers(s, [False, True]))  # one worker: this process's flags, no collective
+        print(runtime.num_workers(s))
+    """, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[-4:-1] == ["[True, False, True]", "[False, True]", "1"]

@@ -1,0 +1,309 @@
+"""Local multi-worker launcher: N worker processes on 127.0.0.1, one `TF_CONFIG` each.
+
+`trainwell train RECIPE --workers N` runs the recipe as N processes on this
+machine, each a `MultiWorkerMirroredStrategy` worker with its own `TF_CONFIG`
+(cluster on free loopback ports, `task.index` = 0..N-1). It is meant for trying
+and testing multi-worker training on one machine; on a real cluster every host
+starts one worker with its own `TF_CONFIG` (see the README's "Distributed
+training" section).
+
+What the launcher does:
+
+- Picks N free TCP ports on 127.0.0.1 and starts every worker with
+  `TF_CONFIG={"cluster": {"worker": [...]}, "task": {"type": "worker", "index": i}}`
+  and `TRAINWELL_LAUNCHED=1` (so a worker never launches workers itself).
+- Streams the chief's (worker 0's) stdout and stderr to its own; the other
+  workers write to `worker-<i>.log` in `log_dir` (a temporary directory by
+  default, removed after a successful run and kept, with its path printed, after
+  a failure).
+- Forwards SIGINT and SIGTERM to every worker (SIGTERM makes trainwell's
+  `Checkpoint` save and exit with 143 on every worker at the same step).
+- Fails fast: when a worker exits with a non-zero status, the others get
+  `peer_grace_s` seconds to end on their own (a preempted job ends on every
+  worker within a step), then are killed with SIGKILL.
+- Kills every worker still running when it returns (also on an exception).
+
+Exit status (`launch` returns it, the CLI exits with it):
+
+| status | meaning |
+|---|---|
+| 0 | every worker exited 0 |
+| 143 | preempted: every worker that ended on its own exited 0 or 143 (checkpoint written; rerun the same command or `trainwell resume RUN_DIR` to continue) |
+| other | the status of the first worker that failed; a worker killed by signal S counts as 128 + S (SIGKILL: 137) |
+| 124 | `timeout_s` passed before the workers ended (all were killed) |
+
+Example:
+>>> from trainwell import launch
+>>> code = launch.launch([sys.executable, "train.py"], workers=2)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+#: Exit status when `timeout_s` passes (as coreutils `timeout`).
+EXIT_TIMEOUT = 124
+#: Exit status of a preempted job (see `trainwell.callbacks.Checkpoint.PREEMPTED_EXIT_CODE`).
+EXIT_PREEMPTED = 143
+#: Environment variable set in every launched worker.
+LAUNCHED_ENV = "TRAINWELL_LAUNCHED"
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """Returns `n` distinct TCP ports that are free on `host` right now.
+
+    The sockets are bound together (so the ports differ) and closed before
+    returning; another process could take a port in between, which on a test
+    machine is rare enough.
+
+    Args:
+        n: Number of ports, >= 1.
+        host: Interface to bind. Defaults to `"127.0.0.1"`.
+
+    Example:
+    >>> len(free_ports(2))
+    2
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"Invalid value for argument `n`. Expected an int >= 1. Received: n={n!r}")
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def tf_configs(workers: int, host: str = "127.0.0.1", ports: Sequence[int] | None = None) -> list[str]:
+    """The `TF_CONFIG` JSON string of each of `workers` workers on `host`.
+
+    Args:
+        workers: Number of workers, >= 1.
+        host: Host of every worker. Defaults to `"127.0.0.1"`.
+        ports: One port per worker. Defaults to `None` (free ports).
+
+    Example:
+    >>> json.loads(tf_configs(2, ports=[1234, 1235])[1])["task"]
+    {'type': 'worker', 'index': 1}
+    """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"Invalid value for argument `workers`. Expected an int >= 1. Received: workers={workers!r}")
+    ports = list(ports) if ports is not None else free_ports(workers, host)
+    if len(ports) != workers:
+        raise ValueError(
+            f"Invalid value for argument `ports`. Expected {workers} ports. Received: ports={ports!r}"
+        )
+    cluster = {"worker": [f"{host}:{p}" for p in ports]}
+    return [json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}) for i in range(workers)]
+
+
+def _status(code: int | None) -> int | None:
+    """A Popen return code as a shell reports it (signal S -> 128 + S)."""
+    if code is None:
+        return None
+    return 128 - code if code < 0 else code
+
+
+def _kill(procs: Sequence[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.kill()
+            except OSError:  # pragma: no cover - already gone
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            pass
+
+
+def launch(
+    command: Sequence[str],
+    workers: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    peer_grace_s: float = 20.0,
+    timeout_s: float | None = None,
+    log_dir: str | os.PathLike | None = None,
+    stream_chief: bool = True,
+    poll_s: float = 0.2,
+    on_start: Callable[[list[subprocess.Popen]], None] | None = None,
+) -> int:
+    """Runs `command` as `workers` local worker processes and returns the job's exit status.
+
+    Args:
+        command: The command each worker runs, e.g.
+            `[sys.executable, "-m", "trainwell.cli", "train", "resnet-imagenet", ...]`.
+            It must make a multi-worker strategy from `TF_CONFIG`.
+        workers: Number of worker processes, >= 1.
+        env: Extra environment variables for every worker. Defaults to `None`.
+        cwd: Working directory of the workers. Defaults to `None` (this one).
+        peer_grace_s: Seconds the other workers get to end on their own after one
+            failed, before they are killed. Defaults to `20.0`.
+        timeout_s: Kill everything and return 124 after this many seconds;
+            `None` waits as long as the workers run. Defaults to `None`.
+        log_dir: Directory for the logs of workers 1..N-1 (and worker 0 when
+            `stream_chief=False`). Defaults to `None` (a temporary directory,
+            removed after a successful run).
+        stream_chief: Pass worker 0's output through to this process's stdout and
+            stderr. Defaults to `True`.
+        poll_s: Seconds between checks of the workers. Defaults to `0.2`.
+        on_start: Called with the list of worker `Popen`s (index = task index)
+            once all are started, e.g. to watch or signal one worker. Defaults to
+            `None`.
+
+    Returns:
+        The job's exit status; see the module docstring.
+
+    Example:
+    >>> launch([sys.executable, "-c", "print('hi')"], workers=2)  # doctest: +SKIP
+    hi
+    0
+    """
+    if not command or isinstance(command, str):
+        raise ValueError(
+            f"Invalid value for argument `command`. Expected a non-empty list of strings. Received: command={command!r}"
+        )
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"Invalid value for argument `workers`. Expected an int >= 1. Received: workers={workers!r}")
+    if not (isinstance(peer_grace_s, (int, float)) and peer_grace_s >= 0):
+        raise ValueError(
+            f"Invalid value for argument `peer_grace_s`. Expected a number >= 0. Received: peer_grace_s={peer_grace_s!r}"
+        )
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise ValueError(
+            f"Invalid value for argument `timeout_s`. Expected None or a number > 0. Received: timeout_s={timeout_s!r}"
+        )
+    own_logs = log_dir is None
+    logs = Path(tempfile.mkdtemp(prefix="trainwell-workers-")) if own_logs else Path(log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    base_env = {**os.environ, **(env or {}), LAUNCHED_ENV: "1"}
+    configs = tf_configs(workers)
+    procs: list[subprocess.Popen] = []
+    files = []
+    received: list[int] = []
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {}
+
+    def forward(signum, frame):
+        received.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    p.send_signal(signum)
+                except OSError:  # pragma: no cover
+                    pass
+
+    status = None
+    failed_at = None
+    first_failure = None
+    try:
+        if main_thread:
+            for s in (signal.SIGINT, signal.SIGTERM):
+                previous[s] = signal.signal(s, forward)
+        for i, tf_config in enumerate(configs):
+            worker_env = {**base_env, "TF_CONFIG": tf_config}
+            if i == 0 and stream_chief:
+                out = err = None
+            else:
+                f = open(logs / f"worker-{i}.log", "wb")
+                files.append(f)
+                out, err = f, subprocess.STDOUT
+            # Own process group: a Ctrl-C in the terminal reaches the workers once
+            # (forwarded), not twice.
+            procs.append(
+                subprocess.Popen(list(command), env=worker_env, cwd=cwd, stdout=out, stderr=err,
+                                 start_new_session=True)
+            )
+        if on_start is not None:
+            on_start(list(procs))
+        t0 = time.monotonic()
+        while True:
+            codes = [_status(p.poll()) for p in procs]
+            now = time.monotonic()
+            if first_failure is None:
+                for i, c in enumerate(codes):
+                    if c not in (None, 0):
+                        first_failure, failed_at = (i, c), now
+                        break
+            if all(c is not None for c in codes):
+                break
+            if failed_at is not None and now - failed_at > peer_grace_s:
+                _kill(procs)
+                break
+            if timeout_s is not None and now - t0 > timeout_s:
+                _kill(procs)
+                status = EXIT_TIMEOUT
+                break
+            time.sleep(poll_s)
+        if status is None:
+            codes = [_status(p.poll()) for p in procs]
+            if first_failure is None:
+                status = 0
+            elif first_failure[1] == EXIT_PREEMPTED and all(c in (0, EXIT_PREEMPTED) for c in codes):
+                status = EXIT_PREEMPTED
+            else:
+                status = first_failure[1]
+        return status
+    finally:
+        _kill(procs)
+        for f in files:
+            f.close()
+        if main_thread:
+            for s, h in previous.items():
+                signal.signal(s, h)
+        if status not in (0, None) and first_failure is not None:
+            i, c = first_failure
+            print(
+                f"trainwell launch: worker {i} exited with status {c}; job status {status}. "
+                f"Worker logs: {logs}",
+                file=sys.stderr,
+            )
+            for j in range(workers):
+                path = logs / f"worker-{j}.log"
+                if j != 0 and path.is_file():
+                    tail = path.read_bytes()[-2000:].decode("utf-8", "replace")
+                    print(f"--- worker {j} (last lines) ---\n{tail}", file=sys.stderr)
+        elif own_logs:
+            shutil.rmtree(logs, ignore_errors=True)
+
+
+def worker_command(argv: Sequence[str]) -> list[str]:
+    """The command a launched worker runs for the `trainwell` arguments `argv`.
+
+    `--workers N` is dropped (a worker never launches) and `--set strategy=multiworker`
+    is appended.
+
+    Example:
+    >>> worker_command(["train", "resnet-imagenet", "--workers", "2"])[-4:]
+    ['train', 'resnet-imagenet', '--set', 'strategy=multiworker']
+    """
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--workers":
+            skip = True
+            continue
+        if a.startswith("--workers="):
+            continue
+        out.append(a)
+    return [sys.executable, "-m", "trainwell.cli", *out, "--set", "strategy=multiworker"]
