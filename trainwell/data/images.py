@@ -24,7 +24,8 @@ image_size / 0.875 then take the central image_size" done in the other order so 
 
 Throughput: parallel interleave over files, `AUTOTUNE` maps, `prefetch`, optional
 `cache`. Determinism: seeded file and record shuffles, `deterministic=True` options, and
-augmentation drawn with stateless ops from a per-element seed; the same arguments give
+augmentation drawn with stateless ops from a per-element seed (a seeded
+`tf.data.Dataset.random` stream, new each epoch); the same arguments give
 the same batches in the same order (within one TensorFlow global seed; `seed` and
 `keras.utils.set_random_seed` both matter).
 
@@ -1024,9 +1025,13 @@ def build_image_datasets(
             ds = ds.cache("" if cache is True else f"{cache}_train")
         buffer = rec.count if rec.kind in ("path", "array") and rec.count else shuffle_buffer
         ds = ds.shuffle(max(1, min(buffer, 1_000_000)), seed=seed, reshuffle_each_iteration=True)
-        # Per-element augmentation seed: a seeded (stateful) draw in a sequential map, so
-        # it is fixed by position and `seed`; positions get other images each epoch.
-        ds = ds.map(lambda p, y, k: (p, y, k, tf.random.uniform([2], maxval=tf.int64.max, dtype=tf.int64, seed=seed)))
+        # Per-element augmentation seed from a seeded random *dataset* zipped after the
+        # shuffle: fixed by position, `seed` and the epoch (a new stream per iteration,
+        # like the shuffle's order). A stateful op in a map (`tf.random.uniform`) is not:
+        # tf.distribute rewrites the dataset graph (autoshard, rebatch) and such an op
+        # then draws other numbers on each worker and in each run.
+        seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(2, drop_remainder=True)
+        ds = tf.data.Dataset.zip((ds, seeds)).map(lambda e, s: (*e, s))
         if encoded:
             fn = checked("train", kind, lambda image_bytes, s: transform.train_image(image_bytes, s, encoded=True))
             ds = ds.map(fn, num_parallel_calls=AUTOTUNE)
