@@ -29,8 +29,8 @@ Run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import os
 import statistics
 import sys
 import tempfile
@@ -127,8 +127,11 @@ def run_search(kind: str, seed: int, trials: int, epochs: int, root: Path) -> di
     # population is the same random sample (same oracle seed) as random search's trials.
     kw = (dict(population_size=trials, ready_interval=1, max_epochs=epochs, start_with_defaults=False)
           if kind == "pbt" else dict(max_trials=trials))
-    result = tuning.search(hm, kind, directory=root, project_name=f"{kind}-{seed}", seed=seed + 1, verbose=0,
-                           export=False, **kw)
+    # Oracle seeds 1000 apart: KerasTuner draws value i of a search with seed `seed + i`,
+    # so nearby seeds would share most of their samples.
+    with contextlib.redirect_stdout(sys.stderr):  # the summary tables; stdout is the JSON only
+        result = tuning.search(hm, kind, directory=root, project_name=f"{kind}-{seed}", seed=1000 * (seed + 1), verbose=0,
+                               export=False, **kw)
     best = result.tuner.oracle.get_trial(result.best_trial_id)
     model = result.tuner.load_model(best)
     _, _, test, _ = _data(hm.config_for(best.hyperparameters))

@@ -18,7 +18,7 @@ import dataclasses
 import math
 from typing import Literal, Optional
 
-from trainwell.config import BaseConfig, _fail, check_choice, check_positive, check_range
+from trainwell.config import BaseConfig, _fail, check_choice, check_positive, check_range, check_reliability_fields
 
 RECIPE = "resnet-imagenet"
 
@@ -51,6 +51,7 @@ class Config(BaseConfig):
     width: int = 64  # filters of the first stage [He]; the CPU demo uses 16
     small_stem: Optional[bool] = None  # None: 3x3 stem without max-pool for images <= 64 px
     zero_init_residual: bool = True  # [Goyal] sec. 5.1: last BN gamma of each block = 0
+    fused_batchnorm: Optional[bool] = None  # None: TF's fused BN kernel on the TF backend (as tf.keras, [MG])
     dropout: float = 0.0  # [He] none
     # -- optimisation
     optimizer: Literal["auto", "sgd", "lars"] = "auto"  # auto: SGD up to 8k, LARS above [You]
@@ -114,12 +115,7 @@ class Config(BaseConfig):
         check_positive(self, "cutmix_alpha", allow_zero=True)
         check_range(self, "val_fraction", 0.0, 1.0, hi_open=True)
         check_positive(self, "crop_padding", allow_zero=True)
-        check_positive(self, "steps_per_execution")
-        check_positive(self, "keep_last")
-        check_positive(self, "snapshot_every")
-        check_positive(self, "early_stopping_patience")
-        if self.checkpoint_every != "epoch" and not (self.checkpoint_every.isdigit() and int(self.checkpoint_every) > 0):
-            _fail("checkpoint_every", self.checkpoint_every, "'epoch' or a positive number of steps")
+        check_reliability_fields(self)
 
     @property
     def depth(self) -> int:
@@ -195,6 +191,7 @@ def build_model(cfg: Config, num_classes: int, channels: int = 3):
         dropout=cfg.dropout,
         zero_init_residual=cfg.zero_init_residual,
         width=cfg.width,
+        fused_batchnorm=cfg.fused_batchnorm,
     )
 
 
@@ -377,3 +374,73 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
     test = model.evaluate(data.test, verbose=0, return_dict=True) if data.test is not None else {}
     metrics = {f"test_{k}": v for k, v in test.items()}
     return recipe.finish_run(ctx, cfg, model, metrics, history)
+
+
+# --------------------------------------------------------------------------- hyperparameter search
+def _tuning_space(hp, cfg: Config) -> dict:
+    """Declares the search space on `hp` (defaults = `cfg`) and returns the config fields it sets.
+
+    `peak_lr` is the peak LR at the config's batch size; with another `batch_size`
+    the linear scaling rule applies (`base_lr = peak_lr x lr_base_batch / cfg.batch_size`).
+    """
+    from trainwell.tuning import _clip_default, log_range
+
+    lo, hi = log_range(cfg.peak_lr, 10.0)
+    peak_lr = hp.Float("peak_lr", lo, hi, sampling="log", default=cfg.peak_lr)
+    wd_lo, wd_hi = log_range(cfg.weight_decay or 5e-5, 10.0)
+    weight_decay = hp.Float("weight_decay", wd_lo, wd_hi, sampling="log",
+                            default=_clip_default(cfg.weight_decay or 5e-5, wd_lo, wd_hi))
+    # ranges widen to hold the config's own value, so the defaults give back the config
+    frac = cfg.warmup_epochs / max(1, cfg.epochs)
+    warmup = hp.Float("warmup_fraction", 0.0, max(0.3, frac), default=frac)
+    smoothing = hp.Float("label_smoothing", 0.0, max(0.3, cfg.label_smoothing), default=cfg.label_smoothing)
+    dropout = hp.Float("dropout", 0.0, max(0.5, cfg.dropout), default=cfg.dropout)
+    batch = hp.Choice("batch_size", sorted({max(1, cfg.batch_size // 2), cfg.batch_size, cfg.batch_size * 2}),
+                      default=cfg.batch_size)
+    optimizer = hp.Choice("optimizer", ["sgd", "lars"], default=cfg.optimizer_name)
+    return {
+        "base_lr": peak_lr * cfg.lr_base_batch / cfg.batch_size,
+        "weight_decay": weight_decay,
+        "warmup_epochs": warmup * cfg.epochs,
+        "label_smoothing": smoothing,
+        "dropout": dropout,
+        "batch_size": int(batch),
+        "optimizer": optimizer,
+    }
+
+
+def _tuning_build(cfg: Config):
+    data = build_data(cfg)
+    model = build_model(cfg, data.num_classes, data.channels)
+    compile_model(cfg, model, data.steps_per_epoch or 1)
+    return model
+
+
+def hypermodel(cfg: Config | None = None, **overrides):
+    """A `keras_tuner.HyperModel` over this recipe (see `trainwell.tuning`).
+
+    The space: peak LR (log, /10 to x10 of the config's), weight decay (log), warmup
+    fraction, label smoothing, dropout, batch size (half, same, double; LR by the
+    linear scaling rule) and the optimizer (SGD or LARS), each defaulting to the
+    config. A trial runs `train()` in its own run directory with the recipe's
+    callbacks (NaN rollback, early stopping when `early_stopping_patience` is set,
+    checkpoints), `verbose=0` and no TrainingDoctor unless `doctor` is overridden,
+    and reports `val_accuracy`. PBT keeps `batch_size` and `optimizer` per member.
+
+    Example:
+    >>> from trainwell import tuning
+    >>> hm = hypermodel(dataset="digits", image_size=8, model="resnet18", width=8, epochs=6)
+    >>> result = tuning.search(hm, "bayesian", max_trials=10)  # doctest: +SKIP
+    """
+    import sys
+
+    from trainwell.tuning import recipe_hypermodel
+
+    cfg = _cfg(cfg, overrides)
+    trial = {"verbose": 0}
+    if "doctor" not in overrides:
+        trial["doctor"] = False
+    return recipe_hypermodel(
+        sys.modules[__name__], cfg, _tuning_space, build_fn=_tuning_build, trial_overrides=trial,
+        objective="val_accuracy", direction="max", static=("batch_size", "optimizer"), name=RECIPE,
+    )

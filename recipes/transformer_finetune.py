@@ -53,7 +53,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
-from trainwell.config import BaseConfig, _fail, check_choice, check_positive, check_range
+from trainwell.config import BaseConfig, _fail, check_choice, check_positive, check_range, check_reliability_fields
 
 RECIPE = "transformer-finetune"
 EXPORT_DIR = "model"
@@ -158,12 +158,7 @@ class Config(BaseConfig):
         check_positive(self, "head_lr")
         if self.gradient_accumulation_steps is not None and self.gradient_accumulation_steps < 2:
             _fail("gradient_accumulation_steps", self.gradient_accumulation_steps, "null or an integer >= 2")
-        check_positive(self, "steps_per_execution")
-        check_positive(self, "keep_last")
-        check_positive(self, "snapshot_every")
-        check_positive(self, "early_stopping_patience")
-        if self.checkpoint_every != "epoch" and not (self.checkpoint_every.isdigit() and int(self.checkpoint_every) > 0):
-            _fail("checkpoint_every", self.checkpoint_every, "'epoch' or a positive number of steps")
+        check_reliability_fields(self)
         check_choice(self, "verbose", ("auto", "0", "1", "2"))
 
 
@@ -703,16 +698,12 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
     callbacks = build_callbacks(
         cfg, ctx.run_dir, schedule=schedule, chief=ctx.is_chief, has_val=data_.val is not None
     ) + list(callbacks or ())
-    if ctx.num_replicas > 1:
-        # Keras builds the model from a per-replica batch MEAN-reduced across replicas,
-        # which fails on the boolean padding masks; the fix takes a local batch.
-        from trainwell import keras_fixes
-
-        keras_fixes.apply("symbolic_build")
+    # Multi-replica strategies: `recipe.setup_run` applied keras_fixes' "symbolic_build"
+    # (Keras would MEAN-reduce a per-replica batch, boolean padding masks included).
     verbose = cfg.verbose if cfg.verbose == "auto" else int(cfg.verbose)
     history = model.fit(
         train_ds, validation_data=data_.val, epochs=cfg.epochs, steps_per_epoch=steps,
-        callbacks=callbacks, verbose=verbose,
+        callbacks=callbacks, verbose=verbose, shuffle=False,  # the pipeline shuffles (seeded)
     )
     test = model.evaluate(data_.test, verbose=0, return_dict=True) if data_.test is not None else {}
     metrics = {f"test_{k}": v for k, v in test.items()}
@@ -720,3 +711,84 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
         export_model(model, preprocessor, data_.class_names, ctx.run_dir / EXPORT_DIR)
     model.preprocessor = preprocessor
     return recipe.finish_run(ctx, cfg, model, metrics, history)
+
+
+# --------------------------------------------------------------------------- hyperparameter search
+def _tuning_space(hp, cfg: Config) -> dict:
+    """Declares the search space on `hp` (defaults = `cfg`) and returns the config fields it sets.
+
+    No label smoothing (this recipe's sparse cross-entropy has none) and no
+    optimizer choice (the recipe is AdamW with per-variable LR factors).
+    """
+    from trainwell.tuning import _clip_default, log_range
+
+    lo, hi = log_range(cfg.peak_lr, 5.0)
+    peak_lr = hp.Float("peak_lr", lo, hi, sampling="log", default=cfg.peak_lr)
+    wd_lo, wd_hi = log_range(cfg.weight_decay or 0.01, 10.0)
+    weight_decay = hp.Float("weight_decay", wd_lo, wd_hi, sampling="log",
+                            default=_clip_default(cfg.weight_decay or 0.01, wd_lo, wd_hi))
+    # ranges widen to hold the config's own value, so the defaults give back the config
+    warmup = hp.Float("warmup_fraction", 0.0, max(0.3, cfg.warmup_fraction), default=cfg.warmup_fraction)
+    dropout = hp.Float("dropout", 0.0, max(0.3, cfg.dropout), default=cfg.dropout)
+    batch = hp.Choice("batch_size", sorted({max(1, cfg.batch_size // 2), cfg.batch_size, cfg.batch_size * 2}),
+                      default=cfg.batch_size)
+    lld = hp.Float("layerwise_lr_decay", min(0.5, cfg.layerwise_lr_decay), 1.0, default=cfg.layerwise_lr_decay)
+    return {
+        "peak_lr": peak_lr,
+        "min_lr": min(cfg.min_lr, peak_lr),
+        "weight_decay": weight_decay,
+        "warmup_fraction": warmup,
+        "dropout": dropout,
+        "batch_size": int(batch),
+        "layerwise_lr_decay": lld,
+    }
+
+
+def _tuning_build(cfg: Config):
+    import keras
+
+    preprocessor = build_preprocessor(cfg)
+    data_ = build_data(cfg, preprocessor)
+    model = build_model(cfg, data_.num_classes)
+    model.compile(
+        optimizer=build_optimizer(cfg, data_.steps_per_epoch or 1, model),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def _tuning_export(model, cfg: Config, run_dir, path):
+    from trainwell.data.text import load_label_map
+
+    return export_model(model, build_preprocessor(cfg), load_label_map(run_dir), path)
+
+
+def hypermodel(cfg: Config | None = None, **overrides):
+    """A `keras_tuner.HyperModel` over this recipe (see `trainwell.tuning`).
+
+    The space: peak LR (log, /5 to x5 of the config's), weight decay (log), warmup
+    fraction, classifier dropout, batch size (half, same, double) and layer-wise LR
+    decay, each defaulting to the config. A trial runs `train()` in its own run
+    directory with the recipe's callbacks (NaN rollback, early stopping,
+    checkpoints), `verbose="0"`, no TrainingDoctor unless `doctor` is overridden
+    and no per-trial export (the search exports the best trial's model, with its
+    tokenizer, to `best_model/`); it reports `val_accuracy`.
+
+    Example:
+    >>> from trainwell import tuning
+    >>> hm = hypermodel(preset="minilm", epochs=3, sequence_length=64)
+    >>> result = tuning.search(hm, "random", max_trials=8)  # doctest: +SKIP
+    """
+    import sys
+
+    from trainwell.tuning import recipe_hypermodel
+
+    cfg = _cfg(cfg, overrides)
+    trial = {"verbose": "0", "export": False}
+    if "doctor" not in overrides:
+        trial["doctor"] = False
+    return recipe_hypermodel(
+        sys.modules[__name__], cfg, _tuning_space, build_fn=_tuning_build, export_fn=_tuning_export,
+        trial_overrides=trial, objective="val_accuracy", direction="max", static=("batch_size",), name=RECIPE,
+    )

@@ -10,6 +10,10 @@ Exit status: 0 success; 1 the run failed (the error is printed); 2 a bad
 command line, config value, key or file (a one-line message, no traceback);
 3 the subcommand or recipe is not built yet; 143 the run was preempted by
 SIGTERM after writing a checkpoint (resume it with `trainwell resume RUN_DIR`).
+
+`train ... --workers N` / `resume ... --workers N` run N local worker processes
+(`trainwell.launch`); the exit status is then the job's: 0, 143 when preempted,
+else the status of the first worker that failed (128 + S for a signal S).
 """
 
 from __future__ import annotations
@@ -52,12 +56,40 @@ def _print_result(run) -> None:
         print("  plots: " + ", ".join(plots))
 
 
+def _workers(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1. Received: workers={value!r}")
+    return n
+
+
+def _launch_workers(args, argv: list[str]) -> int:
+    """Runs `argv` (a `trainwell` command) as `args.workers` local workers; see `trainwell.launch`."""
+    from trainwell import launch
+
+    argv = list(argv)
+    for s in args.set:
+        argv += ["--set", s]
+    return launch.launch(launch.worker_command(argv), args.workers)
+
+
 def cmd_train(args) -> int:
     module = _recipe_module(args.recipe)
     cfg = module.Config.load(args.config, args.set)
     if args.dry_run:
         print(json.dumps(cfg.to_dict(), indent=2))
         return EXIT_OK
+    if getattr(args, "workers", None):
+        from trainwell import runtime
+
+        # One run directory for every worker: named here, passed to all.
+        run_dir = runtime.make_run_dir(cfg.run_dir, prefix=args.recipe)
+        argv = ["train", args.recipe] + (["--config", args.config] if args.config else [])
+        args.set = list(args.set) + [f"run_dir={run_dir}"]
+        return _launch_workers(args, argv)
     _print_result(module.train(cfg))
     return EXIT_OK
 
@@ -83,6 +115,8 @@ def cmd_resume(args) -> int:
     if args.dry_run:
         print(json.dumps(cfg.to_dict(), indent=2))
         return EXIT_OK
+    if getattr(args, "workers", None):
+        return _launch_workers(args, ["resume", str(run_dir)])
     _print_result(module.train(cfg))
     return EXIT_OK
 
@@ -177,19 +211,36 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a recipe")
     t.add_argument("recipe", metavar="RECIPE", help=f"one of: {', '.join(RECIPES)}")
     add_config_args(t)
+    t.add_argument("--workers", type=_workers, metavar="N",
+                   help="run N local MultiWorkerMirroredStrategy workers on 127.0.0.1 (see trainwell.launch)")
     t.set_defaults(func=cmd_train)
 
     r = sub.add_parser("resume", help="resume a run from its directory")
     r.add_argument("run_dir", metavar="RUN_DIR")
     r.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], help="override a config value")
     r.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    r.add_argument("--workers", type=_workers, metavar="N", help="resume with N local workers (see trainwell.launch)")
     r.set_defaults(func=cmd_resume)
 
     tu = sub.add_parser("tune", help="hyperparameter search with KerasTuner")
-    tu.add_argument("recipe", metavar="RECIPE")
+    tu.add_argument("recipe", metavar="RECIPE", help=f"one of: {', '.join(RECIPES)}, or module:factory")
     tu.add_argument("--tuner", choices=["random", "bayesian", "hyperband", "pbt"], default="random")
-    tu.add_argument("--max-trials", type=int, default=10)
-    tu.add_argument("--workers", type=int, default=0)
+    tu.add_argument("--max-trials", type=int, default=10, help="trials of random/bayesian search")
+    tu.add_argument("--workers", type=int, default=0,
+                    help="run KerasTuner's chief + N workers on this machine (gRPC, no authentication)")
+    tu.add_argument("--directory", metavar="D", default="tuning", help="parent directory of the search")
+    tu.add_argument("--project-name", help="subdirectory of the search (default: RECIPE-TUNER)")
+    tu.add_argument("--overwrite", action="store_true", help="start afresh instead of continuing")
+    tu.add_argument("--max-epochs", type=int, help="epochs per model for hyperband and pbt")
+    tu.add_argument("--population-size", type=int, help="pbt population (default 4)")
+    tu.add_argument("--ready-interval", type=int, help="pbt epochs between exploit/explore (default 1)")
+    tu.add_argument("--objective", help="metric to optimise (default: the recipe's, val_accuracy)")
+    tu.add_argument("--seed", type=int, help="oracle seed (default 0)")
+    tu.add_argument("--top-k", type=int, help="rows of the printed summary (default 10)")
+    tu.add_argument("--no-export", action="store_true", help="do not export the best model")
+    tu.add_argument("--oracle-host", default="127.0.0.1", help="address of the chief oracle with --workers")
+    tu.add_argument("--oracle-port", type=int, help="its port (default: a free one)")
+    tu.add_argument("--timeout", type=float, help="seconds before a --workers search is stopped")
     add_config_args(tu)
     tu.set_defaults(func=cmd_tune)
 

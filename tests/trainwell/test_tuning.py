@@ -1,0 +1,465 @@
+"""Tests of trainwell.tuning: recipe hypermodels, the four tuners, resume, distributed mode.
+
+Searches run on a tiny recipe defined here (an MLP on the embedded 8x8 digits,
+built like the real recipes: `setup_run`, `standard_callbacks` with NaN rollback,
+early stopping and checkpoints, `finish_run`), so a trial takes about a second.
+Subprocess tests import this file as `test_tuning` (PYTHONPATH=tests/trainwell)
+and name the recipe `test_tuning:tiny_hypermodel` on the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from trainwell.config import BaseConfig
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+RECIPE = "tiny"
+
+
+# --------------------------------------------------------------------------- a tiny recipe
+@dataclasses.dataclass
+class Config(BaseConfig):
+    """An MLP on the embedded 8x8 digits; the recipe's pieces at a toy scale."""
+
+    dataset: str = "digits"
+    epochs: int = 3
+    batch_size: int = 32
+    precision: str = "float32"
+    learning_rate: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    warmup_fraction: float = 0.0
+    label_smoothing: float = 0.0
+    units: int = 16
+    train_examples: int = 1259  # all of the training split
+    nan_rollback: bool = True
+    snapshot_every: int = 4
+    early_stopping_patience: Optional[int] = 2
+    doctor: bool = False
+    verbose: int = 0
+
+
+def build_data(cfg: Config):
+    import numpy as np
+    import tensorflow as tf
+
+    from trainwell.data import load
+
+    splits = load(cfg.dataset, seed=0)
+
+    def prep(split, n=None):
+        x, y = split
+        x = (x.reshape(len(x), -1).astype("float32") / 255.0)[:n]
+        y = np.eye(10, dtype="float32")[y][:n]
+        return x, y
+
+    x, y = prep(splits.train, cfg.train_examples)
+    train = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=cfg.seed, reshuffle_each_iteration=True)
+    train = train.batch(cfg.batch_size)
+    val = tf.data.Dataset.from_tensor_slices(prep(splits.val)).batch(256)
+    test = tf.data.Dataset.from_tensor_slices(prep(splits.test)).batch(256)
+    return train, val, test, int(math.ceil(len(x) / cfg.batch_size))
+
+
+def build_model(cfg: Config, steps_per_epoch: int):
+    import keras
+
+    from trainwell.callbacks.schedules import WarmupCosineDecay
+
+    keras.utils.set_random_seed(cfg.seed)
+    model = keras.Sequential([
+        keras.Input((64,)),
+        keras.layers.Dense(cfg.units, activation="relu", name="hidden"),
+        keras.layers.Dense(10, name="logits"),
+    ])
+    total = cfg.epochs * steps_per_epoch
+    schedule = WarmupCosineDecay(cfg.learning_rate, total_steps=total, warmup_steps=int(cfg.warmup_fraction * total))
+    opt = keras.optimizers.SGD(schedule, momentum=cfg.momentum, weight_decay=cfg.weight_decay or None)
+    model.compile(optimizer=opt, loss=keras.losses.CategoricalCrossentropy(from_logits=True,
+                                                                           label_smoothing=cfg.label_smoothing),
+                  metrics=["accuracy"])
+    return model
+
+
+def train(cfg: Config, *, callbacks=None):
+    from trainwell import recipe
+
+    ctx = recipe.setup_run(cfg, RECIPE)
+    train_ds, val, test, steps = build_data(cfg)
+    train_ds = recipe.advance_epochs(train_ds, recipe.resume_epoch(ctx.run_dir / "checkpoints"))
+    model = build_model(cfg, steps)
+    cbs = recipe.standard_callbacks(
+        cfg, ctx.run_dir, monitor="val_accuracy", mode="max", nan_rollback=cfg.nan_rollback,
+        snapshot_every=cfg.snapshot_every, early_stopping_patience=cfg.early_stopping_patience,
+        doctor=cfg.doctor,
+    ) + list(callbacks or [])
+    history = model.fit(train_ds, validation_data=val, epochs=cfg.epochs, steps_per_epoch=steps,
+                        callbacks=cbs, verbose=cfg.verbose)
+    metrics = {f"test_{k}": v for k, v in model.evaluate(test, verbose=0, return_dict=True).items()}
+    return recipe.finish_run(ctx, cfg, model, metrics, history)
+
+
+def space(hp, cfg: Config) -> dict:
+    lr = hp.Float("learning_rate", 1e-3, 1.0, sampling="log", default=cfg.learning_rate)
+    smoothing = hp.Float("label_smoothing", 0.0, 0.2, default=cfg.label_smoothing)
+    units = hp.Choice("units", [8, 16], default=cfg.units)
+    return {"learning_rate": lr, "label_smoothing": smoothing, "units": units}
+
+
+def build_for_tuner(cfg: Config):
+    return build_model(cfg, 1)
+
+
+def tiny_hypermodel(cfg: Optional[Config] = None, **overrides):
+    """The tiny recipe's hypermodel (what a recipe's `hypermodel()` is)."""
+    from trainwell.tuning import recipe_hypermodel
+
+    cfg = cfg or Config(**overrides)
+    return recipe_hypermodel(sys.modules[__name__], cfg, space, build_fn=build_for_tuner,
+                             trial_overrides={"verbose": 0}, static=("units",), name=RECIPE)
+
+
+def _trials(project: Path) -> dict:
+    out = {}
+    for f in sorted(project.glob("trial_*/trial.json")):
+        t = json.loads(f.read_text())
+        out[t["trial_id"]] = t
+    return out
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")])
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    env.pop("KERASTUNER_TUNER_ID", None)
+    env.pop("KERASTUNER_ORACLE_IP", None)
+    env.pop("KERASTUNER_ORACLE_PORT", None)
+    return env
+
+
+# --------------------------------------------------------------------------- searches
+def test_random_search_records_a_diverged_trial_as_failed_and_goes_on(tmp_path, capsys):
+    import keras_tuner as kt
+
+    from trainwell import tuning
+
+    hp = kt.HyperParameters()
+    hp.Choice("learning_rate", [0.1, 1e10])  # 1e10 diverges: halving it 3 times does not help, NaN rollback gives up
+    result = tuning.search(tiny_hypermodel(epochs=2), "random", max_trials=3, directory=tmp_path,
+                           hyperparameters=hp, tune_new_entries=False, verbose=0)
+    rows = {r["hyperparameters"]["learning_rate"]: r for r in result.rows}
+    assert set(rows) == {0.1, 1e10}  # the space has two points: the search stops after both
+    assert rows[1e10]["status"] == "FAILED" and "diverged" in rows[1e10]["reason"]
+    assert rows[0.1]["status"] == "COMPLETED" and rows[0.1]["score"] > 0.5
+    assert result.best_trial_id == rows[0.1]["trial_id"] and result.best_hyperparameters["learning_rate"] == 0.1
+    out = capsys.readouterr().out
+    assert "Search summary: 1 completed, 1 failed of 2 trials" in out and "diverged" in out
+    summary = json.loads((result.project_dir / "summary.json").read_text())
+    assert summary["num_failed"] == 1 and summary["best"]["trial_id"] == result.best_trial_id
+    assert (result.project_dir / "summary.csv").read_text().count("\n") == 3
+    assert (result.project_dir / "trials.png").stat().st_size > 1000
+    # The best model is exported and predicts like the best trial's best checkpoint.
+    import keras
+    import numpy as np
+
+    exported = keras.models.load_model(result.files["best_model"], compile=False)
+    trial = result.tuner.oracle.get_trial(result.best_trial_id)
+    loaded = result.tuner.load_model(trial)
+    x = np.random.default_rng(0).random((4, 64)).astype("float32")
+    assert np.allclose(exported.predict(x, verbose=0), loaded.predict(x, verbose=0), atol=1e-6)
+    # every trial trained with the recipe's callbacks in its own run directory
+    run_dir = result.project_dir / f"trial_{result.best_trial_id}" / "run"
+    assert (run_dir / "checkpoints").is_dir() and (run_dir / "history.csv").is_file()
+
+
+def test_bayesian_search_runs_and_ranks(tmp_path):
+    from trainwell import tuning
+
+    result = tuning.search(tiny_hypermodel(epochs=2), "bayesian", max_trials=3, directory=tmp_path, verbose=0,
+                           export=False)
+    assert [r["status"] for r in result.rows] == ["COMPLETED"] * 3
+    scores = [r["score"] for r in result.rows]
+    assert scores == sorted(scores, reverse=True) and result.best_score == scores[0]
+    assert type(result.tuner.oracle).__name__ == "BayesianOptimizationOracle"
+
+
+def test_hyperband_continues_promoted_trials_from_their_checkpoint(tmp_path):
+    from trainwell import tuning
+    from trainwell.callbacks.checkpoint import list_checkpoints
+
+    result = tuning.search(tiny_hypermodel(epochs=3), "hyperband", max_epochs=3, factor=3, directory=tmp_path,
+                           verbose=0, export=False)
+    rows = result.rows
+    assert all(r["status"] == "COMPLETED" for r in rows) and len(rows) >= 4
+    promoted = [r for r in rows if r.get("meta", {}).get("tuner/trial_id")]
+    assert promoted, "Hyperband promoted no trial"
+    r = promoted[0]
+    run_dir = result.project_dir / f"trial_{r['trial_id']}" / "run"
+    entries = list_checkpoints(run_dir / "checkpoints")
+    # the copied checkpoint of the parent (at tuner/initial_epoch) and the new epochs after it
+    assert entries[0]["epoch"] == r["meta"]["tuner/initial_epoch"]
+    assert entries[-1]["epoch"] == r["meta"]["tuner/epochs"]
+    history = (run_dir / "history.csv").read_text().strip().splitlines()
+    assert len(history) - 1 == r["meta"]["tuner/epochs"] - r["meta"]["tuner/initial_epoch"]
+
+
+def test_pbt_search_exploits_with_optimizer_state_and_records_lineage(tmp_path):
+    """PBT's exploit copies weights AND optimizer state (SGD momentum, iterations) of the donor."""
+    import keras
+    import numpy as np
+
+    from trainwell import tuning
+    from trainwell.callbacks.checkpoint import load_checkpoint
+
+    class Probe(keras.callbacks.Callback):
+        seen: list = []
+
+        def on_train_begin(self, logs=None):  # after trainwell's Checkpoint restored the run
+            opt = self.model.optimizer
+            Probe.seen.append({
+                "iterations": int(opt.iterations.numpy()),
+                "vars": [(v.path, v.numpy().copy()) for v in opt.variables],
+                "weights": [w.numpy().copy() for w in self.model.weights],
+            })
+
+    Probe.seen = []
+    result = tuning.search(tiny_hypermodel(epochs=2), "pbt", population_size=4, ready_interval=1, max_epochs=2,
+                           directory=tmp_path, callbacks=[Probe()], verbose=0, seed=3)
+    lineage = json.loads((result.project_dir / "summary.json").read_text())["lineage"]
+    assert len(lineage) == 8 and len(Probe.seen) == 8
+    assert sorted((r["member"], r["generation"]) for r in lineage) == [(m, g) for m in range(4) for g in range(2)]
+    exploits = [r for r in lineage if r["action"] == "exploit"]
+    assert len(exploits) == 1  # truncation: the bottom 25% of 4 members
+    ex = exploits[0]
+    by_id = {r["trial_id"]: r for r in lineage}
+    donor_trial = by_id[ex["parent"]]
+    assert donor_trial["member"] == ex["donor"] != ex["member"] and donor_trial["generation"] == 0
+    gen0 = sorted((r for r in lineage if r["generation"] == 0), key=lambda r: -r["score"])
+    assert donor_trial["trial_id"] == gen0[0]["trial_id"] and ex["member"] == gen0[-1]["member"]
+    # explore (its arithmetic is tested in test_pbt.py): values within bounds; units (static) inherited
+    assert 1e-3 <= ex["hyperparameters"]["learning_rate"] <= 1.0
+    assert 0.0 <= ex["hyperparameters"]["label_smoothing"] <= 0.2
+    assert ex["hyperparameters"]["units"] == donor_trial["hyperparameters"]["units"]
+    # the optimizer state the exploiting segment started from IS the donor's checkpoint
+    order = [r["trial_id"] for r in sorted(lineage, key=lambda r: int(r["trial_id"]))]
+    start = Probe.seen[order.index(ex["trial_id"])]
+    hm = result.tuner.hypermodel
+    donor_model = hm.build_fn(hm.config_for(result.tuner.oracle.get_trial(donor_trial["trial_id"]).hyperparameters))
+    load_checkpoint(result.project_dir / f"trial_{donor_trial['trial_id']}" / "run" / "checkpoints", donor_model,
+                    include_optimizer=True)
+    # variables in the same order (names carry per-model prefixes): iterations, then slots per weight
+    donor_vars = [v.numpy() for v in donor_model.optimizer.variables]
+    assert len(donor_vars) == len(start["vars"])
+    assert start["iterations"] == int(donor_model.optimizer.iterations.numpy()) > 0
+    momenta = [i for i, (path, _) in enumerate(start["vars"]) if "momentum" in path]
+    assert len(momenta) == 4  # one slot per kernel and bias
+    assert all(np.array_equal(start["vars"][i][1], donor_vars[i]) for i in momenta)
+    assert all(np.abs(donor_vars[i]).sum() > 0 for i in momenta)
+    # ... and not the exploiting member's own state (so the check above can fail)
+    own_prev = next(r for r in lineage if r["member"] == ex["member"] and r["generation"] == 0)
+    own_model = hm.build_fn(hm.config_for(result.tuner.oracle.get_trial(own_prev["trial_id"]).hyperparameters))
+    load_checkpoint(result.project_dir / f"trial_{own_prev['trial_id']}" / "run" / "checkpoints", own_model,
+                    include_optimizer=True)
+    own_vars = [v.numpy() for v in own_model.optimizer.variables]
+    assert not all(np.array_equal(start["vars"][i][1], own_vars[i]) for i in momenta)
+    assert all(np.array_equal(a, b.numpy()) for a, b in zip(start["weights"], donor_model.weights))
+    assert (result.project_dir / "pbt_lineage.png").stat().st_size > 1000
+    continued = [r for r in lineage if r["action"] == "continue"]
+    assert all(r["hyperparameters"] == by_id[r["parent"]]["hyperparameters"] for r in continued)
+
+
+def test_search_argument_errors_use_the_received_idiom(tmp_path):
+    from trainwell import tuning
+
+    hm = tiny_hypermodel()
+    with pytest.raises(ValueError, match="Received: tuner='grid'"):
+        tuning.search(hm, "grid", directory=tmp_path)
+    with pytest.raises(ValueError, match="Received: max_trials=0"):
+        tuning.search(hm, "random", max_trials=0, directory=tmp_path)
+    with pytest.raises(ValueError, match="Expected an int >= 2. Received: population_size=1"):
+        tuning.search(hm, "pbt", population_size=1, directory=tmp_path)
+    with pytest.raises(ValueError, match="Received: workers=0"):
+        tuning.launch_distributed(["tune", "x"], 0)
+
+
+# --------------------------------------------------------------------------- recipes
+def test_resnet_hypermodel_space_defaults_are_the_config():
+    import keras_tuner as kt
+
+    from trainwell.recipes import resnet_imagenet
+
+    cfg = resnet_imagenet.Config(dataset="digits", image_size=8, model="resnet18", width=4, epochs=10, batch_size=64)
+    hm = resnet_imagenet.hypermodel(cfg)
+    assert isinstance(hm, kt.HyperModel)
+    hp = kt.HyperParameters()
+    hm.declare_hyperparameters(hp)
+    assert set(hp.values) == {"peak_lr", "weight_decay", "warmup_fraction", "label_smoothing", "dropout",
+                              "batch_size", "optimizer"}
+    assert math.isclose(hp.values["peak_lr"], cfg.peak_lr) and hp.values["weight_decay"] == cfg.weight_decay
+    assert hp.values["label_smoothing"] == cfg.label_smoothing and hp.values["batch_size"] == 64
+    assert math.isclose(hp.values["warmup_fraction"], cfg.warmup_epochs / cfg.epochs)
+    trial_cfg = hm.config_for(hp)  # the defaults give back the config
+    assert math.isclose(trial_cfg.peak_lr, cfg.peak_lr) and trial_cfg.optimizer_name == "sgd"
+    assert math.isclose(trial_cfg.warmup_epochs, cfg.warmup_epochs)
+    assert trial_cfg.doctor is False and trial_cfg.verbose == 0
+    hp.values.update(batch_size=128, peak_lr=0.2)  # the linear scaling rule follows the batch
+    assert math.isclose(hm.config_for(hp).peak_lr, 0.4)
+    model = hm.build(hp)
+    assert model.optimizer is not None and model.output_shape == (None, 10)
+
+
+def _tiny_bert(root: Path):
+    import csv
+
+    import keras
+    import keras_hub
+    import numpy as np
+
+    keras.utils.set_random_seed(0)
+    pos, neg = ["good", "great", "fun", "superb"], ["bad", "awful", "dull", "boring"]
+    fill = ["the", "film", "was", "a", "plot", "very"]
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + pos + neg + fill
+    tok = keras_hub.models.BertTokenizer(vocabulary=vocab, lowercase=True)
+    pre = keras_hub.models.BertTextClassifierPreprocessor(tok, sequence_length=16)
+    backbone = keras_hub.models.BertBackbone(vocabulary_size=len(vocab), num_layers=2, num_heads=2, hidden_dim=16,
+                                             intermediate_dim=32, max_sequence_length=16)
+    keras_hub.models.BertTextClassifier(backbone, num_classes=2, preprocessor=pre).save_to_preset(str(root / "preset"))
+    rng = np.random.default_rng(0)
+    with open(root / "data.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["review", "sentiment"])
+        for _ in range(200):
+            y = int(rng.integers(2))
+            words = list(rng.choice(fill, size=3)) + [str(rng.choice(pos if y else neg))]
+            w.writerow([" ".join(words), ["neg", "pos"][y]])
+    return root / "preset", root / "data.csv"
+
+
+def test_transformer_hypermodel_trains_a_trial_with_a_tiny_bert(tmp_path):
+    import keras_tuner as kt
+
+    from trainwell import tuning
+    from trainwell.recipes import transformer_finetune as tft
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    preset, data = _tiny_bert(tmp_path)
+    cfg = tft.Config(preset=str(preset), dataset=f"csv:{data}", text_field="review", label_field="sentiment",
+                     sequence_length=16, batch_size=16, epochs=1, peak_lr=1e-3)
+    hm = tft.hypermodel(cfg)
+    hp = kt.HyperParameters()
+    hm.declare_hyperparameters(hp)
+    assert set(hp.values) == {"peak_lr", "weight_decay", "warmup_fraction", "dropout", "batch_size",
+                              "layerwise_lr_decay"}
+    assert hp.values["peak_lr"] == 1e-3 and hp.values["layerwise_lr_decay"] == 1.0 and hp.values["batch_size"] == 16
+    hp = kt.HyperParameters()
+    hp.Fixed("layerwise_lr_decay", 0.8)
+    hp.Fixed("batch_size", 32)
+    result = tuning.search(hm, "random", max_trials=1, directory=tmp_path / "t", hyperparameters=hp, verbose=0)
+    (row,) = result.rows
+    assert row["status"] == "COMPLETED" and 0.0 <= row["score"] <= 1.0
+    assert row["hyperparameters"]["layerwise_lr_decay"] == 0.8
+    run_dir = result.project_dir / f"trial_{row['trial_id']}" / "run"
+    assert (run_dir / "checkpoints").is_dir() and not (run_dir / "model").exists()  # no per-trial export
+    labels, probs = tft.predict(["a great film", "a dull plot"], run_dir=result.files["best_model"])
+    assert probs.shape == (2, 2) and set(labels) <= {"neg", "pos"}
+
+
+# --------------------------------------------------------------------------- CLI, resume, distributed
+def test_cli_tune_runs_a_search_and_rejects_bad_input(tmp_path, capsys):
+    from trainwell import cli
+
+    rc = cli.main(["tune", f"{__name__}:tiny_hypermodel", "--tuner", "random", "--max-trials", "1",
+                   "--directory", str(tmp_path), "--set", "epochs=1", "--no-export"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "Search summary: 1 completed, 0 failed of 1 trials" in out
+    assert (tmp_path / "tiny-random" / "summary.json").is_file()
+    assert cli.main(["tune", "resnet-imagenet", "--set", "epochs=abc"]) == 2
+    assert cli.main(["tune", "no-such-recipe"]) == 2
+    assert cli.main(["tune", "resnet-imagenet", "--dry-run", "--set", "dataset=digits"]) == 0
+    assert '"peak_lr"' in capsys.readouterr().out
+
+
+def _wait(pred, timeout, proc=None, what=""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited ({proc.returncode}) before {what}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_a_killed_search_continues_where_it_stopped(tmp_path):
+    from trainwell import tuning
+
+    cmd = [sys.executable, "-m", "trainwell.cli", "tune", "test_tuning:tiny_hypermodel", "--tuner", "random",
+           "--max-trials", "4", "--directory", str(tmp_path), "--set", "epochs=3", "--no-export"]
+    project = tmp_path / "tiny-random"
+    log = open(tmp_path / "first.log", "wb")
+    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        completed = lambda: [t for t in _trials(project).values() if t["status"] == "COMPLETED"]  # noqa: E731
+        _wait(lambda: len(completed()) >= 2, 150, proc, "two completed trials")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        log.close()
+    before = _trials(project)
+    done_before = {k: v for k, v in before.items() if v["status"] == "COMPLETED"}
+    assert 2 <= len(done_before) < 4, (tmp_path / "first.log").read_text()[-3000:]
+    histories = {k: (project / f"trial_{k}" / "run" / "history.csv").read_text() for k in done_before}
+    # Rerun: KerasTuner reloads the oracle; the interrupted trial runs again, the rest is not redone.
+    result = tuning.search(tiny_hypermodel(epochs=3), "random", max_trials=4, directory=tmp_path,
+                           project_name="tiny-random", verbose=0, export=False)
+    after = _trials(project)
+    assert len(after) == 4 and all(t["status"] == "COMPLETED" for t in after.values())
+    for k, t in done_before.items():
+        assert after[k]["score"] == t["score"] and after[k]["hyperparameters"] == t["hyperparameters"]
+        assert (project / f"trial_{k}" / "run" / "history.csv").read_text() == histories[k]
+    assert len(result.rows) == 4
+
+
+def test_chief_and_two_workers_run_the_same_search_as_one_process(tmp_path):
+    from trainwell import tuning
+
+    args = ["--tuner", "random", "--max-trials", "4", "--set", "epochs=2", "--no-export", "--seed", "7"]
+    single = tuning.search(tiny_hypermodel(epochs=2), "random", max_trials=4, directory=tmp_path / "single",
+                           project_name="tiny-random", verbose=0, export=False, seed=7)
+    cmd = [sys.executable, "-m", "trainwell.cli", "tune", "test_tuning:tiny_hypermodel", *args,
+           "--directory", str(tmp_path / "dist"), "--workers", "2", "--timeout", "240"]
+    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:  # the launcher's own cleanup did not run: kill its process group
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-4000:]
+    summary = json.loads((tmp_path / "dist" / "tiny-random" / "summary.json").read_text())
+    assert summary["num_trials"] == summary["num_completed"] == len(single.rows) == 4
+    workers = {json.loads(p.read_text())["tuner_id"] for p in (tmp_path / "dist" / "tiny-random").glob("trial_*/worker.json")}
+    assert workers and workers <= {"tuner0", "tuner1"}
+    # the same oracle (seed 7) hands out the same hyperparameters, wherever they run
+    hps = lambda rows: sorted(json.dumps(r["hyperparameters"], sort_keys=True) for r in rows)  # noqa: E731
+    assert hps(summary["trials"]) == hps(single.rows)
+    assert "distributed search done (2 workers)" in text

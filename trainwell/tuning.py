@@ -1,0 +1,1272 @@
+"""Hyperparameter search over trainwell recipes with KerasTuner.
+
+What KerasTuner already does is used as is: `HyperModel` (the search space),
+its oracles (`RandomSearch`, `BayesianOptimization`, `Hyperband`), trial
+bookkeeping, reloading a killed search from its project directory, and the
+chief/worker distributed mode over gRPC. What this module adds:
+
+- `RecipeHyperModel`: a `keras_tuner.HyperModel` over a recipe. A trial trains the
+  recipe itself (its `train()`), so every trial gets the recipe's callbacks: NaN
+  rollback, early stopping and an atomic, exactly resumable `Checkpoint` in the
+  trial's own directory. A trial that diverges (`TrainingDivergedError`) is
+  recorded as failed with its reason (`keras_tuner.errors.FailedTrialError`) and
+  the search goes on.
+- `RecipeTunerMixin` and the tuners built from it: a trial that continues another
+  trial (Hyperband's `tuner/trial_id`, population-based training's exploit) starts
+  from that trial's checkpoint, weights *and* optimizer state, instead of
+  KerasTuner's weights-only `load_weights`; a killed trial resumes from its own
+  last checkpoint when the search is rerun.
+- `search()` / `trainwell tune`: one call that builds the tuner, runs it, prints and
+  saves a summary table (`summary.json`, `summary.csv`), plots the score of every
+  trial (`trials.png`; `pbt_lineage.png` for PBT) and exports the best model.
+- `launch_distributed()` / `trainwell tune --workers N`: starts KerasTuner's chief
+  oracle and N workers on one machine and cleans them up.
+
+Population-based training is in `trainwell.pbt`.
+
+Example:
+>>> from trainwell import tuning
+>>> result = tuning.search("resnet-imagenet", tuner="random", max_trials=8,
+...                        overrides={"dataset": "mnist5k", "epochs": 5, "image_size": 28},
+...                        directory="tuning")  # doctest: +SKIP
+>>> result.best_hyperparameters  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import dataclasses
+import gc
+import importlib
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+TUNERS = ("random", "bayesian", "hyperband", "pbt")
+#: Hyperparameter names KerasTuner (`tuner/...`) and PBT (`pbt/...`) add to a trial's
+#: values to pass bookkeeping to the worker; they are not part of the search space.
+META_PREFIXES = ("tuner/", "pbt/")
+RUN_SUBDIR = "run"
+BEST_MODEL_DIR = "best_model"
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def hp_values(hp) -> dict:
+    """The tunable values of a `HyperParameters` (bookkeeping `tuner/`, `pbt/` keys dropped).
+
+    Example:
+    >>> import keras_tuner as kt
+    >>> hp = kt.HyperParameters(); hp.values.update({"lr": 0.1, "pbt/member": 0})
+    >>> hp_values(hp)
+    {'lr': 0.1}
+    """
+    values = hp.values if hasattr(hp, "values") else dict(hp)
+    return {k: v for k, v in values.items() if not str(k).startswith(META_PREFIXES)}
+
+
+# --------------------------------------------------------------------------- spaces
+def log_range(default: float, factor: float, floor: float = 1e-12) -> tuple[float, float]:
+    """`(default / factor, default * factor)`, a log-scale range around a default.
+
+    Example:
+    >>> log_range(0.1, 10)
+    (0.01, 1.0)
+    """
+    d = max(float(default), floor)
+    return d / factor, d * factor
+
+
+def _clip_default(default: float, lo: float, hi: float) -> float:
+    return float(min(max(default, lo), hi))
+
+
+# --------------------------------------------------------------------------- checkpoints
+def _checkpoint_dir(run_dir) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def has_checkpoint(run_dir) -> bool:
+    """Whether a trial's run directory holds a committed checkpoint.
+
+    Example:
+    >>> has_checkpoint("/nonexistent")
+    False
+    """
+    from trainwell.callbacks.checkpoint import latest_checkpoint
+
+    return latest_checkpoint(_checkpoint_dir(run_dir)) is not None
+
+
+def copy_checkpoint(src_run_dir, dst_run_dir) -> Path:
+    """Copies the newest committed checkpoint of one run directory into another.
+
+    The copy holds everything trainwell's `Checkpoint` saves (weights, optimizer
+    state with `iterations` and slots, loss scale, RNG, data position, callback
+    states), so the recipe's `train()` in `dst_run_dir` resumes from it exactly as
+    if it had written it. The copy is marked as "not stopped": the source run was
+    stopped at the end of its segment on purpose, and the destination goes on.
+    Written to a temporary directory and renamed into place.
+
+    Args:
+        src_run_dir: Run directory (with `checkpoints/`) to copy from.
+        dst_run_dir: Run directory to copy into.
+
+    Returns:
+        The copied checkpoint's directory.
+
+    Example:
+    >>> copy_checkpoint("tuning/p/trial_03/run", "tuning/p/trial_07/run")  # doctest: +SKIP
+    """
+    from trainwell.callbacks.checkpoint import STATE_FILE, latest_checkpoint
+    from trainwell.io import atomic_write_json, fsync_dir
+
+    src = latest_checkpoint(_checkpoint_dir(src_run_dir))
+    if src is None:
+        raise FileNotFoundError(f"No committed checkpoint to copy in {str(_checkpoint_dir(src_run_dir))!r}")
+    src = Path(src)
+    dst_dir = _checkpoint_dir(dst_run_dir)
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    tmp = dst_dir / f".tmp-{src.name}-copy-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    meta = json.loads((tmp / STATE_FILE).read_text(encoding="utf-8"))
+    meta.setdefault("entry", {})["stopped"] = False
+    meta["entry"]["copied_from"] = str(src)
+    atomic_write_json(tmp / STATE_FILE, meta)
+    final = dst_dir / src.name
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(dst_dir)
+    return final
+
+
+def best_checkpoint(run_dir, objective) -> str | None:
+    """Path of the checkpoint of `run_dir` with the best monitored value (else the newest).
+
+    Example:
+    >>> best_checkpoint("/nonexistent", None) is None
+    True
+    """
+    from trainwell.callbacks.checkpoint import list_checkpoints
+
+    entries = list_checkpoints(_checkpoint_dir(run_dir))
+    if not entries:
+        return None
+    scored = [e for e in entries if isinstance(e.get("value"), (int, float)) and math.isfinite(e["value"])]
+    if scored and objective is not None:
+        sign = -1.0 if getattr(objective, "direction", "max") == "max" else 1.0
+        return min(scored, key=lambda e: sign * e["value"])["path"]
+    return entries[-1]["path"]
+
+
+# --------------------------------------------------------------------------- callbacks
+def _stop_at_epoch_callback(stop_at: int):
+    import keras
+
+    class StopAtEpoch(keras.callbacks.Callback):
+        """Ends `fit` after epoch `stop_at` (1-based count); one segment of a longer run."""
+
+        def on_epoch_end(self, epoch, logs=None):
+            if int(epoch) + 1 >= stop_at:
+                self.model.stop_training = True
+
+    return StopAtEpoch()
+
+
+# --------------------------------------------------------------------------- hypermodel
+def _make_recipe_hypermodel_class():
+    import keras_tuner
+
+    class RecipeHyperModel(keras_tuner.HyperModel):
+        """A `keras_tuner.HyperModel` whose trials train a trainwell recipe.
+
+        Extends KerasTuner's `HyperModel` (so every KerasTuner tuner accepts it):
+        `declare_hyperparameters` declares the recipe's search space (defaults = the
+        recipe's config), `build(hp)` returns the compiled recipe model for `hp`, and
+        `fit(hp, model, callbacks=...)` trains the recipe with its own `train()`, so
+        a trial gets the recipe's data pipeline, schedule and callbacks (NaN
+        rollback, early stopping, checkpoints). `fit` ignores the `model` KerasTuner
+        built: the recipe builds its own inside its distribution strategy. The
+        tuners of `trainwell.tuning` call `run()` instead, which adds a run
+        directory per trial, starting from another trial's checkpoint and stopping
+        after a segment (Hyperband, PBT).
+
+        Args:
+            recipe: The recipe module (with `train(cfg, callbacks=...)` and `RECIPE`).
+            cfg: The base config; the search changes only the fields the space names.
+            space: `space(hp, cfg) -> dict` declaring the hyperparameters on `hp` and
+                returning the config fields they set.
+            build_fn: `build_fn(cfg) -> compiled keras.Model`, for `build(hp)` and for
+                loading a trial's checkpoint. Defaults to `None` (then `build` raises).
+            export_fn: `export_fn(model, cfg, run_dir, path) -> Path` exporting a
+                trial's model. Defaults to `None` (`model.save(path / "model.keras")`).
+            trial_overrides: Config fields every trial sets (e.g. `verbose=0`,
+                `doctor=False`). Defaults to `None`.
+            objective: Metric the search optimises. Defaults to `"val_accuracy"`.
+            direction: `"max"` or `"min"`. Defaults to `"max"`.
+            static: Hyperparameters PBT must not change within a member's life (they
+                change the shape of the optimizer state or of the data), e.g.
+                `("batch_size", "optimizer")`. Defaults to `()`.
+            name: Name of the hypermodel. Defaults to the recipe's name.
+
+        Example:
+        >>> from trainwell.recipes import resnet_imagenet
+        >>> hm = resnet_imagenet.hypermodel(dataset="digits", image_size=8, model="resnet18", width=4)
+        >>> import keras_tuner as kt
+        >>> hp = kt.HyperParameters(); hm.declare_hyperparameters(hp)
+        >>> "peak_lr" in hp.values
+        True
+        """
+
+        def __init__(
+            self, recipe, cfg, space, *, build_fn=None, export_fn=None, trial_overrides=None,
+            objective="val_accuracy", direction="max", static=(), name=None,
+        ):
+            if not callable(space):
+                raise ValueError(f"Invalid value for argument `space`. Expected a callable. Received: space={space!r}")
+            if direction not in ("max", "min"):
+                raise ValueError(
+                    f"Invalid value for argument `direction`. Expected 'max' or 'min'. Received: direction={direction!r}"
+                )
+            if not isinstance(objective, str) or not objective:
+                raise ValueError(
+                    f"Invalid value for argument `objective`. Expected a metric name. Received: objective={objective!r}"
+                )
+            if not hasattr(recipe, "train"):
+                raise ValueError(
+                    f"Invalid value for argument `recipe`. Expected a module with `train(cfg, callbacks=...)`. "
+                    f"Received: recipe={recipe!r}"
+                )
+            super().__init__(name=name or getattr(recipe, "RECIPE", None), tunable=True)
+            self.recipe = recipe
+            self.cfg = cfg
+            self.space = space
+            self.build_fn = build_fn
+            self.export_fn = export_fn
+            self.trial_overrides = dict(trial_overrides or {})
+            self.objective_name = objective
+            self.direction = direction
+            self.static = tuple(static)
+
+        def get_config(self) -> dict:
+            """The constructor's JSON-able arguments (the recipe by name, the config as a dict)."""
+            return {
+                "recipe": getattr(self.recipe, "__name__", str(self.recipe)),
+                "cfg": self.cfg.to_dict() if hasattr(self.cfg, "to_dict") else dataclasses.asdict(self.cfg),
+                "trial_overrides": dict(self.trial_overrides),
+                "objective": self.objective_name,
+                "direction": self.direction,
+                "static": list(self.static),
+                "name": self.name,
+            }
+
+        @property
+        def objective(self):
+            import keras_tuner
+
+            return keras_tuner.Objective(self.objective_name, self.direction)
+
+        def declare_hyperparameters(self, hp) -> None:
+            self.space(hp, self.cfg)
+
+        def config_for(self, hp, **changes):
+            """The recipe config of a trial: base config + `hp`'s values + `changes`.
+
+            Example:
+            >>> cfg = hm.config_for(hp, run_dir="tuning/p/trial_0/run")  # doctest: +SKIP
+            """
+            # On a copy: declaring the space on the trial's own `hp` would add the
+            # entries KerasTuner was told not to tune to the trial's recorded values.
+            overrides = dict(self.space(hp.copy(), self.cfg))
+            overrides.update(self.trial_overrides)
+            overrides.update(changes)
+            return self.cfg.replace(**overrides)
+
+        def build(self, hp):
+            if self.build_fn is None:
+                raise NotImplementedError(
+                    f"The hypermodel of {self.name!r} has no `build_fn`; trials train through `fit`/`run`."
+                )
+            return self.build_fn(self.config_for(hp))
+
+        def fit(self, hp, model, *args, callbacks=None, **kwargs):
+            """Trains the recipe for `hp` (the `model` argument is not used); returns its history.
+
+            Example:
+            >>> history = hm.fit(hp, None, callbacks=[])  # doctest: +SKIP
+            """
+            run = self.run(hp, None, callbacks=callbacks)
+            return {k: v for k, v in run.history.items() if k != "epoch"}
+
+        def run(self, hp, run_dir, *, callbacks=None, epochs=None, stop_at_epoch=None, early_stopping=True):
+            """Trains the recipe for `hp` in `run_dir` and returns its `RunResult`.
+
+            A committed checkpoint already in `run_dir/checkpoints` (the trial's own
+            after a crash, or one copied from another trial) is resumed by the
+            recipe's `Checkpoint`, weights and optimizer state included.
+
+            Args:
+                hp: The trial's `HyperParameters`.
+                run_dir: The trial's run directory (`None`: the recipe's default).
+                callbacks: Extra Keras callbacks. Defaults to `None`.
+                epochs: Total epochs of the schedule (`cfg.epochs`), e.g. Hyperband's
+                    `max_epochs`. Defaults to `None` (the config's).
+                stop_at_epoch: Stop after this many epochs in total (one segment of a
+                    longer schedule). Defaults to `None` (train all `epochs`).
+                early_stopping: Keep the recipe's early stopping; off for segmented
+                    runs, where the tuner decides. Defaults to `True`.
+
+            Example:
+            >>> run = hm.run(hp, "tuning/p/trial_0/run", epochs=9, stop_at_epoch=3)  # doctest: +SKIP
+            """
+            changes = {}
+            if run_dir is not None:
+                changes["run_dir"] = str(run_dir)
+            if epochs is not None:
+                changes["epochs"] = int(epochs)
+            if not early_stopping and hasattr(self.cfg, "early_stopping_patience"):
+                changes["early_stopping_patience"] = None
+            cfg = self.config_for(hp, **changes)
+            cbs = list(callbacks or [])
+            if stop_at_epoch is not None and int(stop_at_epoch) < int(cfg.epochs):
+                cbs.append(_stop_at_epoch_callback(int(stop_at_epoch)))
+            return self.recipe.train(cfg, callbacks=cbs)
+
+        def load(self, hp, run_dir, objective=None):
+            """The model of a trial: `build_fn(cfg)` with its best checkpoint loaded.
+
+            Example:
+            >>> model = hm.load(trial.hyperparameters, "tuning/p/trial_3/run")  # doctest: +SKIP
+            """
+            from trainwell.callbacks.checkpoint import load_checkpoint
+
+            if self.build_fn is None:
+                raise NotImplementedError(f"The hypermodel of {self.name!r} has no `build_fn`.")
+            cfg = self.config_for(hp, run_dir=str(run_dir))
+            model = self.build_fn(cfg)
+            path = best_checkpoint(run_dir, objective or self.objective)
+            if path is None:
+                raise FileNotFoundError(f"No committed checkpoint in {str(_checkpoint_dir(run_dir))!r}")
+            load_checkpoint(path, model)
+            return model
+
+        def export(self, hp, run_dir, path, objective=None) -> Path:
+            """Exports the model of a trial (best checkpoint) to the directory `path`.
+
+            Example:
+            >>> hm.export(best.hyperparameters, "tuning/p/trial_3/run", "tuning/p/best_model")  # doctest: +SKIP
+            """
+            model = self.load(hp, run_dir, objective)
+            cfg = self.config_for(hp, run_dir=str(run_dir))
+            path = Path(path)
+            if self.export_fn is not None:
+                return Path(self.export_fn(model, cfg, Path(run_dir), path))
+            path.mkdir(parents=True, exist_ok=True)
+            tmp = path / ".model.keras.tmp.keras"
+            model.save(str(tmp))
+            os.replace(tmp, path / "model.keras")
+            return path / "model.keras"
+
+    return RecipeHyperModel
+
+
+_CLASSES: dict[str, Any] = {}
+
+
+def __getattr__(name: str):
+    # keras_tuner (and with it TensorFlow) is imported on first use of a class.
+    if name == "RecipeHyperModel":
+        if name not in _CLASSES:
+            _CLASSES[name] = _make_recipe_hypermodel_class()
+        return _CLASSES[name]
+    if name in ("RecipeTunerMixin", "RecipeRandomSearch", "RecipeBayesianOptimization", "RecipeHyperband"):
+        if name not in _CLASSES:
+            _CLASSES.update(_make_tuner_classes())
+        return _CLASSES[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def recipe_hypermodel(recipe, cfg, space, **kwargs):
+    """Builds a `RecipeHyperModel` (what each recipe's `hypermodel()` returns).
+
+    Example:
+    >>> hm = recipe_hypermodel(my_recipe, my_recipe.Config(), my_space)  # doctest: +SKIP
+    """
+    return __getattr__("RecipeHyperModel")(recipe, cfg, space, **kwargs)
+
+
+# --------------------------------------------------------------------------- tuners
+def _metrics_from_history(history: dict, objective, mode: str) -> dict:
+    name = objective.name
+    values = [float(v) for v in history.get(name, [])]
+    if not values:
+        import keras_tuner
+
+        raise keras_tuner.errors.FailedTrialError(
+            f"The trial logged no `{name}` (the search objective). Logged: {sorted(history)}"
+        )
+    if mode == "last":
+        idx = len(values) - 1
+    else:
+        finite = [(v, i) for i, v in enumerate(values) if math.isfinite(v)]
+        if not finite:
+            idx = len(values) - 1
+        else:
+            idx = (max if objective.direction == "max" else min)(finite)[1]
+    out = {}
+    for k, v in history.items():
+        if k in ("epoch",) or not v or len(v) != len(values):
+            continue
+        out[k] = float(v[idx])
+    out[name] = values[idx]
+    return out
+
+
+def _make_tuner_classes() -> dict:
+    import keras
+    import keras_tuner
+
+    from trainwell.callbacks.nan_rollback import TrainingDivergedError
+    from trainwell.io import atomic_write_json
+
+    class RecipeTunerMixin:
+        """What a KerasTuner `Tuner` needs to run trials of a `RecipeHyperModel`.
+
+        Mixed in before a KerasTuner tuner (`RandomSearch`, `BayesianOptimization`,
+        `Hyperband`, trainwell's `PBTTuner`), whose oracle is kept as is. It
+        overrides `Tuner.run_trial`: KerasTuner's builds a model and saves weights
+        with its own callback; here the recipe trains in `TRIAL_DIR/run` with its
+        own checkpoints, a trial that continues another (`tuner/trial_id`,
+        `pbt/parent`) starts from a copy of that trial's checkpoint (weights and
+        optimizer state; KerasTuner's Hyperband reloads weights only), a killed
+        trial resumes from its own checkpoint, and `TrainingDivergedError` becomes
+        `keras_tuner.errors.FailedTrialError` (recorded as failed with the reason;
+        the search goes on). `load_model` loads a trial's best checkpoint.
+
+        Example:
+        >>> class MyTuner(RecipeTunerMixin, keras_tuner.RandomSearch): ...  # doctest: +SKIP
+        """
+
+        #: "best": a trial scores its best epoch (early stopping restores it);
+        #: "last": its last epoch (PBT compares members as they are now).
+        score_mode = "best"
+        #: Total epochs of every trial's schedule (Hyperband, PBT); None: the config's.
+        schedule_epochs = None
+        #: Keep the recipe's early stopping in trials.
+        trial_early_stopping = True
+
+        def _populate_initial_space(self):
+            # KerasTuner builds the model (repeatedly) to discover the space; a recipe
+            # space has no conditional scopes, so declaring it is enough and no model
+            # (a BERT, a ResNet-50) is built in the chief or the workers.
+            if hasattr(self.hypermodel, "space") and hasattr(self.hypermodel, "run"):
+                hp = self.oracle.get_space()
+                self.hypermodel.declare_hyperparameters(hp)
+                self.oracle.update_space(hp)
+                return
+            super()._populate_initial_space()
+
+        def trial_run_dir(self, trial_id) -> Path:
+            """The recipe's run directory of a trial (`TRIAL_DIR/run`)."""
+            return Path(self.get_trial_dir(trial_id)) / RUN_SUBDIR
+
+        def run_trial(self, trial, *args, **kwargs):
+            hp = trial.hyperparameters
+            values = hp.values
+            run_dir = self.trial_run_dir(trial.trial_id)
+            parent = values.get("pbt/parent") or values.get("tuner/trial_id")
+            if parent and not has_checkpoint(run_dir):
+                copy_checkpoint(self.trial_run_dir(parent), run_dir)
+            stop_at = values.get("pbt/epochs", values.get("tuner/epochs"))
+            atomic_write_json(
+                Path(self.get_trial_dir(trial.trial_id)) / "worker.json",
+                {"tuner_id": self.tuner_id, "pid": os.getpid(), "parent": parent or None},
+            )
+            callbacks = copy.deepcopy(list(kwargs.get("callbacks") or []))
+            keras.backend.clear_session()
+            gc.collect()
+            try:
+                with warnings.catch_warnings():
+                    # A copied checkpoint was written under the donor's config.
+                    warnings.filterwarnings("ignore", message=r"Resuming from .*different run config")
+                    run = self.hypermodel.run(
+                        hp, run_dir, callbacks=callbacks, epochs=self.schedule_epochs,
+                        stop_at_epoch=stop_at, early_stopping=self.trial_early_stopping,
+                    )
+            except TrainingDivergedError as e:
+                raise keras_tuner.errors.FailedTrialError(f"Trial {trial.trial_id} diverged: {e}") from e
+            return _metrics_from_history(run.history, self.oracle.objective, self.score_mode)
+
+        def load_model(self, trial):
+            return self.hypermodel.load(trial.hyperparameters, self.trial_run_dir(trial.trial_id), self.oracle.objective)
+
+        def search(self, *fit_args, **fit_kwargs):
+            from keras_tuner.src.distribute import utils as dist_utils
+
+            if dist_utils.is_chief_oracle():
+                # KerasTuner's chief polls for the end every 20 s; serve_chief polls
+                # every 0.2 s and otherwise does the same.
+                if "verbose" in fit_kwargs:
+                    self.oracle.verbose = fit_kwargs["verbose"]
+                self.save()
+                serve_chief(self.oracle)
+                return
+            return super().search(*fit_args, **fit_kwargs)
+
+        def pre_create_trial(self):
+            # An oracle that answered IDLE (PBT waiting for a generation to finish)
+            # is asked again at once by KerasTuner's loop; wait a little instead.
+            if getattr(self, "_asked_without_trial", 0) > 0:
+                time.sleep(min(2.0, 0.2 * self._asked_without_trial))
+            self._asked_without_trial = getattr(self, "_asked_without_trial", 0) + 1
+
+        def on_trial_begin(self, trial):
+            self._asked_without_trial = 0
+            super().on_trial_begin(trial)
+
+    class RecipeRandomSearch(RecipeTunerMixin, keras_tuner.RandomSearch):
+        """`keras_tuner.RandomSearch` running recipe trials (see `RecipeTunerMixin`).
+
+        Example:
+        >>> tuner = RecipeRandomSearch(hm, objective=hm.objective, max_trials=10, directory="tuning")  # doctest: +SKIP
+        """
+
+    class RecipeBayesianOptimization(RecipeTunerMixin, keras_tuner.BayesianOptimization):
+        """`keras_tuner.BayesianOptimization` running recipe trials (see `RecipeTunerMixin`).
+
+        Example:
+        >>> tuner = RecipeBayesianOptimization(hm, objective=hm.objective, max_trials=10)  # doctest: +SKIP
+        """
+
+    class RecipeHyperband(RecipeTunerMixin, keras_tuner.Hyperband):
+        """`keras_tuner.Hyperband` running recipe trials (see `RecipeTunerMixin`).
+
+        Every trial runs the schedule of `max_epochs` epochs (warmup and decay
+        over the whole budget) and stops at its bracket's `tuner/epochs`; a trial
+        promoted to the next round continues from the checkpoint of the trial it
+        extends, weights and optimizer state, with early stopping left to Hyperband.
+
+        Example:
+        >>> tuner = RecipeHyperband(hm, objective=hm.objective, max_epochs=9, factor=3)  # doctest: +SKIP
+        """
+
+        trial_early_stopping = False
+
+        def __init__(self, *args, max_epochs=100, **kwargs):
+            super().__init__(*args, max_epochs=max_epochs, **kwargs)
+            self.schedule_epochs = int(max_epochs)
+
+    return {
+        "RecipeTunerMixin": RecipeTunerMixin,
+        "RecipeRandomSearch": RecipeRandomSearch,
+        "RecipeBayesianOptimization": RecipeBayesianOptimization,
+        "RecipeHyperband": RecipeHyperband,
+    }
+
+
+def serve_chief(oracle, poll_s: float = 0.2) -> None:
+    """Serves `oracle` to the workers over gRPC until the search is over.
+
+    KerasTuner's `oracle_chief.start_server` with a shorter poll: it serves the
+    same `OracleServicer` on `KERASTUNER_ORACLE_IP:KERASTUNER_ORACLE_PORT` (no
+    authentication, no TLS: bind it to 127.0.0.1 or a private network) and returns
+    once a worker was told to stop and no trial or worker is left.
+
+    Example:
+    >>> serve_chief(tuner.oracle)  # doctest: +SKIP
+    """
+    from concurrent import futures
+
+    import grpc
+    from keras_tuner.src import protos
+    from keras_tuner.src.distribute.oracle_chief import OracleServicer, exit_chief
+
+    address = f"{os.environ['KERASTUNER_ORACLE_IP']}:{os.environ['KERASTUNER_ORACLE_PORT']}"
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    servicer = OracleServicer(oracle)
+    protos.get_service_grpc().add_OracleServicer_to_server(servicer, server)
+    if server.add_insecure_port(address) == 0:
+        raise RuntimeError(f"The chief oracle cannot listen on {address} (port in use?).")
+    server.start()
+    try:
+        while not (servicer.stop_triggered and exit_chief(oracle)):
+            time.sleep(poll_s)
+    finally:
+        server.stop(grace=2.0)
+
+
+# --------------------------------------------------------------------------- search
+@dataclasses.dataclass
+class SearchResult:
+    """What `search()` returns.
+
+    Attributes:
+        tuner: The KerasTuner tuner (its `oracle` holds every trial).
+        best_hyperparameters: Tunable values of the best trial (`{}` if none completed).
+        best_trial_id: Its id (`None` if none completed).
+        best_score: Its objective value.
+        rows: One dict per trial, best first (what `summary.json` holds).
+        project_dir: The search's directory.
+        files: Paths written: `summary_json`, `summary_csv`, `plot`, `lineage_plot`, `best_model`.
+
+    Example:
+    >>> r = SearchResult(None, {"peak_lr": 0.1}, "03", 0.97, [], Path("."), {})
+    >>> r.best_score
+    0.97
+    """
+
+    tuner: Any
+    best_hyperparameters: dict
+    best_trial_id: str | None
+    best_score: float | None
+    rows: list
+    project_dir: Path
+    files: dict
+
+
+def resolve_hypermodel(recipe, cfg=None, overrides=None):
+    """A `RecipeHyperModel` from a recipe name, a recipe module, `"module:factory"` or a HyperModel.
+
+    `"module:factory"` imports `module` and calls `factory(cfg, **overrides)`; a
+    name on the command line (`resnet-imagenet`) uses that recipe's `hypermodel()`.
+
+    Example:
+    >>> hm = resolve_hypermodel("resnet-imagenet", overrides={"dataset": "digits"})  # doctest: +SKIP
+    """
+    overrides = dict(overrides or {})
+    if hasattr(recipe, "declare_hyperparameters") and hasattr(recipe, "build"):
+        if cfg is not None or overrides:
+            raise ValueError("Pass `config`/`overrides` to the recipe's `hypermodel()`, not with a HyperModel.")
+        return recipe
+    if isinstance(recipe, str):
+        if ":" in recipe:
+            mod_name, _, attr = recipe.partition(":")
+            factory = getattr(importlib.import_module(mod_name), attr)
+            return factory(cfg, **overrides)
+        from trainwell.recipes import get
+
+        recipe = get(recipe)
+    if not hasattr(recipe, "hypermodel"):
+        raise ValueError(
+            f"Invalid value for argument `recipe`. Expected a recipe name, a recipe module with `hypermodel()`, "
+            f"'module:factory' or a HyperModel. Received: recipe={recipe!r}"
+        )
+    return recipe.hypermodel(cfg, **overrides)
+
+
+_ATOMIC_SAVES = {"applied": False}
+
+
+def atomic_keras_tuner_saves() -> bool:
+    """Makes KerasTuner write its state files atomically (a fix for KerasTuner 1.4).
+
+    KerasTuner 1.4 saves `oracle.json`, every `trial.json` and the tuner's file
+    with `open(path, "w").write(...)`: a search killed during a save (SIGKILL,
+    preemption, power loss) leaves an empty or torn file, and rerunning the search
+    then fails in `Oracle.reload` with a `JSONDecodeError` instead of continuing.
+    This replaces `keras_tuner.src.utils.save_json`, through which all of them go,
+    with a write to a temporary file, fsync and rename (`trainwell.io`), for local
+    paths; other paths (`gs://`) keep KerasTuner's write. Applied by `make_tuner`;
+    gated on KerasTuner < 1.5. Returns whether the fix is in place.
+
+    Example:
+    >>> atomic_keras_tuner_saves()  # doctest: +SKIP
+    True
+    """
+    if _ATOMIC_SAVES["applied"]:
+        return True
+    import keras_tuner
+    from keras_tuner.src import utils as kt_utils
+
+    major, minor = (int(x) for x in keras_tuner.__version__.split(".")[:2])
+    if (major, minor) >= (1, 5):
+        return False
+    original = kt_utils.save_json
+
+    def save_json(path, obj):
+        if "://" in str(path):
+            return original(path, obj)
+        from trainwell.io import atomic_write_text
+
+        obj_str = json.dumps(obj)
+        atomic_write_text(path, obj_str)
+        return obj_str
+
+    save_json.__doc__ = original.__doc__
+    kt_utils.save_json = save_json
+    _ATOMIC_SAVES["applied"] = True
+    return True
+
+
+def make_tuner(
+    hypermodel, tuner: str = "random", *, max_trials: int = 10, directory="tuning", project_name=None,
+    overwrite: bool = False, objective=None, max_epochs=None, factor: int = 3, population_size: int = 4,
+    ready_interval: int = 1, seed: int | None = 0, hyperparameters=None, max_consecutive_failed_trials=None,
+    **tuner_kwargs,
+):
+    """Builds the KerasTuner tuner of `search()` without running it. See `search` for the arguments.
+
+    Example:
+    >>> tuner = make_tuner(hm, "bayesian", max_trials=20, directory="tuning")  # doctest: +SKIP
+    """
+    if tuner not in TUNERS:
+        raise ValueError(f"Invalid value for argument `tuner`. Expected one of {TUNERS}. Received: tuner={tuner!r}")
+    if not (_is_int(max_trials) and max_trials >= 1):
+        raise ValueError(f"Invalid value for argument `max_trials`. Expected an int >= 1. Received: max_trials={max_trials!r}")
+    if max_epochs is not None and not (_is_int(max_epochs) and max_epochs >= 1):
+        raise ValueError(f"Invalid value for argument `max_epochs`. Expected an int >= 1. Received: max_epochs={max_epochs!r}")
+    import keras_tuner
+
+    atomic_keras_tuner_saves()
+    objective = objective or hypermodel.objective
+    if isinstance(objective, str):
+        if objective == getattr(hypermodel, "objective_name", None):
+            direction = hypermodel.direction
+        else:
+            direction = "min" if ("loss" in objective or "error" in objective) else "max"
+        objective = keras_tuner.Objective(objective, direction)
+    project_name = project_name or f"{getattr(hypermodel, 'name', None) or 'search'}-{tuner}"
+    cfg_epochs = int(getattr(getattr(hypermodel, "cfg", None), "epochs", 0) or 0)
+    common = dict(
+        hypermodel=hypermodel, objective=objective, directory=str(directory), project_name=project_name,
+        overwrite=overwrite, seed=seed, hyperparameters=hyperparameters,
+        **tuner_kwargs,
+    )
+    if tuner == "pbt":
+        from trainwell.pbt import PBTTuner
+
+        epochs = max_epochs or cfg_epochs or 4
+        generations = max(1, math.ceil(epochs / ready_interval))
+        return PBTTuner(
+            population_size=population_size, ready_interval=ready_interval, generations=generations,
+            static_hyperparameters=getattr(hypermodel, "static", ()),
+            max_consecutive_failed_trials=max_consecutive_failed_trials, **common,
+        )
+    mcf = max_consecutive_failed_trials or max(3, max_trials)
+    if tuner == "random":
+        return __getattr__("RecipeRandomSearch")(max_trials=max_trials, max_consecutive_failed_trials=mcf, **common)
+    if tuner == "bayesian":
+        return __getattr__("RecipeBayesianOptimization")(
+            max_trials=max_trials, max_consecutive_failed_trials=mcf, **common
+        )
+    return __getattr__("RecipeHyperband")(
+        max_epochs=max_epochs or cfg_epochs or 9, factor=factor, max_consecutive_failed_trials=mcf, **common
+    )
+
+
+def search(
+    recipe, tuner: str = "random", *, config=None, overrides=None, max_trials: int = 10, directory="tuning",
+    project_name=None, overwrite: bool = False, objective=None, max_epochs=None, factor: int = 3,
+    population_size: int = 4, ready_interval: int = 1, seed: int | None = 0, hyperparameters=None,
+    callbacks=None, top_k: int = 10, export: bool = True, verbose: int = 1, max_consecutive_failed_trials=None,
+    **tuner_kwargs,
+) -> SearchResult:
+    """Searches the hyperparameters of a recipe with KerasTuner; summarises and exports.
+
+    Rerunning the same call (`overwrite=False`) on the same directory continues a
+    killed search: KerasTuner reloads the oracle, the trials that were running are
+    run again, and each resumes from its own last checkpoint. Under KerasTuner's
+    distributed mode (`KERASTUNER_TUNER_ID`, `KERASTUNER_ORACLE_IP`,
+    `KERASTUNER_ORACLE_PORT`; see `launch_distributed`) the chief serves the oracle
+    and writes the summary, and a worker runs trials and returns an empty result.
+
+    Args:
+        recipe: A recipe name (`"resnet-imagenet"`), a recipe module, `"module:factory"`
+            or a `RecipeHyperModel`.
+        tuner: `"random"`, `"bayesian"`, `"hyperband"` or `"pbt"`. Defaults to `"random"`.
+        config: The recipe's base `Config` (or `None` for its defaults). Defaults to `None`.
+        overrides: Config fields to change, e.g. `{"dataset": "mnist5k"}`. Defaults to `None`.
+        max_trials: Trials of random and Bayesian search (Hyperband sizes its own
+            brackets; PBT runs `population_size` x generations trials plus
+            replacements). Defaults to `10`.
+        directory: Parent directory of the search. Defaults to `"tuning"`.
+        project_name: Its subdirectory. Defaults to `"<recipe>-<tuner>"`.
+        overwrite: Start afresh instead of continuing. Defaults to `False`.
+        objective: Metric name or `keras_tuner.Objective`. Defaults to the recipe's
+            (`val_accuracy`, max).
+        max_epochs: Epochs per model for Hyperband and PBT. Defaults to `None`
+            (the config's `epochs`).
+        factor: Hyperband's reduction factor. Defaults to `3`.
+        population_size: PBT population. Defaults to `4`.
+        ready_interval: PBT epochs between exploit/explore steps. Defaults to `1`.
+        seed: Oracle seed. Defaults to `0`.
+        hyperparameters: A `keras_tuner.HyperParameters` overriding parts of the space
+            (KerasTuner's own argument). Defaults to `None`.
+        callbacks: Extra Keras callbacks for every trial (deep-copied per trial).
+            Defaults to `None`.
+        top_k: Rows printed in the summary table. Defaults to `10`.
+        export: Export the best trial's model to `PROJECT/best_model`. Defaults to `True`.
+        verbose: KerasTuner's verbosity. Defaults to `1`.
+        max_consecutive_failed_trials: Stop after this many failures in a row.
+            Defaults to `None` (never before `max_trials`).
+        **tuner_kwargs: More keyword arguments for the KerasTuner tuner.
+
+    Returns:
+        A `SearchResult`.
+
+    Example:
+    >>> r = search("resnet-imagenet", "hyperband", overrides={"dataset": "digits", "image_size": 8},
+    ...            max_epochs=9, directory="tuning")  # doctest: +SKIP
+    >>> r.best_hyperparameters["peak_lr"]  # doctest: +SKIP
+    """
+    from keras_tuner.src.distribute import utils as dist_utils
+
+    hm = resolve_hypermodel(recipe, config, overrides)
+    t = make_tuner(
+        hm, tuner, max_trials=max_trials, directory=directory, project_name=project_name, overwrite=overwrite,
+        objective=objective, max_epochs=max_epochs, factor=factor, population_size=population_size,
+        ready_interval=ready_interval, seed=seed, hyperparameters=hyperparameters,
+        max_consecutive_failed_trials=max_consecutive_failed_trials, **tuner_kwargs,
+    )
+    t.search(callbacks=list(callbacks or []), verbose=verbose)
+    project_dir = Path(t.project_dir)
+    if dist_utils.has_chief_oracle() and not dist_utils.is_chief_oracle():
+        return SearchResult(t, {}, None, None, [], project_dir, {})
+    return summarize(t, top_k=top_k, export=export, print_table=True)
+
+
+# --------------------------------------------------------------------------- summary
+def trial_rows(oracle) -> list[dict]:
+    """One dict per trial of an oracle, best first, then the failed and unfinished ones.
+
+    Example:
+    >>> rows = trial_rows(tuner.oracle)  # doctest: +SKIP
+    """
+    direction = oracle.objective.direction if hasattr(oracle.objective, "direction") else "min"
+    rows = []
+    order = {tid: i for i, tid in enumerate(getattr(oracle, "start_order", []) or [])}
+    for tid, trial in oracle.trials.items():
+        values = trial.hyperparameters.values
+        status = str(getattr(trial.status, "value", trial.status))
+        msg = (trial.message or "").strip().splitlines()
+        reason = ""
+        if msg:
+            # The last line of the traceback names the error (e.g. `... diverged: ...`).
+            reason = next((line for line in reversed(msg) if line.strip()), "")[:300]
+        row = {
+            "trial_id": tid,
+            "order": order.get(tid, len(order)),
+            "status": status,
+            "score": None if trial.score is None or not math.isfinite(float(trial.score)) else float(trial.score),
+            "hyperparameters": hp_values(trial.hyperparameters),
+            "reason": reason if status != "COMPLETED" else "",
+        }
+        meta = {k: v for k, v in values.items() if str(k).startswith(META_PREFIXES)}
+        if meta:
+            row["meta"] = meta
+        rows.append(row)
+    sign = -1.0 if direction == "max" else 1.0
+    rows.sort(key=lambda r: (r["status"] != "COMPLETED" or r["score"] is None,
+                             sign * (r["score"] if r["score"] is not None else 0.0), r["order"]))
+    for i, r in enumerate(rows):
+        r["rank"] = i + 1 if r["status"] == "COMPLETED" and r["score"] is not None else None
+    return rows
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def format_table(rows: Sequence[dict], objective_name: str, top_k: int = 10) -> str:
+    """The summary table as text: rank, trial, status, score, then each hyperparameter.
+
+    Example:
+    >>> print(format_table([{"rank": 1, "trial_id": "0", "status": "COMPLETED", "score": 0.9,
+    ...                      "hyperparameters": {"lr": 0.1}}], "val_accuracy"))
+    rank  trial  status     val_accuracy  lr
+    1     0      COMPLETED  0.9           0.1
+    """
+    names: list[str] = []
+    for r in rows:
+        for k in r["hyperparameters"]:
+            if k not in names:
+                names.append(k)
+    header = ["rank", "trial", "status", objective_name] + names
+    body = []
+    for r in list(rows)[:top_k]:
+        body.append(
+            [_fmt(r.get("rank") or "-"), r["trial_id"], r["status"], _fmt(r["score"]) if r["score"] is not None else "-"]
+            + [_fmt(r["hyperparameters"].get(k, "")) for k in names]
+        )
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)] if body else [len(h) for h in header]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip() for line in [header] + body]
+    return "\n".join(lines)
+
+
+def plot_trials(rows: Sequence[dict], objective_name: str, path, direction: str = "max"):
+    """Score of each trial in start order, failed trials marked, and the best so far.
+
+    Example:
+    >>> plot_trials(rows, "val_accuracy", "tuning/p/trials.png")  # doctest: +SKIP
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from trainwell.io import save_figure
+
+    ordered = sorted(rows, key=lambda r: r["order"])
+    xs = [r["order"] for r in ordered if r["score"] is not None]
+    ys = [r["score"] for r in ordered if r["score"] is not None]
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    ax.plot(xs, ys, "o", label="trial")
+    best, run = [], None
+    for y in ys:
+        run = y if run is None else (max(run, y) if direction == "max" else min(run, y))
+        best.append(run)
+    if xs:
+        ax.step(xs, best, where="post", label="best so far")
+    failed = [r["order"] for r in ordered if r["status"] != "COMPLETED"]
+    if failed:
+        lo = min(ys) if ys else 0.0
+        ax.plot(failed, [lo] * len(failed), "rx", label="failed / invalid")
+    ax.set_xlabel("trial (start order)")
+    ax.set_ylabel(objective_name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def summarize(tuner, top_k: int = 10, export: bool = True, print_table: bool = True) -> SearchResult:
+    """Prints and saves the summary table, plots the trials and exports the best model.
+
+    Writes `summary.json` and `summary.csv` (one row per trial), `trials.png`,
+    `pbt_lineage.png` for PBT, and `best_model/` to the tuner's project directory.
+
+    Example:
+    >>> result = summarize(tuner)  # doctest: +SKIP
+    """
+    from trainwell.io import atomic_write_json, atomic_write_text
+
+    oracle = tuner.oracle
+    objective = oracle.objective
+    project_dir = Path(tuner.project_dir)
+    rows = trial_rows(oracle)
+    best = next((r for r in rows if r["rank"] == 1), None)
+    files: dict[str, str] = {}
+    summary = {
+        "objective": {"name": objective.name, "direction": objective.direction},
+        "tuner": type(tuner).__name__,
+        "oracle": type(oracle).__name__,
+        "num_trials": len(rows),
+        "num_completed": sum(r["status"] == "COMPLETED" for r in rows),
+        "num_failed": sum(r["status"] in ("FAILED", "INVALID") for r in rows),
+        "best": best,
+        "trials": rows,
+    }
+    lineage = getattr(oracle, "lineage", None)
+    if callable(lineage):
+        lineage = lineage()
+    if lineage is not None:
+        summary["lineage"] = lineage
+    atomic_write_json(project_dir / "summary.json", summary)
+    files["summary_json"] = str(project_dir / "summary.json")
+    names: list[str] = []
+    for r in rows:
+        for k in r["hyperparameters"]:
+            if k not in names:
+                names.append(k)
+    import io as _io
+
+    buf = _io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["rank", "trial_id", "status", objective.name, *names, "reason"])
+    for r in rows:
+        w.writerow([r["rank"] or "", r["trial_id"], r["status"], "" if r["score"] is None else r["score"],
+                    *[r["hyperparameters"].get(k, "") for k in names], r["reason"]])
+    atomic_write_text(project_dir / "summary.csv", buf.getvalue())
+    files["summary_csv"] = str(project_dir / "summary.csv")
+    files["plot"] = str(plot_trials(rows, objective.name, project_dir / "trials.png", objective.direction))
+    if lineage is not None:
+        from trainwell.pbt import plot_lineage
+
+        files["lineage_plot"] = str(plot_lineage(lineage, project_dir / "pbt_lineage.png", objective.name))
+    if export and best is not None and hasattr(tuner.hypermodel, "export"):
+        trial = oracle.get_trial(best["trial_id"])
+        try:
+            files["best_model"] = str(
+                tuner.hypermodel.export(trial.hyperparameters, tuner.trial_run_dir(trial.trial_id),
+                                        project_dir / BEST_MODEL_DIR, objective)
+            )
+        except NotImplementedError as e:
+            warnings.warn(f"Best model not exported: {e}")
+    atomic_write_json(project_dir / "summary.json", {**summary, "files": files})
+    if print_table:
+        print()
+        print(f"Search summary: {summary['num_completed']} completed, {summary['num_failed']} failed "
+              f"of {summary['num_trials']} trials ({objective.name}, {objective.direction})")
+        print(format_table(rows, objective.name, top_k))
+        for r in rows:
+            if r["status"] in ("FAILED", "INVALID") and r["reason"]:
+                print(f"  trial {r['trial_id']} {r['status'].lower()}: {r['reason']}")
+        print("files: " + ", ".join(f"{k}={v}" for k, v in files.items()))
+    return SearchResult(
+        tuner=tuner,
+        best_hyperparameters=dict(best["hyperparameters"]) if best else {},
+        best_trial_id=best["trial_id"] if best else None,
+        best_score=best["score"] if best else None,
+        rows=rows,
+        project_dir=project_dir,
+        files=files,
+    )
+
+
+# --------------------------------------------------------------------------- distributed
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now.
+
+    Example:
+    >>> 0 < free_port() < 65536
+    True
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+    except ProcessLookupError:  # pragma: no cover - exited in between
+        pass
+
+
+def launch_distributed(
+    argv: Sequence[str], workers: int, *, host: str = "127.0.0.1", port: int | None = None,
+    timeout_s: float | None = None, env=None, chief_grace_s: float = 60.0, log_dir=None,
+) -> int:
+    """Runs a search as KerasTuner's chief oracle plus `workers` worker processes.
+
+    Each process runs `python -m trainwell.cli <argv>` with KerasTuner's
+    environment variables: `KERASTUNER_TUNER_ID` (`chief`, `tuner0`, ...),
+    `KERASTUNER_ORACLE_IP` and `KERASTUNER_ORACLE_PORT`. The chief serves the
+    oracle over gRPC **without authentication or TLS**: anyone who can reach the
+    port can read the trials and submit results, so the default host is
+    127.0.0.1. Waits are bounded: a worker that fails, the chief exiting, the
+    overall `timeout_s`, or the chief still running `chief_grace_s` after the last
+    worker finished stops everything; every child is terminated (SIGTERM, then
+    SIGKILL) before this returns.
+
+    Args:
+        argv: Command-line arguments of `trainwell` for each process (without `--workers`).
+        workers: Number of worker processes (>= 1).
+        host: Address the chief listens on. Defaults to `"127.0.0.1"`.
+        port: Its port. Defaults to `None` (a free port).
+        timeout_s: Overall limit in seconds. Defaults to `None` (no limit).
+        env: Base environment. Defaults to `None` (`os.environ`).
+        chief_grace_s: Seconds the chief may take to finish after the workers.
+            Defaults to `60.0`.
+        log_dir: Directory for each process's output (`chief.log`, `tuner0.log`, ...);
+            `None` lets them write to this process's stdout/stderr. Defaults to `None`.
+
+    Returns:
+        The exit status: the chief's, or 1 when a worker failed or time ran out.
+
+    Example:
+    >>> launch_distributed(["tune", "resnet-imagenet", "--tuner", "random"], workers=2)  # doctest: +SKIP
+    0
+    """
+    if not (_is_int(workers) and workers >= 1):
+        raise ValueError(f"Invalid value for argument `workers`. Expected an int >= 1. Received: workers={workers!r}")
+    port = int(port or free_port(host))
+    base = dict(os.environ if env is None else env)
+    base.update({"KERASTUNER_ORACLE_IP": host, "KERASTUNER_ORACLE_PORT": str(port)})
+    procs: dict[str, subprocess.Popen] = {}
+    logs = []
+    deadline = None if timeout_s is None else time.monotonic() + float(timeout_s)
+
+    def spawn(tuner_id):
+        e = dict(base, KERASTUNER_TUNER_ID=tuner_id)
+        out = None
+        if log_dir is not None:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            out = open(Path(log_dir) / f"{tuner_id}.log", "ab")
+            logs.append(out)
+        procs[tuner_id] = subprocess.Popen(
+            [sys.executable, "-m", "trainwell.cli", *argv], env=e, stdout=out, stderr=subprocess.STDOUT if out else None
+        )
+
+    try:
+        spawn("chief")
+        for i in range(workers):
+            spawn(f"tuner{i}")
+        workers_done_at = None
+        while True:
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"trainwell tune: the distributed search ran past {timeout_s} s; stopping it.", file=sys.stderr)
+                return 1
+            chief_rc = procs["chief"].poll()
+            worker_rcs = {k: p.poll() for k, p in procs.items() if k != "chief"}
+            bad = {k: v for k, v in worker_rcs.items() if v not in (None, 0)}
+            if bad:
+                print(f"trainwell tune: worker(s) failed: {bad}; stopping the search.", file=sys.stderr)
+                return 1
+            if chief_rc is not None:
+                if chief_rc != 0:
+                    print(f"trainwell tune: the chief exited with status {chief_rc}.", file=sys.stderr)
+                    return chief_rc
+                # The chief ends once every worker was told to stop: let them exit.
+                end = time.monotonic() + chief_grace_s
+                while any(p.poll() is None for k, p in procs.items() if k != "chief") and time.monotonic() < end:
+                    time.sleep(0.2)
+                worker_rcs = {k: p.poll() for k, p in procs.items() if k != "chief"}
+                bad = {k: v for k, v in worker_rcs.items() if v not in (None, 0)}
+                if bad:
+                    print(f"trainwell tune: worker(s) failed: {bad}.", file=sys.stderr)
+                    return 1
+                if any(v is None for v in worker_rcs.values()):
+                    print("trainwell tune: worker(s) still running after the search ended; stopping them.",
+                          file=sys.stderr)
+                return 0
+            if all(v == 0 for v in worker_rcs.values()):
+                workers_done_at = workers_done_at or time.monotonic()
+                if time.monotonic() - workers_done_at > chief_grace_s:
+                    print("trainwell tune: the chief did not finish after its workers; stopping it.", file=sys.stderr)
+                    return 1
+            time.sleep(0.2)
+    finally:
+        for k in [k for k in procs if k != "chief"] + ["chief"]:
+            if k in procs:
+                _stop(procs[k])
+        for f in logs:
+            f.close()
+
+
+def _child_argv(args) -> list[str]:
+    out = ["tune", args.recipe, "--tuner", args.tuner, "--max-trials", str(args.max_trials)]
+    for flag, attr in (("--directory", "directory"), ("--project-name", "project_name"), ("--max-epochs", "max_epochs"),
+                       ("--population-size", "population_size"), ("--ready-interval", "ready_interval"),
+                       ("--seed", "seed"), ("--objective", "objective"), ("--top-k", "top_k")):
+        v = getattr(args, attr, None)
+        if v is not None:
+            out += [flag, str(v)]
+    if getattr(args, "config", None):
+        out += ["--config", args.config]
+    for s in getattr(args, "set", None) or []:
+        out += ["--set", s]
+    if getattr(args, "no_export", False):
+        out.append("--no-export")
+    return out
+
+
+def main(args) -> int:
+    """`trainwell tune`: runs `search()` from parsed command-line arguments.
+
+    With `--workers N` (N >= 1) it launches KerasTuner's chief and N workers on this
+    machine (`launch_distributed`) and prints the chief's summary.
+
+    Example:
+    >>> from trainwell.cli import build_parser
+    >>> main(build_parser().parse_args(["tune", "resnet-imagenet", "--set", "dataset=digits"]))  # doctest: +SKIP
+    0
+    """
+    from keras_tuner.src.distribute import utils as dist_utils
+
+    from trainwell.config import ConfigError
+
+    directory = getattr(args, "directory", None) or "tuning"
+    workers = int(getattr(args, "workers", 0) or 0)
+    if workers < 0:
+        raise ConfigError(f"Invalid value for `--workers`: expected an integer >= 0. Received: workers={workers}")
+    hm = _hypermodel_from_args(args)
+    if getattr(args, "dry_run", False):
+        import keras_tuner
+
+        hp = keras_tuner.HyperParameters()
+        hm.declare_hyperparameters(hp)
+        print(json.dumps({"config": hm.cfg.to_dict(), "space": hp.get_config()}, indent=2, default=str))
+        return 0
+    if workers > 0 and not dist_utils.has_chief_oracle():
+        project = getattr(args, "project_name", None) or f"{hm.name or 'search'}-{args.tuner}"
+        if getattr(args, "overwrite", False):
+            shutil.rmtree(Path(directory) / project, ignore_errors=True)
+        child = argparse_namespace_copy(args, directory=directory, project_name=project)
+        rc = launch_distributed(
+            _child_argv(child), workers, host=getattr(args, "oracle_host", None) or "127.0.0.1",
+            port=getattr(args, "oracle_port", None), timeout_s=getattr(args, "timeout", None),
+        )
+        summary = Path(directory) / project / "summary.json"
+        if rc == 0 and summary.is_file():
+            print(f"distributed search done ({workers} workers): {summary}")
+        return int(rc)
+    result = search(
+        hm, args.tuner, max_trials=int(args.max_trials), directory=directory,
+        project_name=getattr(args, "project_name", None), overwrite=bool(getattr(args, "overwrite", False)),
+        objective=getattr(args, "objective", None), max_epochs=getattr(args, "max_epochs", None),
+        population_size=int(getattr(args, "population_size", None) or 4),
+        ready_interval=int(getattr(args, "ready_interval", None) or 1),
+        seed=getattr(args, "seed", None) if getattr(args, "seed", None) is not None else 0,
+        top_k=int(getattr(args, "top_k", None) or 10), export=not getattr(args, "no_export", False),
+    )
+    if dist_utils.has_chief_oracle() and not dist_utils.is_chief_oracle():
+        return 0
+    return 0 if result.best_trial_id is not None else 1
+
+
+def argparse_namespace_copy(args, **changes):
+    """A copy of an `argparse.Namespace` with some attributes changed.
+
+    Example:
+    >>> import argparse
+    >>> argparse_namespace_copy(argparse.Namespace(a=1), a=2).a
+    2
+    """
+    import argparse
+
+    d = dict(vars(args))
+    d.update(changes)
+    return argparse.Namespace(**d)
+
+
+def _hypermodel_from_args(args):
+    """The hypermodel of `trainwell tune RECIPE [--config FILE] [--set k=v ...]`.
+
+    RECIPE is a recipe name or `module:factory`; the module's `Config` (if any)
+    loads `--config` and `--set` with its types and validation.
+    """
+    from trainwell.config import ConfigError, parse_overrides, read_config_file
+
+    recipe = args.recipe
+    if ":" in recipe:
+        mod_name, _, attr = recipe.partition(":")
+        try:
+            module = importlib.import_module(mod_name)
+            factory = getattr(module, attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"Cannot load the hypermodel factory {recipe!r}: {e}") from None
+    else:
+        from trainwell.recipes import RECIPES, get
+
+        if recipe not in RECIPES:
+            raise ConfigError(f"Unknown recipe {recipe!r}. Expected one of: {', '.join(RECIPES)} or 'module:factory'.")
+        module = get(recipe)
+        factory = module.hypermodel
+    if hasattr(module, "Config"):
+        return factory(module.Config.load(getattr(args, "config", None), getattr(args, "set", None) or []))
+    overrides = read_config_file(args.config) if getattr(args, "config", None) else {}
+    overrides.update(parse_overrides(getattr(args, "set", None) or []))
+    return factory(None, **overrides)
