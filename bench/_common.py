@@ -253,3 +253,37 @@ def run_worker(script: str, kind: str, seed: int, extra: list[str], cwd) -> dict
     out = json.loads(r.stdout.strip().splitlines()[-1])
     out["subprocess_wall_s"] = time.perf_counter() - t0
     return out
+
+
+def alternate(seeds, kinds, run, on_row=None, tmp_prefix="trainwell-bench-", keep=False) -> list[dict]:
+    """Runs `run(kind, seed, tmp)` for every seed and kind, alternating which kind goes first.
+
+    Alternating the order per seed makes both arms see the same load on a shared
+    machine. `on_row(row)` may add per-seed comparisons to `row` (`{"seed", "order",
+    kind: result, ...}`). The temporary directory is removed unless `keep`.
+    """
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix))
+    rows = []
+    try:
+        for i, seed in enumerate(seeds):
+            order = list(kinds) if i % 2 == 0 else list(reversed(kinds))
+            row = {"seed": seed, "order": order}
+            for kind in order:
+                log(f"seed {seed}: {kind} ...")
+                row[kind] = run(kind, seed, tmp)
+                r = row[kind]
+                log(f"seed {seed}: {kind} test_accuracy={r.get('test_accuracy', float('nan')):.4f} "
+                    f"wall={r.get('wall_s', float('nan')):.1f}s")
+            if on_row is not None:
+                on_row(row)
+            rows.append(row)
+    finally:
+        if keep:
+            log(f"run directories kept under {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return rows

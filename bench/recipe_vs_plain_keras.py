@@ -34,16 +34,14 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from _common import load_avg, log, machine_info, parse_seeds, print_json, ratio, rnd, run_worker, summary  # noqa: E402
+from _common import alternate, load_avg, machine_info, parse_seeds, print_json, ratio, rnd, run_worker, summary  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO / "configs" / "demo_mnist5k.yaml"
@@ -166,25 +164,13 @@ def main(argv=None) -> dict | None:
     seeds = parse_seeds(args.seeds)
     machine = machine_info()
     t_start = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix="trainwell-recipe-vs-plain-"))
-    per_seed = []
-    try:
-        for i, seed in enumerate(seeds):
-            order = list(KINDS) if i % 2 == 0 else list(reversed(KINDS))
-            row = {"seed": seed, "order": order}
-            for kind in order:
-                log(f"seed {seed}: {kind} ...")
-                row[kind] = spawn(kind, seed, args, tmp)
-                log(f"seed {seed}: {kind} test_accuracy={row[kind]['test_accuracy']:.4f} "
-                    f"wall={row[kind]['wall_s']:.1f}s")
-            row["accuracy_diff_recipe_minus_plain"] = rnd(row["recipe"]["test_accuracy"] - row["plain"]["test_accuracy"], 4)
-            row["wall_ratio_recipe_over_plain"] = ratio(row["recipe"]["wall_s"], row["plain"]["wall_s"])
-            per_seed.append(row)
-    finally:
-        if args.keep_runs:
-            log(f"recipe run directories kept under {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    def compare(row):
+        row["accuracy_diff_recipe_minus_plain"] = rnd(row["recipe"]["test_accuracy"] - row["plain"]["test_accuracy"], 4)
+        row["wall_ratio_recipe_over_plain"] = ratio(row["recipe"]["wall_s"], row["plain"]["wall_s"])
+
+    per_seed = alternate(seeds, KINDS, lambda kind, seed, tmp: spawn(kind, seed, args, tmp), on_row=compare,
+                         tmp_prefix="trainwell-recipe-vs-plain-", keep=args.keep_runs)
 
     def compact(r: dict) -> dict:
         keys = ("test_accuracy", "test_loss", "final_val_accuracy", "wall_s", "process_wall_s", "epochs_run")

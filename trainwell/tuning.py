@@ -37,14 +37,12 @@ from __future__ import annotations
 import copy
 import csv
 import dataclasses
-import gc
 import importlib
 import json
 import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -185,6 +183,69 @@ def _stop_at_epoch_callback(stop_at: int):
                 self.model.stop_training = True
 
     return StopAtEpoch()
+
+
+def starts_from_copied_checkpoint(run_dir) -> bool:
+    """Whether the newest checkpoint of a run directory is a copy of another trial's (`copy_checkpoint`).
+
+    Example:
+    >>> starts_from_copied_checkpoint("/nonexistent")
+    False
+    """
+    from trainwell.callbacks.checkpoint import STATE_FILE, latest_checkpoint
+
+    latest = latest_checkpoint(_checkpoint_dir(run_dir))
+    if latest is None:
+        return False
+    try:
+        meta = json.loads((Path(latest) / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return bool((meta.get("entry") or {}).get("copied_from"))
+
+
+def _keep_configured_lr_callback():
+    import keras
+
+    class KeepConfiguredLearningRate(keras.callbacks.Callback):
+        """Keeps the learning rate this trial's config set over the one in a copied checkpoint.
+
+        A plain (non-schedule) learning rate is an optimizer *variable* in Keras 3, so
+        trainwell's `Checkpoint` restores it with the rest of the optimizer state: a
+        trial that starts from another trial's checkpoint with other values (a PBT
+        exploit: the donor's checkpoint, explored hyperparameters) would train at the
+        donor's learning rate, not its own. This records the learning-rate variables
+        as the recipe built them (`set_model`, before any callback runs) and assigns
+        them back after the restore (`on_train_begin`, and once more before the first
+        batch in case the restoring callback comes later in the list). A learning rate
+        given as a schedule is not a variable; the schedule built from the trial's
+        config is used as is.
+        """
+
+        def set_model(self, model):
+            super().set_model(model)
+            opt = getattr(model, "optimizer", None)
+            self._saved, seen = [], set()
+            for o in (opt, getattr(opt, "inner_optimizer", None)):
+                lr = getattr(o, "_learning_rate", None)
+                if isinstance(lr, keras.Variable) and id(lr) not in seen:
+                    seen.add(id(lr))
+                    self._saved.append((lr, keras.ops.convert_to_numpy(lr.value).copy()))
+            self._pending = True
+
+        def _apply(self):
+            for var, value in self._saved:
+                var.assign(value)
+
+        def on_train_begin(self, logs=None):
+            self._apply()
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if self._pending:
+                self._pending = False
+                self._apply()
+
+    return KeepConfiguredLearningRate()
 
 
 # --------------------------------------------------------------------------- hypermodel
@@ -452,8 +513,10 @@ def _make_tuner_classes() -> dict:
         with its own callback; here the recipe trains in `TRIAL_DIR/run` with its
         own checkpoints, a trial that continues another (`tuner/trial_id`,
         `pbt/parent`) starts from a copy of that trial's checkpoint (weights and
-        optimizer state; KerasTuner's Hyperband reloads weights only), a killed
-        trial resumes from its own checkpoint, and `TrainingDivergedError` becomes
+        optimizer state; KerasTuner's Hyperband reloads weights only) but trains at
+        its own learning rate when its values differ from that trial's (a PBT
+        exploit; a plain LR is an optimizer variable the copy would otherwise
+        restore), a killed trial resumes from its own checkpoint, and `TrainingDivergedError` becomes
         `keras_tuner.errors.FailedTrialError` (recorded as failed with the reason;
         the search goes on). `load_model` loads a trial's best checkpoint.
 
@@ -497,8 +560,15 @@ def _make_tuner_classes() -> dict:
                 {"tuner_id": self.tuner_id, "pid": os.getpid(), "parent": parent or None},
             )
             callbacks = copy.deepcopy(list(kwargs.get("callbacks") or []))
+            if parent and starts_from_copied_checkpoint(run_dir) and self._values_differ_from(hp, parent):
+                # A plain LR is an optimizer variable: the copied checkpoint would
+                # restore the parent's; this trial trains at its own (a PBT exploit's
+                # explored value). Before the user's callbacks, which see the result.
+                callbacks.insert(0, _keep_configured_lr_callback())
+            # Frees the previous trial's graphs; it runs `gc.collect()` itself (a second
+            # full collection here cost ~0.7 s a trial on a loaded 2-core VM, ~20% of a
+            # 1-epoch PBT segment of a small MLP).
             keras.backend.clear_session()
-            gc.collect()
             try:
                 with warnings.catch_warnings():
                     # A copied checkpoint was written under the donor's config.
@@ -510,6 +580,13 @@ def _make_tuner_classes() -> dict:
             except TrainingDivergedError as e:
                 raise keras_tuner.errors.FailedTrialError(f"Trial {trial.trial_id} diverged: {e}") from e
             return _metrics_from_history(run.history, self.oracle.objective, self.score_mode)
+
+        def _values_differ_from(self, hp, parent_id) -> bool:
+            try:
+                parent = self.oracle.get_trial(parent_id)
+            except Exception:  # unknown to this oracle: assume they differ (keeping the own config is safe)
+                return True
+            return hp_values(parent.hyperparameters) != hp_values(hp)
 
         def load_model(self, trial):
             return self.hypermodel.load(trial.hyperparameters, self.trial_run_dir(trial.trial_id), self.oracle.objective)
@@ -1030,18 +1107,6 @@ def summarize(tuner, top_k: int = 10, export: bool = True, print_table: bool = T
 
 
 # --------------------------------------------------------------------------- distributed
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` right now.
-
-    Example:
-    >>> 0 < free_port() < 65536
-    True
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     if proc.poll() is not None:
         return
@@ -1092,7 +1157,9 @@ def launch_distributed(
     """
     if not (_is_int(workers) and workers >= 1):
         raise ValueError(f"Invalid value for argument `workers`. Expected an int >= 1. Received: workers={workers!r}")
-    port = int(port or free_port(host))
+    from trainwell.launch import free_ports
+
+    port = int(port or free_ports(1, host)[0])
     base = dict(os.environ if env is None else env)
     base.update({"KERASTUNER_ORACLE_IP": host, "KERASTUNER_ORACLE_PORT": str(port)})
     procs: dict[str, subprocess.Popen] = {}
