@@ -78,22 +78,43 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def save_figure(fig, path: str | os.PathLike, dpi: int = 100) -> Path:
-    """Saves a matplotlib figure as PNG atomically and closes it.
+def new_figure(nrows: int = 1, ncols: int = 1, figsize=(6.0, 3.5)):
+    """`(figure, axes)`: a matplotlib figure on the Agg canvas, without pyplot.
+
+    Library plots use this instead of `plt.subplots` so they never switch the global
+    backend (`matplotlib.use("Agg")` would stop a notebook's inline plots) and never
+    register the figure with pyplot. `axes` is a 2-D array (`squeeze=False`).
 
     Example:
-    >>> import matplotlib; matplotlib.use("Agg")
-    >>> import matplotlib.pyplot as plt, tempfile, os
-    >>> save_figure(plt.figure(), os.path.join(tempfile.mkdtemp(), "f.png")).suffix
+    >>> fig, axes = new_figure(1, 2, figsize=(8, 3))
+    >>> axes.shape
+    (1, 2)
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(nrows, ncols, squeeze=False)
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int = 100) -> Path:
+    """Saves a matplotlib figure as PNG atomically (and closes it if pyplot holds it).
+
+    Example:
+    >>> import tempfile, os
+    >>> fig, _ = new_figure()
+    >>> save_figure(fig, os.path.join(tempfile.mkdtemp(), "f.png")).suffix
     '.png'
     """
     import io as _io
-
-    import matplotlib.pyplot as plt
+    import sys
 
     buf = _io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
-    plt.close(fig)
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is not None:
+        plt.close(fig)  # a no-op for figures pyplot does not manage
     return atomic_write_bytes(path, buf.getvalue())
 
 

@@ -198,12 +198,9 @@ def plot_history(history: dict[str, list[float]], path: str | os.PathLike) -> Pa
     names = [k for k in names if history.get(k)]
     if not names:
         return None
-    import matplotlib
+    from trainwell.io import new_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 3.5), squeeze=False)
+    fig, axes = new_figure(1, len(names), figsize=(4.5 * len(names), 3.5))
     for ax, k in zip(axes[0], names):
         epochs = range(1, len(history[k]) + 1)
         ax.plot(epochs, history[k], label=f"train {k}")
@@ -340,15 +337,14 @@ def plot_schedule(schedule, total_steps: int, path: str | os.PathLike) -> Path:
     >>> from trainwell.callbacks.schedules import WarmupStepDecay
     >>> plot_schedule(WarmupStepDecay(0.1, [50, 80]), 100, "/tmp/lr.png")  # doctest: +SKIP
     """
-    import matplotlib
     import numpy as np
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from trainwell.io import new_figure
 
     steps = np.unique(np.linspace(0, max(1, total_steps), num=min(500, max(2, total_steps + 1))).astype(int))
     lrs = [float(schedule(int(s))) for s in steps]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, axes = new_figure(figsize=(6, 3.5))
+    ax = axes[0, 0]
     ax.plot(steps, lrs)
     ax.set_xlabel("step")
     ax.set_ylabel("learning rate")
