@@ -30,6 +30,9 @@ The algorithm, synchronous by generation:
   `iterations` and moment/momentum slots, loss scale, RNG, data position) and
   the hyperparameters of a member drawn from the top `truncation_fraction`.
   Others continue from their own checkpoint with their own hyperparameters.
+  The exploiting segment trains at its *explored* learning rate: a plain
+  (non-schedule) LR is an optimizer variable, which the copied checkpoint would
+  otherwise restore to the donor's (see `RecipeTunerMixin`).
 - **Explore**: the copied hyperparameters are each resampled from the space with
   probability `resample_probability`, else perturbed: continuous ones are
   multiplied by a factor drawn from `perturb_factors` (x0.8 or x1.2; for
@@ -408,7 +411,8 @@ def _make_classes():
         Extends `keras_tuner.Tuner` through `trainwell.tuning.RecipeTunerMixin`:
         a trial is one segment; it starts from a copy of the `pbt/parent` trial's
         checkpoint (trainwell's `Checkpoint` restores weights and optimizer state,
-        `iterations` and slots included) and runs the recipe's schedule of
+        `iterations` and slots included, but not a plain learning-rate variable of
+        a parent with other values: the trial keeps its own) and runs the recipe's schedule of
         `generations * ready_interval` epochs up to `pbt/epochs`. The score is the
         objective at the segment's last epoch (PBT ranks members as they are now),
         and early stopping is off (PBT decides). Works under KerasTuner's
@@ -479,12 +483,9 @@ def plot_lineage(lineage: Sequence[dict], path, objective_name: str = "score"):
     Example:
     >>> plot_lineage(oracle.lineage(), "tuning/p/pbt_lineage.png", "val_accuracy")  # doctest: +SKIP
     """
-    import matplotlib
+    from matplotlib import colormaps
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from trainwell.io import save_figure
+    from trainwell.io import new_figure, save_figure
 
     names: list[str] = []
     for rec in lineage:
@@ -494,10 +495,10 @@ def plot_lineage(lineage: Sequence[dict], path, objective_name: str = "score"):
     panels = names + [objective_name]
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.2 * rows), squeeze=False)
+    fig, axes = new_figure(rows, cols, figsize=(4.6 * cols, 3.2 * rows))
     by_id = {rec["trial_id"]: rec for rec in lineage}
     members = sorted({rec["member"] for rec in lineage})
-    cmap = plt.get_cmap("tab10")
+    cmap = colormaps["tab10"]
     for i, name in enumerate(panels):
         ax = axes[i // cols][i % cols]
         for m in members:

@@ -216,10 +216,15 @@ def _keep_configured_lr_callback():
         exploit: the donor's checkpoint, explored hyperparameters) would train at the
         donor's learning rate, not its own. This records the learning-rate variables
         as the recipe built them (`set_model`, before any callback runs) and assigns
-        them back after the restore (`on_train_begin`, and once more before the first
-        batch in case the restoring callback comes later in the list). A learning rate
-        given as a schedule is not a variable; the schedule built from the trial's
-        config is used as is.
+        them back after the restore: at `on_train_begin`, before the first batch (in
+        case the restoring callback comes later in the list) and after it (a model
+        still unbuilt when `fit` starts is restored inside its first step, which then
+        runs at the parent's LR; a NaN rollback in that first step has its LR cut
+        undone, and the next divergence cuts it again). A learning rate given as a schedule is not a
+        variable; the schedule built from the trial's config is used as is.
+
+        Example:
+        >>> callbacks.insert(0, _keep_configured_lr_callback())  # doctest: +SKIP
         """
 
         def set_model(self, model):
@@ -231,7 +236,7 @@ def _keep_configured_lr_callback():
                 if isinstance(lr, keras.Variable) and id(lr) not in seen:
                     seen.add(id(lr))
                     self._saved.append((lr, keras.ops.convert_to_numpy(lr.value).copy()))
-            self._pending = True
+            self._pending = {"begin", "end"}
 
         def _apply(self):
             for var, value in self._saved:
@@ -241,8 +246,13 @@ def _keep_configured_lr_callback():
             self._apply()
 
         def on_train_batch_begin(self, batch, logs=None):
-            if self._pending:
-                self._pending = False
+            if "begin" in self._pending:
+                self._pending.discard("begin")
+                self._apply()
+
+        def on_train_batch_end(self, batch, logs=None):
+            if "end" in self._pending:
+                self._pending.discard("end")
                 self._apply()
 
     return KeepConfiguredLearningRate()
@@ -992,17 +1002,13 @@ def plot_trials(rows: Sequence[dict], objective_name: str, path, direction: str 
     Example:
     >>> plot_trials(rows, "val_accuracy", "tuning/p/trials.png")  # doctest: +SKIP
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from trainwell.io import save_figure
+    from trainwell.io import new_figure, save_figure
 
     ordered = sorted(rows, key=lambda r: r["order"])
     xs = [r["order"] for r in ordered if r["score"] is not None]
     ys = [r["score"] for r in ordered if r["score"] is not None]
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    fig, axes = new_figure(figsize=(6.5, 3.8))
+    ax = axes[0, 0]
     ax.plot(xs, ys, "o", label="trial")
     best, run = [], None
     for y in ys:

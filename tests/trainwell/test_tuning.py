@@ -44,6 +44,7 @@ class Config(BaseConfig):
     warmup_fraction: float = 0.0
     label_smoothing: float = 0.0
     units: int = 16
+    constant_lr: bool = False  # a plain float LR (an optimizer variable) instead of the schedule
     train_examples: int = 1259  # all of the training split
     nan_rollback: bool = True
     snapshot_every: int = 4
@@ -87,7 +88,8 @@ def build_model(cfg: Config, steps_per_epoch: int):
     ])
     total = cfg.epochs * steps_per_epoch
     schedule = WarmupCosineDecay(cfg.learning_rate, total_steps=total, warmup_steps=int(cfg.warmup_fraction * total))
-    opt = keras.optimizers.SGD(schedule, momentum=cfg.momentum, weight_decay=cfg.weight_decay or None)
+    opt = keras.optimizers.SGD(cfg.learning_rate if cfg.constant_lr else schedule, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay or None)
     model.compile(optimizer=opt, loss=keras.losses.CategoricalCrossentropy(from_logits=True,
                                                                            label_smoothing=cfg.label_smoothing),
                   metrics=["accuracy"])
@@ -279,6 +281,46 @@ def test_pbt_search_exploits_with_optimizer_state_and_records_lineage(tmp_path):
     assert (result.project_dir / "pbt_lineage.png").stat().st_size > 1000
     continued = [r for r in lineage if r["action"] == "continue"]
     assert all(r["hyperparameters"] == by_id[r["parent"]]["hyperparameters"] for r in continued)
+
+
+def test_pbt_exploit_trains_at_its_explored_learning_rate_not_the_donors(tmp_path):
+    """A plain LR is an optimizer variable: the donor's checkpoint must not overwrite the explored value.
+
+    Without `KeepConfiguredLearningRate` the exploiting segment restored the donor's
+    `learning_rate` variable with the rest of the optimizer state, so explore never
+    changed the LR of a recipe with a constant LR (PBT only copied members).
+    """
+    import keras
+
+    from trainwell import tuning
+
+    class LRProbe(keras.callbacks.Callback):
+        seen: list = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 0 and not getattr(self, "_done", False):
+                self._done = True
+                opt = self.model.optimizer
+                LRProbe.seen.append((float(keras.ops.convert_to_numpy(opt.learning_rate)),
+                                     int(keras.ops.convert_to_numpy(opt.iterations))))
+
+    LRProbe.seen = []
+    result = tuning.search(tiny_hypermodel(epochs=2, constant_lr=True, momentum=0.0, weight_decay=0.0), "pbt",
+                           population_size=4, ready_interval=1, max_epochs=2, directory=tmp_path,
+                           callbacks=[LRProbe()], verbose=0, seed=3)
+    lineage = sorted(result.tuner.oracle.lineage(), key=lambda r: int(r["trial_id"]))
+    assert len(lineage) == len(LRProbe.seen) == 8
+    by_id = {r["trial_id"]: r for r in lineage}
+    exploits = [(r, seen) for r, seen in zip(lineage, LRProbe.seen) if r["action"] == "exploit"]
+    assert len(exploits) == 1
+    ex, (lr, iterations) = exploits[0]
+    donor_lr = by_id[ex["parent"]]["hyperparameters"]["learning_rate"]
+    assert ex["hyperparameters"]["learning_rate"] != pytest.approx(donor_lr, rel=1e-3)  # explore changed it
+    assert lr == pytest.approx(ex["hyperparameters"]["learning_rate"], rel=1e-5)  # ... and it is used
+    assert iterations > 0  # still the donor's optimizer state (iterations) otherwise
+    # every segment (start, continue) trains at its own recorded LR
+    for r, (lr, _) in zip(lineage, LRProbe.seen):
+        assert lr == pytest.approx(r["hyperparameters"]["learning_rate"], rel=1e-5), r
 
 
 def test_search_argument_errors_use_the_received_idiom(tmp_path):
