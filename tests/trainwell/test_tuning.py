@@ -51,6 +51,7 @@ class Config(BaseConfig):
     early_stopping_patience: Optional[int] = 2
     doctor: bool = False
     verbose: int = 0
+    record_start_state: bool = False  # save the state `fit` starts from to RUN_DIR/start_state.npz (for tests)
 
 
 def build_data(cfg: Config):
@@ -108,10 +109,33 @@ def train(cfg: Config, *, callbacks=None):
         snapshot_every=cfg.snapshot_every, early_stopping_patience=cfg.early_stopping_patience,
         doctor=cfg.doctor,
     ) + list(callbacks or [])
+    if cfg.record_start_state:
+        cbs.append(_record_start_state_callback(ctx.run_dir / "start_state.npz"))
     history = model.fit(train_ds, validation_data=val, epochs=cfg.epochs, steps_per_epoch=steps,
                         callbacks=cbs, verbose=cfg.verbose)
     metrics = {f"test_{k}": v for k, v in model.evaluate(test, verbose=0, return_dict=True).items()}
     return recipe.finish_run(ctx, cfg, model, metrics, history)
+
+
+def _record_start_state_callback(path: Path):
+    import keras
+    import numpy as np
+
+    class RecordStartState(keras.callbacks.Callback):
+        """Saves weights and optimizer variables as `fit` starts (after the recipe's `Checkpoint` restored the run).
+
+        The subprocess tests cannot pass a callback to `search()`: the recipe writes
+        what the run started from, and the test reads it from the trial's run directory.
+        """
+
+        def on_train_begin(self, logs=None):
+            opt = self.model.optimizer
+            arrays = {"iterations": np.asarray(int(keras.ops.convert_to_numpy(opt.iterations)))}
+            arrays.update({f"weight_{i}": keras.ops.convert_to_numpy(w) for i, w in enumerate(self.model.weights)})
+            arrays.update({f"opt_{i}": keras.ops.convert_to_numpy(v) for i, v in enumerate(opt.variables)})
+            np.savez(path, **arrays)
+
+    return RecordStartState()
 
 
 def space(hp, cfg: Config) -> dict:
@@ -505,3 +529,99 @@ def test_chief_and_two_workers_run_the_same_search_as_one_process(tmp_path):
     hps = lambda rows: sorted(json.dumps(r["hyperparameters"], sort_keys=True) for r in rows)  # noqa: E731
     assert hps(summary["trials"]) == hps(single.rows)
     assert "distributed search done (2 workers)" in text
+
+
+def _alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_pbt_runs_on_a_chief_and_two_workers_with_exploits_from_the_donors_checkpoint(tmp_path):
+    """PBT under KerasTuner's distributed mode: the oracle (population, barriers, lineage) lives in the chief.
+
+    A chief and 2 workers on 127.0.0.1 run 4 members x 3 generations of 1 epoch:
+    every segment completes once, one member exploits per generation with its
+    lineage recorded, the exploiting segment starts from the donor's checkpoint
+    (another worker may have written it), and every process exits by itself.
+    """
+    import keras_tuner as kt
+    import numpy as np
+
+    from trainwell.callbacks.checkpoint import load_checkpoint
+
+    population, generations = 4, 3
+    cmd = [sys.executable, "-m", "trainwell.cli", "tune", "test_tuning:tiny_hypermodel", "--tuner", "pbt",
+           "--population-size", str(population), "--ready-interval", "1", "--max-epochs", str(generations),
+           "--seed", "3", "--set", "record_start_state=true", "--no-export", "--directory", str(tmp_path),
+           "--workers", "2", "--timeout", "150"]
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=180)
+        elapsed = time.monotonic() - started
+        # the launcher's children (chief, workers) share its process group: none may be left
+        _wait(lambda: not _alive(proc.pid), 10, what="the chief and workers to be gone")
+    finally:
+        if proc.poll() is None or _alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-4000:]
+    assert elapsed < 150 and "distributed search done (2 workers)" in text
+    # no process had to be stopped (the launcher's warnings start so): the workers were told to stop by the
+    # oracle, and the chief ended after them
+    assert "trainwell tune:" not in text, text[-4000:]
+    project = tmp_path / "tiny-pbt"
+    summary = json.loads((project / "summary.json").read_text())
+    lineage = summary["lineage"]
+    assert summary["num_trials"] == summary["num_completed"] == population * generations == len(lineage)
+    assert sorted((r["member"], r["generation"]) for r in lineage) == [
+        (m, g) for m in range(population) for g in range(generations)
+    ]
+    workers = {tid: json.loads((project / f"trial_{tid}" / "worker.json").read_text()) for tid in _trials(project)}
+    assert len(workers) == len(lineage) and {w["tuner_id"] for w in workers.values()} <= {"tuner0", "tuner1"}
+    by_id = {r["trial_id"]: r for r in lineage}
+    exploits = sorted((r for r in lineage if r["action"] == "exploit"), key=lambda r: r["generation"])
+    # truncation: the bottom 25% of 4 members exploits at each generation after the first
+    assert [r["generation"] for r in exploits] == list(range(1, generations))
+    hm = tiny_hypermodel(epochs=generations)
+    steps_per_epoch = math.ceil(hm.cfg.train_examples / hm.cfg.batch_size)
+
+    def checkpoint_state(trial_id):
+        hp = kt.HyperParameters()
+        hp.values.update(by_id[trial_id]["hyperparameters"])
+        model = hm.build_fn(hm.config_for(hp))
+        load_checkpoint(project / f"trial_{trial_id}" / "run" / "checkpoints", model, include_optimizer=True)
+        return (int(model.optimizer.iterations.numpy()), [w.numpy() for w in model.weights],
+                [v.numpy() for v in model.optimizer.variables])
+
+    def same(a, b):
+        return len(a) == len(b) and all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(a, b))
+
+    for ex in exploits:
+        g = ex["generation"]
+        donor = by_id[ex["parent"]]
+        assert donor["member"] == ex["donor"] != ex["member"] and donor["generation"] == g - 1
+        assert workers[ex["trial_id"]]["parent"] == donor["trial_id"]
+        ranked = sorted((r for r in lineage if r["generation"] == g - 1), key=lambda r: (-r["score"], r["member"]))
+        assert donor["trial_id"] == ranked[0]["trial_id"] and ex["member"] == ranked[-1]["member"]
+        assert ex["hyperparameters"]["units"] == donor["hyperparameters"]["units"]  # static: inherited
+        # the segment started from the donor's checkpoint: optimizer iterations, slots and weights
+        start = np.load(project / f"trial_{ex['trial_id']}" / "run" / "start_state.npz")
+        weights = [start[f"weight_{i}"] for i in range(sum(k.startswith("weight_") for k in start.files))]
+        opt_vars = [start[f"opt_{i}"] for i in range(sum(k.startswith("opt_") for k in start.files))]
+        iterations, donor_weights, donor_opt = checkpoint_state(donor["trial_id"])
+        assert int(start["iterations"]) == iterations == g * steps_per_epoch
+        assert same(weights, donor_weights) and same(opt_vars, donor_opt)  # iterations, then momentum slots
+        own = next(r for r in lineage if r["member"] == ex["member"] and r["generation"] == g - 1)
+        assert not same(weights, checkpoint_state(own["trial_id"])[1])  # ... not its own (the check can fail)
+    # every other segment continued from its own member's previous segment
+    for r in lineage:
+        if r["generation"] > 0 and r["action"] == "continue":
+            parent = by_id[r["parent"]]
+            assert (parent["member"], parent["generation"]) == (r["member"], r["generation"] - 1)
+            assert r["hyperparameters"] == parent["hyperparameters"]
