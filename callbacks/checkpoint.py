@@ -1088,12 +1088,13 @@ class Checkpoint(StatefulCallback):
             self._apply_deferred(iterator)
         if self._pending_metrics is not None:
             self._restore_metrics(iterator)
-        if self._sync_strategy is not None:
-            self._agree_on_preemption()
+        # Under multi-worker, act only on the flag every worker agreed on at this step: a
+        # SIGTERM landing after the all-reduce is acted on at the next step, by all.
+        preempt = self._agree_on_preemption() if self._sync_strategy is not None else self._preempt_requested
         spe = self._spe()
         replay = self._replay
         if replay is not None:
-            if self._preempt_requested:  # nothing new to save: the restored checkpoint is current
+            if preempt:  # nothing new to save: the restored checkpoint is current
                 self._preempt_save_and_exit()
             skip = replay.pop("fast_forward", 0)
             for _ in range(skip):
@@ -1111,7 +1112,7 @@ class Checkpoint(StatefulCallback):
             self._end_replay()
         self.step_in_epoch = self._batch_begin
         self._maybe_save()
-        if self._preempt_requested:
+        if preempt:
             self._preempt_save_and_exit()
         self._apply_warmup(spe)
         try:
@@ -1126,15 +1127,21 @@ class Checkpoint(StatefulCallback):
         self.step_in_epoch = self._batch_begin + done
         return out
 
-    def _agree_on_preemption(self) -> None:
-        """Every worker learns, at the same step, whether any of them got a SIGTERM."""
+    def _agree_on_preemption(self) -> bool:
+        """Whether any worker got a SIGTERM, the same answer on every worker at this step.
+
+        The local flag is read once, before the all-reduce; a SIGTERM arriving later
+        sets it for the next step's reduction, so no worker leaves alone.
+        """
         from trainwell import runtime
 
-        (any_requested,) = runtime.any_across_workers(self._sync_strategy, [self._preempt_requested])
-        if any_requested and not self._preempt_requested:
+        local = bool(self._preempt_requested)
+        (any_requested,) = runtime.any_across_workers(self._sync_strategy, [local])
+        if any_requested and not local and not self._preempt_requested:
             logger.warning("A peer worker was preempted: checkpointing at this step, then exiting.")
             self._preempt_requested = True
             self._preempt_from_peer = True
+        return bool(any_requested)
 
     # ------------------------------------------------------------ saving
     def _save_due(self) -> bool:
@@ -1301,7 +1308,8 @@ class Checkpoint(StatefulCallback):
             if self._is_chief:
                 base = directory
             else:
-                base = current = Path(tempfile.mkdtemp(prefix="trainwell-ckpt-scratch-"))
+                # The pid in the name: a SIGKILLed worker's leftover is recognisable.
+                base = current = Path(tempfile.mkdtemp(prefix=f"trainwell-ckpt-scratch-{os.getpid()}-"))
             tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=base))
             current = tmp / ARRAYS_FILE
             _write_npz(current, encoded)
@@ -1595,11 +1603,29 @@ class Checkpoint(StatefulCallback):
         if self._sigterm_installed or threading.current_thread() is not threading.main_thread():
             return
         try:
-            self._prev_sigterm = signal.getsignal(signal.SIGTERM)
+            current = signal.getsignal(signal.SIGTERM)
+            owner = getattr(current, "__self__", None)
+            if isinstance(owner, Checkpoint) and owner is not self:
+                # Another Checkpoint's handler is still installed: its fit died in a
+                # callback (Keras then never calls on_train_end), so it is stale.
+                # Retire it and chain to what it replaced, or a later SIGTERM would
+                # reach it and terminate the process 120 s later (a notebook kernel).
+                current = owner._retire_stale_sigterm()
+            self._prev_sigterm = current
             signal.signal(signal.SIGTERM, self._on_sigterm)
             self._sigterm_installed = True
         except (ValueError, OSError):  # pragma: no cover - not the main interpreter
             self._sigterm_installed = False
+
+    def _retire_stale_sigterm(self):
+        """Disarms this (stale) handler and returns the handler it had replaced."""
+        timer, self._grace_timer = self._grace_timer, None
+        if timer is not None:
+            timer.cancel()
+        self._sigterm_installed = False
+        self._preempt_requested = False
+        self._in_fit = False
+        return self._prev_sigterm
 
     def _uninstall_sigterm(self) -> None:
         timer, self._grace_timer = self._grace_timer, None

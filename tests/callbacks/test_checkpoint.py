@@ -633,6 +633,36 @@ def test_sigterm_without_step_boundary_falls_through_after_grace(tmp_path):
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_a_fit_that_died_in_a_callback_leaves_no_live_sigterm_handler(tmp_path, crash_at):
+    # Keras skips on_train_end when a callback raises, so the first Checkpoint's SIGTERM
+    # handler stays installed. The next fit's Checkpoint retires it: a later SIGTERM must
+    # not reach it (it would terminate the process 120 s later: a notebook kernel, pytest).
+    calls = []
+
+    def handler(signum, frame):
+        calls.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        stale = Checkpoint(tmp_path / "a", save_every=100)
+        with pytest.raises(crash_at.error):
+            _fit(_model(), [stale, crash_at(3)], epochs=1)
+        assert signal.getsignal(signal.SIGTERM) == stale._on_sigterm  # leaked by Keras
+
+        class SigtermAt(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if batch == 2:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        with pytest.raises(SystemExit):
+            _fit(_model(), [Checkpoint(tmp_path / "b", save_every=100), SigtermAt()], epochs=1)
+        assert calls == [signal.SIGTERM]  # the preemption reached the outer handler once
+        assert signal.getsignal(signal.SIGTERM) is handler  # not the stale one
+        assert stale._grace_timer is None and not stale._sigterm_installed
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_restore_latest_for_inference(tmp_path):
     d = tmp_path / "ck"
     m1 = _model()

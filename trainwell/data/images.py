@@ -24,8 +24,8 @@ image_size / 0.875 then take the central image_size" done in the other order so 
 
 Throughput: parallel interleave over files, `AUTOTUNE` maps, `prefetch`, optional
 `cache`. Determinism: seeded file and record shuffles, `deterministic=True` options, and
-augmentation drawn with stateless ops from a per-element seed (a seeded
-`tf.data.Dataset.random` stream, new each epoch); the same arguments give
+augmentation drawn with stateless ops from a per-element seed (`[seed, position]`;
+a seeded stateful draw under FILE autosharding); the same arguments give
 the same batches in the same order (within one TensorFlow global seed; `seed` and
 `keras.utils.set_random_seed` both matter).
 
@@ -960,7 +960,8 @@ def build_image_datasets(
             tf.data.experimental.AutoShardPolicy.FILE if file_ok else tf.data.experimental.AutoShardPolicy.DATA
         )
 
-    safety_net = options.experimental_distribute.auto_shard_policy != tf.data.experimental.AutoShardPolicy.FILE
+    file_sharded = options.experimental_distribute.auto_shard_policy == tf.data.experimental.AutoShardPolicy.FILE
+    safety_net = not file_sharded
 
     def to_bytes(split_kind):
         if split_kind == "path":
@@ -1025,13 +1026,19 @@ def build_image_datasets(
             ds = ds.cache("" if cache is True else f"{cache}_train")
         buffer = rec.count if rec.kind in ("path", "array") and rec.count else shuffle_buffer
         ds = ds.shuffle(max(1, min(buffer, 1_000_000)), seed=seed, reshuffle_each_iteration=True)
-        # Per-element augmentation seed from a seeded random *dataset* zipped after the
-        # shuffle: fixed by position, `seed` and the epoch (a new stream per iteration,
-        # like the shuffle's order). A stateful op in a map (`tf.random.uniform`) is not:
-        # tf.distribute rewrites the dataset graph (autoshard, rebatch) and such an op
-        # then draws other numbers on each worker and in each run.
-        seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(2, drop_remainder=True)
-        ds = tf.data.Dataset.zip((ds, seeds)).map(lambda e, s: (*e, s))
+        # Per-element augmentation seed: fixed by position and `seed`; positions get
+        # other images each epoch. `[seed, position]` counted by a `scan` has no
+        # stateful op (a `tf.random.uniform` in a map drew other numbers on each worker
+        # and in each run once tf.distribute rewrote the graph), but tf.data's FILE
+        # autosharding cannot walk through a `scan` (nor a zipped `Dataset.random`):
+        # FILE-sharded pipelines keep the seeded stateful draw, reproducible in one
+        # process; pass `input_context` for exactly reproducible multi-worker runs.
+        if file_sharded:
+            ds = ds.map(lambda p, y, k: (p, y, k, tf.random.uniform([2], maxval=tf.int64.max, dtype=tf.int64,
+                                                                     seed=seed)))
+        else:
+            seed_t = tf.constant(int(seed), tf.int64)
+            ds = ds.scan(tf.constant(0, tf.int64), lambda i, e: (i + 1, (*e, tf.stack([seed_t, i]))))
         if encoded:
             fn = checked("train", kind, lambda image_bytes, s: transform.train_image(image_bytes, s, encoded=True))
             ds = ds.map(fn, num_parallel_calls=AUTOTUNE)
