@@ -383,20 +383,16 @@ def _tuning_space(hp, cfg: Config) -> dict:
     `peak_lr` is the peak LR at the config's batch size; with another `batch_size`
     the linear scaling rule applies (`base_lr = peak_lr x lr_base_batch / cfg.batch_size`).
     """
-    from trainwell.tuning import _clip_default, log_range
+    from trainwell.tuning import batch_size_choice, log_float
 
-    lo, hi = log_range(cfg.peak_lr, 10.0)
-    peak_lr = hp.Float("peak_lr", lo, hi, sampling="log", default=cfg.peak_lr)
-    wd_lo, wd_hi = log_range(cfg.weight_decay or 5e-5, 10.0)
-    weight_decay = hp.Float("weight_decay", wd_lo, wd_hi, sampling="log",
-                            default=_clip_default(cfg.weight_decay or 5e-5, wd_lo, wd_hi))
+    peak_lr = log_float(hp, "peak_lr", cfg.peak_lr, 10.0)
+    weight_decay = log_float(hp, "weight_decay", cfg.weight_decay or 5e-5, 10.0)
     # ranges widen to hold the config's own value, so the defaults give back the config
     frac = cfg.warmup_epochs / max(1, cfg.epochs)
     warmup = hp.Float("warmup_fraction", 0.0, max(0.3, frac), default=frac)
     smoothing = hp.Float("label_smoothing", 0.0, max(0.3, cfg.label_smoothing), default=cfg.label_smoothing)
     dropout = hp.Float("dropout", 0.0, max(0.5, cfg.dropout), default=cfg.dropout)
-    batch = hp.Choice("batch_size", sorted({max(1, cfg.batch_size // 2), cfg.batch_size, cfg.batch_size * 2}),
-                      default=cfg.batch_size)
+    batch = batch_size_choice(hp, cfg.batch_size)
     optimizer = hp.Choice("optimizer", ["sgd", "lars"], default=cfg.optimizer_name)
     return {
         "base_lr": peak_lr * cfg.lr_base_batch / cfg.batch_size,
@@ -404,7 +400,7 @@ def _tuning_space(hp, cfg: Config) -> dict:
         "warmup_epochs": warmup * cfg.epochs,
         "label_smoothing": smoothing,
         "dropout": dropout,
-        "batch_size": int(batch),
+        "batch_size": batch,
         "optimizer": optimizer,
     }
 

@@ -482,6 +482,23 @@ def build_optimizer(cfg: Config, steps_per_epoch: int, model=None):
     return opt
 
 
+def compile_model(cfg: Config, model, steps_per_epoch: int) -> None:
+    """Compiles `model` with the recipe's optimizer, logits loss, accuracy, XLA and spe settings.
+
+    Example:
+    >>> compile_model(Config(), model, steps_per_epoch=280)  # doctest: +SKIP
+    """
+    import keras
+
+    model.compile(
+        optimizer=build_optimizer(cfg, steps_per_epoch, model),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        jit_compile="auto" if cfg.jit_compile is None else cfg.jit_compile,
+        steps_per_execution=cfg.steps_per_execution,
+    )
+
+
 class _EffectiveSchedule:
     """The LR over the whole run with a head-only phase (for `lr_schedule.png`)."""
 
@@ -666,8 +683,6 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
     Example:
     >>> run = train(preset="minilm", epochs=1, sequence_length=64)  # doctest: +SKIP
     """
-    import keras
-
     from trainwell import recipe
     from trainwell.data.text import save_label_map
 
@@ -682,13 +697,7 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
     train_ds = recipe.advance_epochs(data_.train, recipe.resume_epoch(ctx.run_dir / "checkpoints"))
     with ctx.strategy.scope():
         model = build_model(cfg, data_.num_classes)
-        model.compile(
-            optimizer=build_optimizer(cfg, steps, model),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-            jit_compile="auto" if cfg.jit_compile is None else cfg.jit_compile,
-            steps_per_execution=cfg.steps_per_execution,
-        )
+        compile_model(cfg, model, steps)
     if ctx.is_chief:
         save_label_map(ctx.run_dir, data_.class_names)
     inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
@@ -720,18 +729,14 @@ def _tuning_space(hp, cfg: Config) -> dict:
     No label smoothing (this recipe's sparse cross-entropy has none) and no
     optimizer choice (the recipe is AdamW with per-variable LR factors).
     """
-    from trainwell.tuning import _clip_default, log_range
+    from trainwell.tuning import batch_size_choice, log_float
 
-    lo, hi = log_range(cfg.peak_lr, 5.0)
-    peak_lr = hp.Float("peak_lr", lo, hi, sampling="log", default=cfg.peak_lr)
-    wd_lo, wd_hi = log_range(cfg.weight_decay or 0.01, 10.0)
-    weight_decay = hp.Float("weight_decay", wd_lo, wd_hi, sampling="log",
-                            default=_clip_default(cfg.weight_decay or 0.01, wd_lo, wd_hi))
+    peak_lr = log_float(hp, "peak_lr", cfg.peak_lr, 5.0)
+    weight_decay = log_float(hp, "weight_decay", cfg.weight_decay or 0.01, 10.0)
     # ranges widen to hold the config's own value, so the defaults give back the config
     warmup = hp.Float("warmup_fraction", 0.0, max(0.3, cfg.warmup_fraction), default=cfg.warmup_fraction)
     dropout = hp.Float("dropout", 0.0, max(0.3, cfg.dropout), default=cfg.dropout)
-    batch = hp.Choice("batch_size", sorted({max(1, cfg.batch_size // 2), cfg.batch_size, cfg.batch_size * 2}),
-                      default=cfg.batch_size)
+    batch = batch_size_choice(hp, cfg.batch_size)
     lld = hp.Float("layerwise_lr_decay", min(0.5, cfg.layerwise_lr_decay), 1.0, default=cfg.layerwise_lr_decay)
     return {
         "peak_lr": peak_lr,
@@ -739,22 +744,15 @@ def _tuning_space(hp, cfg: Config) -> dict:
         "weight_decay": weight_decay,
         "warmup_fraction": warmup,
         "dropout": dropout,
-        "batch_size": int(batch),
+        "batch_size": batch,
         "layerwise_lr_decay": lld,
     }
 
 
 def _tuning_build(cfg: Config):
-    import keras
-
-    preprocessor = build_preprocessor(cfg)
-    data_ = build_data(cfg, preprocessor)
+    data_ = build_data(cfg, build_preprocessor(cfg))
     model = build_model(cfg, data_.num_classes)
-    model.compile(
-        optimizer=build_optimizer(cfg, data_.steps_per_epoch or 1, model),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
+    compile_model(cfg, model, data_.steps_per_epoch or 1)
     return model
 
 

@@ -91,6 +91,30 @@ def _clip_default(default: float, lo: float, hi: float) -> float:
     return float(min(max(default, lo), hi))
 
 
+def log_float(hp, name: str, center: float, factor: float):
+    """`hp.Float(name)` on a log scale over `log_range(center, factor)`, defaulting to `center`.
+
+    Example:
+    >>> import keras_tuner
+    >>> log_float(keras_tuner.HyperParameters(), "peak_lr", 0.1, 10.0)
+    0.1
+    """
+    lo, hi = log_range(center, factor)
+    return hp.Float(name, lo, hi, sampling="log", default=_clip_default(center, lo, hi))
+
+
+def batch_size_choice(hp, batch_size: int) -> int:
+    """`hp.Choice("batch_size")` over half, the same and double `batch_size` (default: the same).
+
+    Example:
+    >>> import keras_tuner
+    >>> batch_size_choice(keras_tuner.HyperParameters(), 32)
+    32
+    """
+    options = sorted({max(1, batch_size // 2), batch_size, batch_size * 2})
+    return int(hp.Choice("batch_size", options, default=batch_size))
+
+
 # --------------------------------------------------------------------------- checkpoints
 def _checkpoint_dir(run_dir) -> Path:
     return Path(run_dir) / "checkpoints"

@@ -124,20 +124,11 @@ def _ok(results):
     return results
 
 
-def _tiny_transformer(root: Path) -> dict:
+def _tiny_transformer(root: Path, tiny_bert_preset) -> dict:
     """A randomly initialised 2-layer BERT preset (hidden 16) and a sentiment CSV."""
-    import keras
-    import keras_hub
-
     pos, neg = ["good", "great", "fun", "superb"], ["bad", "awful", "dull", "boring"]
     fill = ["the", "film", "movie", "plot", "was", "a", "and", "acting"]
-    keras.utils.set_random_seed(0)
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + pos + neg + fill
-    tok = keras_hub.models.BertTokenizer(vocabulary=vocab, lowercase=True)
-    pre = keras_hub.models.BertTextClassifierPreprocessor(tok, sequence_length=SEQ)
-    backbone = keras_hub.models.BertBackbone(vocabulary_size=len(vocab), num_layers=2, num_heads=2, hidden_dim=16,
-                                             intermediate_dim=32, max_sequence_length=SEQ)
-    keras_hub.models.BertTextClassifier(backbone, num_classes=2, preprocessor=pre).save_to_preset(str(root / "preset"))
+    tiny_bert_preset(root / "preset", pos + neg + fill, SEQ)
     rng = np.random.default_rng(0)
     with open(root / "data.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -153,9 +144,9 @@ def _tiny_transformer(root: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
+def jobs(tmp_path_factory, tiny_bert_preset):
     tmp = tmp_path_factory.mktemp("mw")
-    tiny = _tiny_transformer(tmp)
+    tiny = _tiny_transformer(tmp, tiny_bert_preset)
     nan_kw = {**RESNET, "epochs": 1, "warmup_epochs": 0, "snapshot_every": 5, "checkpoint_every": "epoch"}
     nan_env = {"TEST_NAN_AT_STEP": "8", "TEST_NAN_TASK": "1"}
     started: list[Job] = []

@@ -32,19 +32,10 @@ def make_texts(n, seed=0, names=("neg", "pos")):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, tiny_bert_preset):
     """A randomly initialised 2-layer BERT preset (hidden 16) and a sentiment CSV."""
-    import keras
-    import keras_hub
-
     root = tmp_path_factory.mktemp("tiny")
-    keras.utils.set_random_seed(0)
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + POS + NEG + FILL
-    tok = keras_hub.models.BertTokenizer(vocabulary=vocab, lowercase=True)
-    pre = keras_hub.models.BertTextClassifierPreprocessor(tok, sequence_length=SEQ)
-    backbone = keras_hub.models.BertBackbone(vocabulary_size=len(vocab), num_layers=2, num_heads=2, hidden_dim=16,
-                                             intermediate_dim=32, max_sequence_length=SEQ)
-    keras_hub.models.BertTextClassifier(backbone, num_classes=2, preprocessor=pre).save_to_preset(str(root / "preset"))
+    tiny_bert_preset(root / "preset", POS + NEG + FILL, SEQ)
     texts, labels = make_texts(400)
     with open(root / "data.csv", "w", newline="") as f:
         w = csv.writer(f)

@@ -387,22 +387,14 @@ def test_resnet_hypermodel_space_defaults_are_the_config():
     assert model.optimizer is not None and model.output_shape == (None, 10)
 
 
-def _tiny_bert(root: Path):
+def _tiny_bert(root: Path, tiny_bert_preset):
     import csv
 
-    import keras
-    import keras_hub
     import numpy as np
 
-    keras.utils.set_random_seed(0)
     pos, neg = ["good", "great", "fun", "superb"], ["bad", "awful", "dull", "boring"]
     fill = ["the", "film", "was", "a", "plot", "very"]
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + pos + neg + fill
-    tok = keras_hub.models.BertTokenizer(vocabulary=vocab, lowercase=True)
-    pre = keras_hub.models.BertTextClassifierPreprocessor(tok, sequence_length=16)
-    backbone = keras_hub.models.BertBackbone(vocabulary_size=len(vocab), num_layers=2, num_heads=2, hidden_dim=16,
-                                             intermediate_dim=32, max_sequence_length=16)
-    keras_hub.models.BertTextClassifier(backbone, num_classes=2, preprocessor=pre).save_to_preset(str(root / "preset"))
+    tiny_bert_preset(root / "preset", pos + neg + fill, 16)
     rng = np.random.default_rng(0)
     with open(root / "data.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -414,14 +406,14 @@ def _tiny_bert(root: Path):
     return root / "preset", root / "data.csv"
 
 
-def test_transformer_hypermodel_trains_a_trial_with_a_tiny_bert(tmp_path):
+def test_transformer_hypermodel_trains_a_trial_with_a_tiny_bert(tmp_path, tiny_bert_preset):
     import keras_tuner as kt
 
     from trainwell import tuning
     from trainwell.recipes import transformer_finetune as tft
 
     os.environ["HF_HUB_OFFLINE"] = "1"
-    preset, data = _tiny_bert(tmp_path)
+    preset, data = _tiny_bert(tmp_path, tiny_bert_preset)
     cfg = tft.Config(preset=str(preset), dataset=f"csv:{data}", text_field="review", label_field="sentiment",
                      sequence_length=16, batch_size=16, epochs=1, peak_lr=1e-3)
     hm = tft.hypermodel(cfg)
