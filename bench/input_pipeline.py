@@ -14,7 +14,10 @@ run got on a shared machine) and the ratios. Each pipeline runs one untimed warm
 epoch first. The speedup over the naive pipeline comes from parallelism (so it grows
 with the free cores: on a shared 2-core machine it cannot pass about 2x the CPU ratio)
 and from less CPU per image (decoding only the crop; one vectorised normalisation per
-batch). Run:
+batch). `floor` measures, one image at a time, the CPU cost of the work no such
+pipeline avoids (decoding the crop, resizing it) against the naive full decode +
+resize: their ratio bounds the images per CPU-second any pipeline that decodes and
+resizes every image can gain over the naive one. Run:
 `python bench/input_pipeline.py`.
 """
 
@@ -87,6 +90,38 @@ def measure(ds: tf.data.Dataset, epochs: int) -> tuple[float, float]:
     return n / (time.perf_counter() - wall), n / max(time.process_time() - cpu, 1e-9)
 
 
+def decode_floor(root: str, repeats: int = 2) -> dict:
+    """CPU ms per image of the unavoidable work, one image at a time in one tf.function:
+    decoding the Inception crop (`decode_and_crop_jpeg`, the same crop distribution as
+    ours) and resizing it to 224 px; and the naive pipeline's full decode + resize. The
+    ratio of the two bounds what any pipeline that still decodes and resizes every
+    image can gain in images per CPU-second over the naive one."""
+    paths = sorted(tf.io.gfile.glob(os.path.join(root, "*", "*.jpg")))
+    blobs = [tf.io.read_file(p) for p in paths]
+    windows = []
+    for i, b in enumerate(blobs):
+        begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+            tf.image.extract_jpeg_shape(b), tf.constant([[[0.0, 0.0, 1.0, 1.0]]]), seed=[0, i],
+            min_object_covered=0.0, aspect_ratio_range=(0.75, 4 / 3), area_range=(0.08, 1.0), max_attempts=10,
+            use_image_if_no_bounding_boxes=True)
+        windows.append(tf.stack([begin[0], begin[1], size[0], size[1]]))
+
+    def cpu_ms(fn) -> float:
+        f = tf.function(fn)
+        for b, w in zip(blobs[:4], windows[:4]):
+            f(b, w)
+        c0 = time.process_time()
+        for _ in range(repeats):
+            for b, w in zip(blobs, windows):
+                f(b, w).numpy()
+        return (time.process_time() - c0) / (repeats * len(blobs)) * 1e3
+
+    resize = lambda x: tf.image.resize(x, (IMAGE_SIZE, IMAGE_SIZE))  # noqa: E731
+    crop = cpu_ms(lambda b, w: resize(tf.image.decode_and_crop_jpeg(b, w, channels=3)))
+    full = cpu_ms(lambda b, w: resize(tf.io.decode_jpeg(b, channels=3)))
+    return {"crop_decode_resize_cpu_ms": crop, "full_decode_resize_cpu_ms": full}
+
+
 def main() -> dict:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     root = tempfile.mkdtemp(prefix="trainwell-bench-")
@@ -104,6 +139,14 @@ def main() -> dict:
         n = statistics.median(r["naive"] for r in rounds)
         oc = statistics.median(r["ours_per_cpu_s"] for r in rounds)
         nc = statistics.median(r["naive_per_cpu_s"] for r in rounds)
+        # What decoding the crop + resizing costs by itself (the floor of any such pipeline),
+        # and the best CPU-efficiency ratio over the naive pipeline that floor allows.
+        f = decode_floor(root)
+        floor = {k: round(v, 3) for k, v in f.items()}
+        floor["naive_cpu_ms_per_image"] = round(1e3 / nc, 3)
+        floor["ours_cpu_ms_per_image"] = round(1e3 / oc, 3)
+        floor["max_cpu_efficiency_ratio"] = round((1e3 / nc) / f["crop_decode_resize_cpu_ms"], 2)
+        floor["max_speedup_on_these_cores"] = round(cores * floor["max_cpu_efficiency_ratio"], 2)
         return {
             "benchmark": "input_pipeline",
             "images": NUM_IMAGES,
@@ -122,6 +165,7 @@ def main() -> dict:
             "naive_images_per_cpu_s": round(nc, 1),
             "cpu_efficiency_ratio": round(oc / nc, 2),
             "target_speedup": 3.0,
+            "floor": floor,
             "rounds": [{k: round(v, 1) for k, v in r.items()} for r in rounds],
             "tensorflow": tf.__version__,
         }
