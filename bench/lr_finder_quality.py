@@ -59,9 +59,10 @@ def _regression():
 
 
 def _mlp(d_in, n_out, hidden):
-    if hidden == "cnn":  # 8x8 digits as images: two small convolutions
+    if hidden in ("cnn", "cnn28"):  # 8x8 digits / 28x28 MNIST as images: two small convolutions
+        side = 8 if hidden == "cnn" else 28
         return keras.Sequential([
-            keras.Input((d_in,)), keras.layers.Reshape((8, 8, 1)),
+            keras.Input((d_in,)), keras.layers.Reshape((side, side, 1)),
             keras.layers.Conv2D(16, 3, padding="same", activation="relu"), keras.layers.MaxPooling2D(),
             keras.layers.Conv2D(32, 3, padding="same", activation="relu"), keras.layers.GlobalAveragePooling2D(),
             keras.layers.Dense(n_out),
@@ -79,7 +80,17 @@ PROBLEMS = {
     "mnist5k_mlp_adam": (_mnist, [128], lambda lr: keras.optimizers.Adam(lr), 128, 3),
     "digits_cnn_sgd_momentum": (_digits, "cnn", lambda lr: keras.optimizers.SGD(lr, momentum=0.9), 64, 4),
     "regression_mlp_sgd": (_regression, [32], lambda lr: keras.optimizers.SGD(lr), 64, 3),
+    # Held out: added after the suggestions were chosen on the six above, to check that
+    # the choice generalises (other optimizers, depths and architectures).
+    "digits_mlp_rmsprop": (_digits, [64], lambda lr: keras.optimizers.RMSprop(lr), 64, 4),
+    "digits_deep_mlp_nesterov": (_digits, [128, 64, 32], lambda lr: keras.optimizers.SGD(lr, momentum=0.9, nesterov=True), 32, 3),
+    "mnist5k_cnn_adam": (_mnist, "cnn28", lambda lr: keras.optimizers.Adam(lr), 128, 2),
+    "mnist5k_mlp_adamw": (_mnist, [256, 128], lambda lr: keras.optimizers.AdamW(lr, weight_decay=0.01), 64, 2),
+    "regression_mlp_adam": (_regression, [64, 64], lambda lr: keras.optimizers.Adam(lr), 32, 3),
+    "mnist5k_mlp_sgd_momentum": (_mnist, [128], lambda lr: keras.optimizers.SGD(lr, momentum=0.9), 128, 3),
 }
+HELD_OUT = ("digits_mlp_rmsprop", "digits_deep_mlp_nesterov", "mnist5k_cnn_adam", "mnist5k_mlp_adamw",
+            "regression_mlp_adam", "mnist5k_mlp_sgd_momentum")
 
 
 SCHEDULES = ("constant", "cosine")
@@ -157,12 +168,15 @@ def main(argv=None):
     out = {"benchmark": "lr_finder_quality", "grid": "2^-13 .. 2^2 (factor 2)", "problems": {}}
     for n in names:
         out["problems"][n] = run_problem(n, schedules)
-    probs = out["problems"].values()
+    out["held_out"] = [n for n in names if n in HELD_OUT]
     out["within_x3_count"] = {}
+    sets = {"all": names, "calibration": [n for n in names if n not in HELD_OUT], "held_out": out["held_out"]}
     for schedule in schedules:
-        methods = sorted({k for p in probs for k in p[schedule]["within_x3"]})
+        methods = sorted({k for p in out["problems"].values() for k in p[schedule]["within_x3"]})
         out["within_x3_count"][schedule] = {
-            k: f"{sum(p[schedule]['within_x3'].get(k, False) for p in probs)}/{len(out['problems'])}" for k in methods
+            set_name: {k: f"{sum(out['problems'][n][schedule]['within_x3'].get(k, False) for n in members)}/{len(members)}"
+                       for k in methods}
+            for set_name, members in sets.items() if members
         }
     out["default_suggestion"] = "minimum"
     out["seconds"] = round(time.perf_counter() - t0, 1)

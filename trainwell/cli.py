@@ -247,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     lf = sub.add_parser("lr-find", help="run the LR range test on a recipe")
     lf.add_argument("recipe", metavar="RECIPE")
     lf.add_argument("--write", action="store_true", help="write the suggestion into the config file")
+    lf.add_argument("--method", choices=("peak", "minimum", "steep", "valley"),
+                    help="which suggestion (default peak: half the LR at the loss minimum, for a schedule's peak)")
     add_config_args(lf)
     lf.set_defaults(func=cmd_lr_find)
 

@@ -12,7 +12,7 @@ import yaml
 
 import trainwell
 from trainwell.callbacks import LRFinder
-from trainwell.callbacks.lr_finder import LRFindResult, cli_main, minimum, steep, suggest, valley, write_config_value
+from trainwell.callbacks.lr_finder import LRFindResult, cli_main, minimum, peak, steep, suggest, valley, write_config_value
 from trainwell.config import BaseConfig, ConfigError
 
 RNG = np.random.default_rng(0)
@@ -129,10 +129,12 @@ def test_suggesters_match_fastai_definitions():
     assert np.isclose(s["valley"], lrs[16])
     assert np.isclose(s["steep"], lrs[14])  # the 0.5 drop, from index 14 to 15
     assert np.isclose(s["minimum"], lrs[24] / 10)
+    assert np.isclose(s["peak"], lrs[24] / 2)  # trainwell's, for a schedule's peak
     # fastai's start index is end - length (one before the run): kept as fastai has it.
     assert valley([1, 2, 3, 4, 5, 6, 7], [9.0, 7.0, 6.0, 5.0, 4.0, 3.0, 8.0]) == (3.0, 2)
     assert steep([1, 10, 100], [1.0, 0.5, 0.4]) == (1.0, 0)
     assert minimum([1, 10, 100], [1.0, 0.5, 0.9]) == (1.0, 1)
+    assert peak([1, 10, 100], [1.0, 0.5, 0.9]) == (5.0, 1)
     # A NaN cuts the curve.
     s = suggest(list(range(1, 21)), [5.0] * 3 + list(np.linspace(5, 1, 10)) + [math.nan] * 7, 20)
     assert s["minimum"] <= 1.3
@@ -191,11 +193,19 @@ def test_cli_main_prints_and_writes_the_suggestion(tmp_path, capsys):
     args = types.SimpleNamespace(write=True, config=str(config), dry_run=False)
     assert cli_main(tiny_recipe(), cfg, args) == 0
     out = capsys.readouterr().out
-    assert "Suggested peak learning rate (minimum):" in out
+    assert "Suggested peak learning rate (peak):" in out  # the CLI writes a schedule's peak
     written = yaml.safe_load(config.read_text())
     assert written["epochs"] == 3 and 1e-3 < written["lr"] < 1.0 and written["lr"] != 0.1
     assert config.read_text().startswith("# my run\nepochs: 3  # short\nlr: ") and "# peak LR" in config.read_text()
     assert (tmp_path / "run" / "lr_find.png").is_file() and (tmp_path / "run" / "lr_find.json").is_file()
+
+
+def test_cli_main_method_option_picks_the_suggestion(tmp_path, capsys):
+    cfg = TinyConfig.load(None, [f"run_dir={tmp_path / 'run'}", "strategy=one_device", "precision=float32"])
+    args = types.SimpleNamespace(write=False, config=None, dry_run=False, method="minimum")
+    assert cli_main(tiny_recipe(), cfg, args) == 0
+    out = capsys.readouterr().out
+    assert "Suggested peak learning rate (minimum):" in out and "peak: " in out
 
 
 def test_cli_main_errors_and_protocol_hooks(tmp_path, capsys):
