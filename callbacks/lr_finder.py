@@ -17,9 +17,10 @@ and writes "peak").
 held-out problems), within x3 of the best LR: with a constant LR "minimum" 6/12,
 "steep" 7/12, "peak" 6/12, "valley" 1/12 (about 10x too low); with the LR as the
 peak of warmup + cosine "peak" 10/12 (4/6 held out), "steep" 8/12, "minimum"
-4/12. No suggestion was within x3 on every problem: for Adam-type optimizers the
-loss minimum of the test lies 10-80x above the best constant LR, for plain SGD
-near it. Pick another with `method=`.
+4/12. No suggestion was within x3 on every problem: the LR at the test's loss
+minimum lay 10-160x above the best constant LR with Adam/AdamW, 2.5-5.4x with SGD +
+momentum, 0.7-1.9x with plain SGD and 0.6x with RMSprop, so no fixed fraction of
+it fits all. Pick another with `method=`.
 
 References: L. N. Smith, "Cyclical Learning Rates for Training Neural Networks",
 WACV 2017; fastai `Learner.lr_find` and `valley`/`steep`/`minimum`
