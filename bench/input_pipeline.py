@@ -15,9 +15,9 @@ epoch first. The speedup over the naive pipeline comes from parallelism (so it g
 with the free cores: on a shared 2-core machine it cannot pass about 2x the CPU ratio)
 and from less CPU per image (decoding only the crop; one vectorised normalisation per
 batch). `floor` measures, one image at a time, the CPU cost of the work no such
-pipeline avoids (decoding the crop, resizing it) against the naive full decode +
-resize: their ratio bounds the images per CPU-second any pipeline that decodes and
-resizes every image can gain over the naive one. Run:
+pipeline avoids (decoding the crop, resizing it); the naive pipeline's CPU per image
+over that floor bounds the images per CPU-second any pipeline that decodes and resizes
+every image can gain over the naive one. Run:
 `python bench/input_pipeline.py`.
 """
 
@@ -36,7 +36,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from trainwell.data.images import IMAGENET_MEAN, IMAGENET_STD, build_image_datasets  # noqa: E402
+from trainwell.data.images import IMAGENET_MEAN, IMAGENET_STD, _inception_window, build_image_datasets  # noqa: E402
 
 NUM_IMAGES = 200
 CLASSES = 4
@@ -92,19 +92,13 @@ def measure(ds: tf.data.Dataset, epochs: int) -> tuple[float, float]:
 
 def decode_floor(root: str, repeats: int = 2) -> dict:
     """CPU ms per image of the unavoidable work, one image at a time in one tf.function:
-    decoding the Inception crop (`decode_and_crop_jpeg`, the same crop distribution as
-    ours) and resizing it to 224 px; and the naive pipeline's full decode + resize. The
-    ratio of the two bounds what any pipeline that still decodes and resizes every
-    image can gain in images per CPU-second over the naive one."""
+    decoding the Inception crop (`decode_and_crop_jpeg` of a window drawn by the
+    pipeline's own `_inception_window`) and resizing it to 224 px; and, for reference,
+    a full decode + resize."""
     paths = sorted(tf.io.gfile.glob(os.path.join(root, "*", "*.jpg")))
     blobs = [tf.io.read_file(p) for p in paths]
-    windows = []
-    for i, b in enumerate(blobs):
-        begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
-            tf.image.extract_jpeg_shape(b), tf.constant([[[0.0, 0.0, 1.0, 1.0]]]), seed=[0, i],
-            min_object_covered=0.0, aspect_ratio_range=(0.75, 4 / 3), area_range=(0.08, 1.0), max_attempts=10,
-            use_image_if_no_bounding_boxes=True)
-        windows.append(tf.stack([begin[0], begin[1], size[0], size[1]]))
+    windows = [tf.stack(_inception_window(tf.constant([0, i]))(tf.image.extract_jpeg_shape(b)))
+               for i, b in enumerate(blobs)]
 
     def cpu_ms(fn) -> float:
         f = tf.function(fn)

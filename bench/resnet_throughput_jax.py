@@ -80,7 +80,8 @@ def parse_config(name: str) -> dict:
 
 def _import_recipe():
     """`trainwell.recipes.resnet_imagenet`, also from a checkout that is not pip-installed."""
-    sys.path.insert(0, str(REPO))
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
     try:
         from trainwell.recipes import resnet_imagenet
     except ModuleNotFoundError:
@@ -90,6 +91,12 @@ def _import_recipe():
         trainwell.__path__.append(str(REPO))
         from trainwell.recipes import resnet_imagenet
     return resnet_imagenet
+
+
+def _rounds_summary(rounds: list[float]) -> dict:
+    """Median images/s over the rounds run so far, and each round's."""
+    return {"images_per_s": rnd(statistics.median(rounds), 1) if rounds else None,
+            "rounds": [rnd(r, 1) for r in rounds]}
 
 
 class KerasConfig:
@@ -151,8 +158,7 @@ class KerasConfig:
         return ips
 
     def result(self) -> dict:
-        return {"images_per_s": rnd(statistics.median(self.rounds), 1) if self.rounds else None,
-                "rounds": [rnd(r, 1) for r in self.rounds], "trainable_params": self.params,
+        return {**_rounds_summary(self.rounds), "trainable_params": self.params,
                 "build_s": rnd(self.build_s, 1), "warmup_s": rnd(self.warmup_s, 1)}
 
 
@@ -177,8 +183,7 @@ class TorchConfig:
         return out["images_per_s"]
 
     def result(self) -> dict:
-        return {"images_per_s": rnd(statistics.median(self.rounds), 1) if self.rounds else None,
-                "rounds": [rnd(r, 1) for r in self.rounds], **self.info}
+        return {**_rounds_summary(self.rounds), **self.info}
 
 
 def torch_worker(args) -> None:
