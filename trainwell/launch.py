@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -119,6 +120,11 @@ def _status(code: int | None) -> int | None:
     return 128 - code if code < 0 else code
 
 
+def _wait_into(i: int, p: subprocess.Popen, ended: "queue.Queue[tuple[int, int]]") -> None:
+    """Waits for worker `i` and puts `(i, status)` on `ended` as soon as it ends."""
+    ended.put((i, _status(p.wait())))
+
+
 def _kill(procs: Sequence[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
@@ -164,7 +170,8 @@ def launch(
             removed after a successful run).
         stream_chief: Pass worker 0's output through to this process's stdout and
             stderr. Defaults to `True`.
-        poll_s: Seconds between checks of the workers. Defaults to `0.2`.
+        poll_s: Longest wait, in seconds, between checks of the grace period and
+            the timeout (a worker's end is seen at once). Defaults to `0.2`.
         on_start: Called with the list of worker `Popen`s (index = task index)
             once all are started, e.g. to watch or signal one worker. Defaults to
             `None`.
@@ -232,18 +239,31 @@ def launch(
                 subprocess.Popen(list(command), env=worker_env, cwd=cwd, stdout=out, stderr=err,
                                  start_new_session=True)
             )
+        # One waiter per worker records the order in which the workers end: when a
+        # worker is killed and a peer fails because of it a few milliseconds later,
+        # polling both would see them end together and could blame the peer.
+        ended: queue.Queue[tuple[int, int]] = queue.Queue()
+        for i, p in enumerate(procs):
+            threading.Thread(target=_wait_into, args=(i, p, ended), daemon=True,
+                             name=f"trainwell-launch-wait-{i}").start()
         if on_start is not None:
             on_start(list(procs))
         t0 = time.monotonic()
+        done: dict[int, int] = {}
         while True:
-            codes = [_status(p.poll()) for p in procs]
+            events = []
+            try:
+                events.append(ended.get(timeout=poll_s))
+                while True:
+                    events.append(ended.get_nowait())
+            except queue.Empty:
+                pass
             now = time.monotonic()
-            if first_failure is None:
-                for i, c in enumerate(codes):
-                    if c not in (None, 0):
-                        first_failure, failed_at = (i, c), now
-                        break
-            if all(c is not None for c in codes):
+            for i, c in events:  # in the order the workers ended
+                done[i] = c
+                if first_failure is None and c != 0:
+                    first_failure, failed_at = (i, c), now
+            if len(done) == workers:
                 break
             if failed_at is not None and now - failed_at > peer_grace_s:
                 _kill(procs)
@@ -252,7 +272,6 @@ def launch(
                 _kill(procs)
                 status = EXIT_TIMEOUT
                 break
-            time.sleep(poll_s)
         if status is None:
             codes = [_status(p.poll()) for p in procs]
             if first_failure is None:

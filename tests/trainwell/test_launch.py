@@ -94,6 +94,26 @@ def test_a_worker_killed_by_a_signal_reports_128_plus_signal():
     assert code == 137
 
 
+def test_the_first_worker_to_end_is_blamed_even_when_a_peer_fails_right_after(tmp_path):
+    # Worker 1 is killed; worker 0 notices and fails 30 ms later (as a TF worker does
+    # when its peer's socket closes). Both end within one poll, so checking the
+    # workers in index order would report worker 0's status 3 instead of 137.
+    code = launch.launch(_py(f"""
+        import json, os, signal, sys, time
+        task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        flag = os.path.join({str(tmp_path)!r}, "killed")
+        if task == 1:
+            time.sleep(1.0)
+            open(flag, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        while not os.path.exists(flag):
+            time.sleep(0.001)
+        time.sleep(0.03)
+        sys.exit(3)
+    """), 2, peer_grace_s=5, timeout_s=60, poll_s=10.0)
+    assert code == 137
+
+
 def test_timeout_kills_everything_and_returns_124():
     procs = []
     code = launch.launch(_py("import time; time.sleep(120)"), 2, timeout_s=1.5, on_start=procs.extend)
