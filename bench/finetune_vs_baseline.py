@@ -27,11 +27,15 @@ depends less on other people's load on a shared machine); `wall_s` is everything
 (the recipe's `train()` call, which also tokenises, checkpoints and exports; imports
 excluded). Prints one JSON object: per seed and summarised test accuracy and times,
 and the differences/ratios, with the issue's target (>= 2 points more accurate, or as
-accurate in <= 60% of the steps, at <= 1.05x the time per step).
+accurate in <= 60% of the steps, at <= 1.05x the time per step). With
+`--recipe-steps-fraction F` the recipe trains for F x the baseline's steps (its config's
+`max_steps`: the warmup and decay span those steps and the run stops there), which
+checks the target's second form.
 
 Run:
     python bench/finetune_vs_baseline.py                    # 3 epochs x 3 seeds: ~1 h on 2 quiet cores
     python bench/finetune_vs_baseline.py --seeds 1          # one seed
+    python bench/finetune_vs_baseline.py --recipe-steps-fraction 0.6   # the recipe in 60% of the steps
     python bench/finetune_vs_baseline.py --quick            # 60 steps, 1 seed, train capped: a smoke run
 """
 
@@ -67,7 +71,13 @@ def _config(args):
         overrides["run_dir"] = args.run_dir
     if args.max_train_examples:
         overrides["max_train_examples"] = args.max_train_examples
-    return T.Config.load(args.config, overrides=overrides)
+    cfg = T.Config.load(args.config, overrides=overrides)
+    if args.worker == "recipe" and args.recipe_steps_fraction < 1:
+        # The recipe's run (schedule included) is cut to this fraction of the steps.
+        spe = T.build_data(cfg, T.build_preprocessor(cfg)).steps_per_epoch
+        cfg = T.Config.load(args.config, overrides={
+            **overrides, "max_steps": max(1, int(args.recipe_steps_fraction * cfg.epochs * spe))})
+    return cfg
 
 
 class _FitTimer:
@@ -100,8 +110,8 @@ def run_recipe(cfg) -> dict:
     run = T.train(cfg)
     wall = time.perf_counter() - t0
     epochs_run = len(run.history.get("loss", []))
-    ckpt = json.loads((Path(run.run_dir) / "checkpoints" / "checkpoint.json").read_text())["checkpoints"]
-    steps = max(int(c["global_step"]) for c in ckpt) if ckpt else None
+    opt = run.model.optimizer
+    steps = int(getattr(opt, "inner_optimizer", opt).iterations.numpy())  # optimizer steps taken
     return {
         "test_accuracy": float(run.metrics["test_accuracy"]),
         "test_loss": float(run.metrics["test_loss"]),
@@ -113,7 +123,8 @@ def run_recipe(cfg) -> dict:
         "wall_s": wall,
         "settings": {k: getattr(cfg, k) for k in (
             "preset", "sequence_length", "batch_size", "epochs", "peak_lr", "weight_decay", "warmup_fraction",
-            "schedule", "global_clipnorm", "bucket_by_length", "jit_compile", "early_stopping_patience")},
+            "schedule", "global_clipnorm", "bucket_by_length", "jit_compile", "early_stopping_patience",
+            "max_steps")},
     }
 
 
@@ -180,6 +191,7 @@ def worker(args) -> None:
 # --------------------------------------------------------------------------- driver
 def spawn(kind: str, seed: int, args, tmp: Path) -> dict:
     extra = ["--config", str(args.config)] + (["--epochs", str(args.epochs)] if args.epochs else [])
+    extra += ["--recipe-steps-fraction", repr(args.recipe_steps_fraction)]
     if args.max_train_examples:
         extra += ["--max-train-examples", str(args.max_train_examples)]
     if kind == "recipe":
@@ -195,6 +207,10 @@ def parse_args(argv=None):
                         "BERT paper's fine-tuning length).")
     p.add_argument("--seeds", default="3", help="A count ('3': seeds 0,1,2; the default) or a list ('0,5').")
     p.add_argument("--config", default=str(CONFIG), help="The recipe config (default: MiniLM on rotten_tomatoes).")
+    p.add_argument("--recipe-steps-fraction", type=float, default=1.0,
+                   help="Train the recipe for this fraction of the baseline's steps (its schedule ends there: "
+                        "the config's max_steps). Default 1.0. 0.6 checks the issue's 'as accurate in <= 60%% of "
+                        "the steps'.")
     p.add_argument("--max-train-examples", type=int, default=None, help="Cap the training split (quick runs).")
     p.add_argument("--quick", action="store_true", help="Smoke run: 1 epoch of 1,920 examples, 1 seed.")
     p.add_argument("--keep-runs", action="store_true", help="Keep the recipe's run directories (printed).")
@@ -202,6 +218,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if not 0 < args.recipe_steps_fraction <= 1:
+        p.error(f"--recipe-steps-fraction must be in (0, 1]. Received: {args.recipe_steps_fraction}")
     if args.quick:
         args.max_train_examples = args.max_train_examples or 1920
         args.epochs = args.epochs or 1
@@ -225,6 +243,7 @@ def main(argv=None) -> dict | None:
             row["recipe"].get("per_step_s"), row["baseline"].get("per_step_s"))
         row["per_step_cpu_ratio_recipe_over_baseline"] = ratio(
             row["recipe"].get("per_step_cpu_s"), row["baseline"].get("per_step_cpu_s"))
+        row["steps_ratio_recipe_over_baseline"] = ratio(row["recipe"].get("steps"), row["baseline"].get("steps"))
 
     per_seed = alternate(seeds, KINDS, lambda kind, seed, tmp: spawn(kind, seed, args, tmp), on_row=compare,
                          tmp_prefix="trainwell-finetune-vs-baseline-", keep=args.keep_runs)
@@ -249,6 +268,7 @@ def main(argv=None) -> dict | None:
     diff = summary(r["accuracy_diff_recipe_minus_baseline"] for r in per_seed)
     step_ratio = summary(r["per_step_ratio_recipe_over_baseline"] for r in per_seed)
     cpu_ratio = summary(r["per_step_cpu_ratio_recipe_over_baseline"] for r in per_seed)
+    steps_ratio = summary(r["steps_ratio_recipe_over_baseline"] for r in per_seed)
     first = per_seed[0]
     out = {
         "benchmark": "finetune_vs_baseline",
@@ -265,15 +285,22 @@ def main(argv=None) -> dict | None:
             {"seed": r["seed"], "order": r["order"], "recipe": compact(r["recipe"]), "baseline": compact(r["baseline"]),
              "accuracy_diff_recipe_minus_baseline": r["accuracy_diff_recipe_minus_baseline"],
              "per_step_ratio_recipe_over_baseline": r["per_step_ratio_recipe_over_baseline"],
-             "per_step_cpu_ratio_recipe_over_baseline": r["per_step_cpu_ratio_recipe_over_baseline"]}
+             "per_step_cpu_ratio_recipe_over_baseline": r["per_step_cpu_ratio_recipe_over_baseline"],
+             "steps_ratio_recipe_over_baseline": r["steps_ratio_recipe_over_baseline"]}
             for r in per_seed
         ],
         "summary": summ,
         "accuracy_diff_recipe_minus_baseline": {k: rnd(v, 4) for k, v in diff.items()},
         "per_step_ratio_recipe_over_baseline": {k: rnd(v, 3) for k, v in step_ratio.items()},
         "per_step_cpu_ratio_recipe_over_baseline": {k: rnd(v, 3) for k, v in cpu_ratio.items()},
+        "recipe_steps_fraction": args.recipe_steps_fraction,
+        "steps_ratio_recipe_over_baseline": {k: rnd(v, 4) for k, v in steps_ratio.items()},
+        # The issue's target: (>= 2 points more accurate, or as accurate (mean difference
+        # >= 0) in <= 60% of the steps) at <= 1.05x the time per step; seed means.
         "target": {
             "accuracy_plus_2_points": diff["mean"] is not None and diff["mean"] >= 0.02,
+            "as_accurate_in_le_60pct_steps": (diff["mean"] is not None and diff["mean"] >= 0
+                                              and steps_ratio["max"] is not None and steps_ratio["max"] <= 0.6),
             "per_step_ratio_le_1_05": step_ratio["mean"] is not None and step_ratio["mean"] <= 1.05,
         },
         "total_wall_s": rnd(time.perf_counter() - t_start, 1),

@@ -25,6 +25,7 @@ _LAZY = {
     "latest_checkpoint": "checkpoint",
     "list_checkpoints": "checkpoint",
     "EarlyStopping": "early_stopping",
+    "StopAtStep": "early_stopping",
     "TrainingDoctor": "training_doctor",
     "LRFinder": "lr_finder",
 }

@@ -310,3 +310,46 @@ class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
         logger.info(msg)
         if self.verbose > 0:
             print(msg)
+
+
+class StopAtStep(keras.callbacks.Callback):
+    """Stops `fit` once the optimizer has taken `max_steps` steps, mid-epoch if need be.
+
+    Keras has no built-in for this: `fit` counts whole epochs and `steps_per_epoch`
+    shortens every epoch alike, while a run capped at, say, 1.8 epochs (TF Model
+    Garden's `trainer.train_steps`, Hugging Face's `max_steps`) must end inside its
+    last epoch. After the batch whose end makes `optimizer.iterations >= max_steps`
+    this sets `model.stop_training`; Keras then leaves the epoch's loop and still
+    runs that epoch's validation and `on_epoch_end` (so `Checkpoint`, `EarlyStopping`
+    and the loggers see the last, partial epoch). The count is the optimizer's, which
+    `Checkpoint` restores, so a resumed run stops at the same step: this callback
+    has no state of its own. With `steps_per_execution=k` the check runs every k
+    steps, so a run may end up to k - 1 steps late. trainwell's `Checkpoint` saves
+    at whole epochs (or every N steps), not when a run stops inside an epoch, so
+    the last steps of a capped run may be in no checkpoint: a resumed run redoes
+    them from the previous checkpoint, exactly, and stops at the same step.
+
+    Args:
+        max_steps: Optimizer steps after which training stops, an int >= 1.
+
+    Example:
+    >>> stop = StopAtStep(180)
+    >>> model.fit(ds, epochs=2, steps_per_epoch=100, callbacks=[stop])  # doctest: +SKIP
+    >>> int(model.optimizer.iterations)  # doctest: +SKIP
+    180
+    """
+
+    def __init__(self, max_steps: int):
+        super().__init__()
+        if not _is_int(max_steps) or max_steps < 1:
+            raise ValueError(
+                f"Invalid value for argument `max_steps`. Expected an int >= 1. Received: max_steps={max_steps!r}"
+            )
+        self.max_steps = max_steps
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations) >= self.max_steps:
+            self.model.stop_training = True
+
+    def get_config(self) -> dict[str, Any]:
+        return {"max_steps": self.max_steps}

@@ -81,6 +81,7 @@ class Config(BaseConfig):
 
     dataset: str = "rotten_tomatoes"  # embedded; "tfds:glue/sst2", "csv:PATH", "jsonl:PATH", ...
     epochs: int = 3  # [BERT] 2-4
+    max_steps: Optional[int] = None  # [MG] trainer.train_steps, [HF] max_steps; None: epochs x steps/epoch
     batch_size: int = 32  # global batch; [BERT] 32, [MG] 32
     precision: str = "auto"  # mixed_float16 on GPUs >= 7.0; head and loss stay float32
     strategy: str = "auto"
@@ -143,6 +144,7 @@ class Config(BaseConfig):
         if self.split_seed < 0:
             _fail("split_seed", self.split_seed, "an integer >= 0")
         check_positive(self, "max_train_examples")
+        check_positive(self, "max_steps")
         check_positive(self, "peak_lr")
         check_positive(self, "weight_decay", allow_zero=True)
         check_range(self, "beta_1", 0.0, 1.0, hi_open=True)
@@ -436,11 +438,18 @@ def build_data(cfg: Config, preprocessor, data: Any = None):
 def phase_steps(cfg: Config, steps_per_epoch: int) -> tuple[int, int, int]:
     """`(total, freeze, warmup)` steps: the run, the head-only phase, the warmup after it.
 
+    `cfg.max_steps` caps the total: the schedule then reaches its end there and
+    `train` stops at that step, inside the last epoch.
+
     Example:
     >>> phase_steps(Config(epochs=3), 100)
     (300, 0, 30)
+    >>> phase_steps(Config(epochs=3, max_steps=180), 100)
+    (180, 0, 18)
     """
     total = max(1, cfg.epochs * int(steps_per_epoch))
+    if cfg.max_steps is not None:
+        total = min(total, cfg.max_steps)
     freeze = min(total - 1, int(round(cfg.freeze_epochs * steps_per_epoch))) if cfg.freeze_epochs else 0
     warmup = int(round(cfg.warmup_fraction * (total - freeze)))
     return total, freeze, warmup
@@ -684,6 +693,7 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
     >>> run = train(preset="minilm", epochs=1, sequence_length=64)  # doctest: +SKIP
     """
     from trainwell import recipe
+    from trainwell.callbacks import StopAtStep
     from trainwell.data.text import save_label_map
 
     if data is not None:
@@ -709,9 +719,13 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
     ) + list(callbacks or ())
     # Multi-replica strategies: `recipe.setup_run` applied keras_fixes' "symbolic_build"
     # (Keras would MEAN-reduce a per-replica batch, boolean padding masks included).
+    total = phase_steps(cfg, steps)[0]
+    epochs = -(-total // steps)  # the last one partial when max_steps cuts it
+    if total < epochs * steps:
+        callbacks.append(StopAtStep(total))
     verbose = cfg.verbose if cfg.verbose == "auto" else int(cfg.verbose)
     history = model.fit(
-        train_ds, validation_data=data_.val, epochs=cfg.epochs, steps_per_epoch=steps,
+        train_ds, validation_data=data_.val, epochs=epochs, steps_per_epoch=steps,
         callbacks=callbacks, verbose=verbose, shuffle=False,  # the pipeline shuffles (seeded)
     )
     test = model.evaluate(data_.test, verbose=0, return_dict=True) if data_.test is not None else {}

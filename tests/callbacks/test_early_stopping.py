@@ -228,3 +228,41 @@ def test_get_config_and_state_round_trip():
 def test_argument_validation(kwargs, name):
     with pytest.raises(ValueError, match=rf"Invalid value for argument `{name}`.*Received: {name}="):
         EarlyStopping(**kwargs)
+
+
+def _stop_data():
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensor_slices((X, Y)).batch(4).repeat()  # 4 batches per pass
+
+
+def test_stop_at_step_ends_inside_the_last_epoch_after_validation():
+    from trainwell.callbacks import StopAtStep
+
+    model, seen = _model(), []
+    log = keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: seen.append((e, sorted(logs))))
+    hist = model.fit(_stop_data(), epochs=3, steps_per_epoch=10, validation_data=(X, Y),
+                     callbacks=[StopAtStep(15), log], verbose=0)
+    assert int(model.optimizer.iterations) == 15
+    assert len(hist.history["loss"]) == 2  # epoch 2 cut after 5 of its 10 steps
+    assert seen[-1][0] == 1 and "val_loss" in seen[-1][1]  # the partial epoch is still validated
+
+
+def test_stop_at_step_counts_the_optimizers_steps_so_a_restart_stops_at_the_same_step():
+    from trainwell.callbacks import StopAtStep
+
+    model = _model()
+    model.fit(_stop_data(), epochs=3, steps_per_epoch=10, callbacks=[StopAtStep(7)], verbose=0)  # "crash" at 7
+    assert int(model.optimizer.iterations) == 7
+    # The restarted fit (a fresh callback, the optimizer's count restored) ends at 25, not 7 + 25.
+    model.fit(_stop_data(), epochs=3, steps_per_epoch=10, callbacks=[StopAtStep(25)], verbose=0)
+    assert int(model.optimizer.iterations) == 25
+    assert StopAtStep(25).get_config() == {"max_steps": 25}
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, None])
+def test_stop_at_step_validates(bad):
+    from trainwell.callbacks import StopAtStep
+
+    with pytest.raises(ValueError, match=f"Received: max_steps={bad!r}"):
+        StopAtStep(bad)

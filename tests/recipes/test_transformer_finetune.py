@@ -58,6 +58,9 @@ def test_defaults_are_the_published_recipe():
     assert (c.layerwise_lr_decay, c.freeze_epochs, c.gradient_accumulation_steps) == (1.0, 0.0, None)
     assert recipe.phase_steps(recipe.Config(epochs=3), 100) == (300, 0, 30)
     assert recipe.phase_steps(recipe.Config(epochs=3, freeze_epochs=1.0), 100) == (300, 100, 20)
+    assert c.max_steps is None
+    assert recipe.phase_steps(recipe.Config(epochs=3, max_steps=180), 100) == (180, 0, 18)
+    assert recipe.phase_steps(recipe.Config(epochs=3, max_steps=900), 100) == (300, 0, 30)  # a cap only
 
 
 @pytest.mark.parametrize("bad, pattern", [
@@ -67,6 +70,7 @@ def test_defaults_are_the_published_recipe():
     ({"gradient_accumulation_steps": 1}, "Received: gradient_accumulation_steps=1"),
     ({"schedule": "step"}, "Received: schedule='step'"),
     ({"sequence_length": 4}, "Received: sequence_length=4"),
+    ({"max_steps": 0}, "Received: max_steps=0"),
     ({"val_fraction": 0.5, "test_fraction": 0.5}, "Received: test_fraction=0.5"),
 ])
 def test_config_validation(bad, pattern):
@@ -188,6 +192,20 @@ def test_train_end_to_end_export_predict_and_label_mapping(tiny, tmp_path):
     labels2, probs2 = recipe.predict(texts, model=run.model, class_names=["neg", "pos"])
     assert labels2 == labels and np.allclose(probs, probs2, atol=1e-5)
     assert recipe.predict([], run_dir=run.run_dir)[1].shape == (0, 2)
+
+
+def test_max_steps_ends_the_schedule_and_the_run_inside_the_last_epoch(tiny, tmp_path):
+    kw = tiny_kw(tiny, epochs=3, early_stopping_patience=None, export=False, max_train_examples=160,
+                 run_dir=str(tmp_path / "run"))
+    cfg = recipe.Config(**kw)
+    spe = recipe.build_data(cfg, recipe.build_preprocessor(cfg)).steps_per_epoch
+    run = recipe.train(**kw, max_steps=spe + 3)
+    inner = getattr(run.model.optimizer, "inner_optimizer", run.model.optimizer)
+    assert int(inner.iterations) == spe + 3
+    assert len(run.history["loss"]) == 2 and "val_accuracy" in run.history  # a partial, validated 2nd epoch
+    assert inner._learning_rate.total_steps == spe + 3
+    assert float(inner._learning_rate(spe + 3)) == 0.0  # decayed to min_lr exactly where the run ends
+    assert set(run.metrics) == {"test_loss", "test_accuracy"}
 
 
 def _subprocess(code: str, timeout=300, env=None):
