@@ -75,8 +75,7 @@ def _config(args):
     if args.worker == "recipe" and args.recipe_steps_fraction < 1:
         # The recipe's run (schedule included) is cut to this fraction of the steps.
         spe = T.build_data(cfg, T.build_preprocessor(cfg)).steps_per_epoch
-        cfg = T.Config.load(args.config, overrides={
-            **overrides, "max_steps": max(1, int(args.recipe_steps_fraction * cfg.epochs * spe))})
+        cfg = cfg.replace(max_steps=max(1, int(args.recipe_steps_fraction * cfg.epochs * spe)))
     return cfg
 
 

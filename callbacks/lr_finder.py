@@ -119,6 +119,12 @@ def steep(lrs: Sequence[float], losses: Sequence[float]) -> tuple[float, int]:
     return float(lr[i]), i
 
 
+def _at_loss_minimum(lrs: Sequence[float], losses: Sequence[float], divisor: float) -> tuple[float, int]:
+    """The LR at the lowest loss divided by `divisor`, and that step's index."""
+    i = int(np.nanargmin(np.asarray(losses, dtype=np.float64)))
+    return float(lrs[i]) / divisor, i
+
+
 def minimum(lrs: Sequence[float], losses: Sequence[float]) -> tuple[float, int]:
     """fastai's "minimum": a tenth of the LR at the minimum loss.
 
@@ -126,8 +132,7 @@ def minimum(lrs: Sequence[float], losses: Sequence[float]) -> tuple[float, int]:
     >>> minimum([1e-3, 1e-2, 1e-1], [2.0, 1.0, 5.0])
     (0.001, 1)
     """
-    i = int(np.nanargmin(np.asarray(losses, dtype=np.float64)))
-    return float(lrs[i]) / 10.0, i
+    return _at_loss_minimum(lrs, losses, 10.0)
 
 
 def peak(lrs: Sequence[float], losses: Sequence[float]) -> tuple[float, int]:
@@ -145,8 +150,7 @@ def peak(lrs: Sequence[float], losses: Sequence[float]) -> tuple[float, int]:
     >>> peak([1e-3, 1e-2, 1e-1], [2.0, 1.0, 5.0])
     (0.005, 1)
     """
-    i = int(np.nanargmin(np.asarray(losses, dtype=np.float64)))
-    return float(lrs[i]) / 2.0, i
+    return _at_loss_minimum(lrs, losses, 2.0)
 
 
 _SUGGESTERS = {"valley": valley, "steep": steep, "minimum": minimum, "peak": peak}

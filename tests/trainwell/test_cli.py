@@ -59,3 +59,16 @@ def test_resume_errors(tmp_path, capsys):
     (tmp_path / "manifest.json").write_text(json.dumps({"recipe": "nope"}))
     assert cli.main(["resume", str(tmp_path)]) == 2
     assert "names no known recipe" in capsys.readouterr().err
+
+
+def test_lr_find_method_choices_are_the_lr_finders_suggestions():
+    # The parser lists them itself (building it must not import Keras); they must not drift.
+    import argparse
+
+    from trainwell.callbacks import lr_finder
+    from trainwell.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    method = next(a for a in sub.choices["lr-find"]._actions if a.dest == "method")
+    assert set(method.choices) == set(lr_finder._SUGGESTERS)
+    assert lr_finder.CLI_METHOD in method.choices
