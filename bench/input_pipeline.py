@@ -18,11 +18,14 @@ batch). `floor` measures, one image at a time, the CPU cost of the work no such
 pipeline avoids (decoding the crop, resizing it); the naive pipeline's CPU per image
 over that floor bounds the images per CPU-second any pipeline that decodes and resizes
 every image can gain over the naive one. Run:
-`python bench/input_pipeline.py`.
+`python bench/input_pipeline.py` (options: `--images N`, `--rounds N`, `--epochs-per-round N`;
+on a many-core machine use more images and epochs, so that each timed pass lasts long
+enough; `taskset -c 0-3 python bench/input_pipeline.py` measures on 4 of the cores).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -46,11 +49,11 @@ ROUNDS = 3
 EPOCHS_PER_ROUND = 3
 
 
-def write_jpegs(root: str) -> float:
+def write_jpegs(root: str, num_images: int = NUM_IMAGES) -> float:
     """Photo-like JPEGs: a smooth random field plus noise, 320-480 x 300-400 px. Returns mean KiB."""
     rng = np.random.default_rng(0)
     sizes = []
-    for i in range(NUM_IMAGES):
+    for i in range(num_images):
         h, w = int(rng.integers(300, 401)), int(rng.integers(320, 481))
         coarse = rng.random((h // 16 + 1, w // 16 + 1, 3)).astype(np.float32)
         smooth = tf.image.resize(coarse[None], (h, w), method="bicubic")[0].numpy()
@@ -116,18 +119,29 @@ def decode_floor(root: str, repeats: int = 2) -> dict:
     return {"crop_decode_resize_cpu_ms": crop, "full_decode_resize_cpu_ms": full}
 
 
-def main() -> dict:
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--images", type=int, default=NUM_IMAGES, help=f"JPEGs to write (default {NUM_IMAGES})")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"alternating rounds (default {ROUNDS})")
+    parser.add_argument("--epochs-per-round", type=int, default=EPOCHS_PER_ROUND,
+                        help=f"epochs of each pipeline per round (default {EPOCHS_PER_ROUND})")
+    args = parser.parse_args(argv)
+    for name in ("images", "rounds", "epochs_per_round"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1. Received: {getattr(args, name)}")
+    if args.images < BATCH:
+        parser.error(f"--images must be >= the batch size {BATCH}. Received: {args.images}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     root = tempfile.mkdtemp(prefix="trainwell-bench-")
     try:
-        kib = write_jpegs(root)
+        kib = write_jpegs(root, args.images)
         ours = build_image_datasets(f"folder:{root}", IMAGE_SIZE, BATCH, augment="inception",
                                     val_fraction=0.0, test_fraction=0.0, seed=0).train
         naive = naive_dataset(root)
         measure(ours, 1), measure(naive, 1)  # warm-up: tracing, file cache
         rounds = []
-        for _ in range(ROUNDS):  # alternating, so both see the same machine load
-            (ow, oc), (nw, nc) = measure(ours, EPOCHS_PER_ROUND), measure(naive, EPOCHS_PER_ROUND)
+        for _ in range(args.rounds):  # alternating, so both see the same machine load
+            (ow, oc), (nw, nc) = measure(ours, args.epochs_per_round), measure(naive, args.epochs_per_round)
             rounds.append({"ours": ow, "naive": nw, "ours_per_cpu_s": oc, "naive_per_cpu_s": nc})
         o = statistics.median(r["ours"] for r in rounds)
         n = statistics.median(r["naive"] for r in rounds)
@@ -143,11 +157,14 @@ def main() -> dict:
         floor["max_speedup_on_these_cores"] = round(cores * floor["max_cpu_efficiency_ratio"], 2)
         return {
             "benchmark": "input_pipeline",
-            "images": NUM_IMAGES,
+            "images": args.images,
+            "rounds_count": args.rounds,
+            "epochs_per_round": args.epochs_per_round,
             "mean_jpeg_kib": round(kib, 1),
             "image_size": IMAGE_SIZE,
             "batch_size": BATCH,
             "cores": cores,
+            "machine_cpus": os.cpu_count(),
             "load_avg_1min": round(os.getloadavg()[0], 2),
             "ours_images_per_s": round(o, 1),
             "naive_images_per_s": round(n, 1),
