@@ -35,6 +35,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import trainwell  # noqa: E402
+from trainwell.callbacks import lr_finder  # noqa: E402
 from trainwell.data import embedded  # noqa: E402
 
 GRID = [float(x) for x in 2.0 ** np.arange(-13, 3)]  # 1.2e-4 .. 4
@@ -98,9 +99,9 @@ HELD_OUT = ("digits_mlp_rmsprop", "digits_deep_mlp_nesterov", "mnist5k_cnn_adam"
 SCHEDULES = ("constant", "cosine")
 
 
-def build(problem, lr, d_in, n_out, schedule="constant", total_steps=None):
+def build(problem, lr, d_in, n_out, schedule="constant", total_steps=None, seed=0):
     _, hidden, opt, _, _ = PROBLEMS[problem]
-    keras.utils.set_random_seed(0)
+    keras.utils.set_random_seed(seed)
     model = _mlp(d_in, n_out, hidden)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True) if n_out else "mse"
     if schedule == "cosine":
@@ -111,9 +112,12 @@ def build(problem, lr, d_in, n_out, schedule="constant", total_steps=None):
     return model
 
 
-def _grid_result(name, result, grid):
+def _grid_result(name, result, grid, probe=None):
     best = min(grid, key=grid.get)
-    ratios = {k: v / best for k, v in result.suggestions.items()}
+    suggestions = dict(result.suggestions)
+    if probe is not None and probe.method == "probe":
+        suggestions["probe"] = probe.suggestion
+    ratios = {k: v / best for k, v in suggestions.items()}
     return {
         "best_grid_lr": best,
         "best_grid_val_loss": round(grid[best], 4),
@@ -126,12 +130,12 @@ def _grid_result(name, result, grid):
     }
 
 
-def run_problem(name, schedules=SCHEDULES):
+def run_problem(name, schedules=SCHEDULES, grid_seeds=1):
     data, _, _, bs, epochs = PROBLEMS[name]
     (x, y), (xv, yv), n_out = data()
     t0 = time.perf_counter()
     model = build(name, 1e-3, x.shape[1], n_out)
-    result = trainwell.lr_find(model, (x, y), batch_size=bs)
+    result = trainwell.lr_find(model, (x, y), batch_size=bs, method="minimum")  # the curve's suggestions
     t_find = time.perf_counter() - t0
     steps = math.ceil(len(x) / bs)
     out = {
@@ -142,14 +146,34 @@ def run_problem(name, schedules=SCHEDULES):
         "lr_find_stopped": result.stopped,
         "suggestions": {k: float(f"{v:.3g}") for k, v in result.suggestions.items()},
     }
+    probe_shape = {"constant": "constant", "cosine": "warmup_cosine"}
     for schedule in schedules:
-        grid = {}
-        for lr in GRID:
-            m = build(name, lr, x.shape[1], n_out, schedule, total_steps=steps * epochs)
-            m.fit(x, y, batch_size=bs, epochs=epochs, verbose=0, shuffle=True)
-            v = float(m.evaluate(xv, yv, batch_size=512, verbose=0))
-            grid[lr] = v if math.isfinite(v) else math.inf
-        out[schedule] = _grid_result(name, result, grid)
+        # "probe": the range test again, then short runs (100 steps each, lr_find's
+        # default) with the grid's schedule shape, from the same fresh model.
+        t0 = time.perf_counter()
+        probe = trainwell.lr_find(model, (x, y), batch_size=bs, method="probe", probe_schedule=probe_shape[schedule])
+        out.setdefault("probe", {})[schedule] = {
+            "suggestion": float(f"{probe.suggestion:.3g}") if probe.suggestion else None,
+            "method": probe.method,
+            "probe_steps": probe.probe_steps,
+            "probes": {f"{lr:.3g}": (round(v, 4) if math.isfinite(v) else None) for lr, v in sorted(probe.probes.items())},
+            "steps_total": len(probe.lrs) + probe.probe_steps * len(probe.probes),
+            "grid_steps_total": len(GRID) * steps * epochs,
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
+        grids = []
+        for seed in range(grid_seeds):  # seed: the model's initial weights and the shuffles
+            grid = {}
+            for lr in GRID:
+                m = build(name, lr, x.shape[1], n_out, schedule, total_steps=steps * epochs, seed=seed)
+                m.fit(x, y, batch_size=bs, epochs=epochs, verbose=0, shuffle=True)
+                v = float(m.evaluate(xv, yv, batch_size=512, verbose=0))
+                grid[lr] = v if math.isfinite(v) else math.inf
+            grids.append(grid)
+        out[schedule] = _grid_result(name, result, grids[0], probe)
+        if grid_seeds > 1:
+            mean = {lr: float(np.mean([g[lr] for g in grids])) for lr in GRID}
+            out[f"{schedule}_mean{grid_seeds}"] = _grid_result(name, result, mean, probe)
     return out
 
 
@@ -160,27 +184,34 @@ def main(argv=None):
     p.add_argument("problems", nargs="*", help=f"Default: all of {', '.join(PROBLEMS)}.")
     p.add_argument("--schedule", choices=("constant", "cosine", "both"), default="both",
                    help="The grid's LR: constant, or the peak of warmup + cosine. Default both.")
+    p.add_argument("--grid-seeds", type=int, default=1,
+                   help="Seeds of each grid run (weights, shuffles); with N > 1 the best LR is also taken "
+                        "from the mean validation loss over the N seeds (keys SCHEDULE_meanN). Default 1.")
     args = p.parse_args(argv)
+    if args.grid_seeds < 1:
+        p.error(f"--grid-seeds must be >= 1. Received: {args.grid_seeds}")
     names = args.problems or list(PROBLEMS)
     unknown = sorted(set(names) - set(PROBLEMS))
     if unknown:
         p.error(f"unknown problem(s) {unknown}; choose from {list(PROBLEMS)}")
     schedules = SCHEDULES if args.schedule == "both" else (args.schedule,)
     t0 = time.perf_counter()
-    out = {"benchmark": "lr_finder_quality", "grid": "2^-13 .. 2^2 (factor 2)", "problems": {}}
+    out = {"benchmark": "lr_finder_quality", "grid": "2^-13 .. 2^2 (factor 2)", "grid_seeds": args.grid_seeds,
+           "problems": {}}
     for n in names:
-        out["problems"][n] = run_problem(n, schedules)
+        out["problems"][n] = run_problem(n, schedules, args.grid_seeds)
     out["held_out"] = [n for n in names if n in HELD_OUT]
     out["within_x3_count"] = {}
     sets = {"all": names, "calibration": [n for n in names if n not in HELD_OUT], "held_out": out["held_out"]}
-    for schedule in schedules:
-        methods = sorted({k for p in out["problems"].values() for k in p[schedule]["within_x3"]})
-        out["within_x3_count"][schedule] = {
-            set_name: {k: f"{sum(out['problems'][n][schedule]['within_x3'].get(k, False) for n in members)}/{len(members)}"
+    grid_keys = [k for sch in schedules for k in ((sch, f"{sch}_mean{args.grid_seeds}") if args.grid_seeds > 1 else (sch,))]
+    for key in grid_keys:
+        methods = sorted({k for p in out["problems"].values() for k in p[key]["within_x3"]})
+        out["within_x3_count"][key] = {
+            set_name: {k: f"{sum(out['problems'][n][key]['within_x3'].get(k, False) for n in members)}/{len(members)}"
                        for k in methods}
             for set_name, members in sets.items() if members
         }
-    out["default_suggestion"] = {"lr_find": "minimum", "trainwell lr-find": "peak"}
+    out["default_suggestion"] = {"lr_find": "minimum", "trainwell lr-find": lr_finder.CLI_METHOD}
     out["seconds"] = round(time.perf_counter() - t0, 1)
     out["env"] = {"python": platform.python_version(), "keras": keras.__version__, "cpus": os.cpu_count()}
     print(json.dumps(out, indent=1))

@@ -247,8 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     lf = sub.add_parser("lr-find", help="run the LR range test on a recipe")
     lf.add_argument("recipe", metavar="RECIPE")
     lf.add_argument("--write", action="store_true", help="write the suggestion into the config file")
-    lf.add_argument("--method", choices=("peak", "minimum", "steep", "valley"),
-                    help="which suggestion (default peak: half the LR at the loss minimum, for a schedule's peak)")
+    lf.add_argument("--method", choices=("probe", "peak", "minimum", "steep", "valley"),
+                    help="which suggestion (default probe: short warmup + cosine runs around the range test's "
+                         "loss minimum, the best of which gives the schedule's peak LR)")
+    lf.add_argument("--probe-steps", type=int, metavar="N",
+                    help="steps of each probe run (default: the range test's 100); longer is closer to a full run")
     add_config_args(lf)
     lf.set_defaults(func=cmd_lr_find)
 

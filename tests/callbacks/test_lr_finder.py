@@ -12,6 +12,7 @@ import yaml
 
 import trainwell
 from trainwell.callbacks import LRFinder
+from trainwell.callbacks import lr_finder
 from trainwell.callbacks.lr_finder import LRFindResult, cli_main, minimum, peak, steep, suggest, valley, write_config_value
 from trainwell.config import BaseConfig, ConfigError
 
@@ -58,7 +59,7 @@ def test_ramp_is_exponential_and_is_the_lr_really_used():
 
 def test_smoothing_is_fastais_debiased_ema():
     model = regression()
-    r = trainwell.lr_find(model, (XR, YR), start_lr=1e-4, end_lr=1e-2, steps=20, smooth=0.9)
+    r = trainwell.lr_find(model, (XR, YR), start_lr=1e-4, end_lr=1e-2, steps=20, smooth=0.9, method="minimum")
     avg, expect = 0.0, []
     for i, loss in enumerate(r.raw_losses):
         avg = 0.9 * avg + 0.1 * loss
@@ -73,7 +74,7 @@ def test_stops_on_divergence_and_restores_everything():
     model.fit(XR, YR, epochs=1, verbose=0)  # built optimizer with non-trivial state
     before = [v.numpy().copy() for v in model.variables]
     opt_before = [v.numpy().copy() for v in model.optimizer.variables]
-    r = trainwell.lr_find(model, (XR, YR), steps=100)
+    r = trainwell.lr_find(model, (XR, YR), steps=100, method="minimum")
     assert r.stopped == "diverged" and len(r.lrs) < 100
     assert r.losses[-1] > 4 * min(r.losses) or not math.isfinite(r.losses[-1])
     assert all(np.array_equal(a, b) for a, b in zip(before, [v.numpy() for v in model.variables]))
@@ -93,7 +94,7 @@ def test_unbuilt_optimizer_and_schedule_are_restored():
     model = regression(keras.optimizers.SGD(schedule, momentum=0.9))
     w0 = [v.numpy().copy() for v in model.trainable_variables]
     ds = tf.data.Dataset.from_tensor_slices((XR, YR)).batch(32)
-    r = trainwell.lr_find(model, ds, start_lr=1e-5, end_lr=1.0, steps=30)
+    r = trainwell.lr_find(model, ds, start_lr=1e-5, end_lr=1.0, steps=30, method="minimum")
     assert len(r.lrs) >= 20
     assert model.optimizer._learning_rate is schedule and int(model.optimizer.iterations.numpy()) == 0
     assert all(np.array_equal(a, b.numpy()) for a, b in zip(w0, model.trainable_variables))
@@ -105,7 +106,7 @@ def test_suggestion_on_linear_regression_is_below_the_stability_limit():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
     model.compile(keras.optimizers.SGD(0.01), "mse")
-    r = trainwell.lr_find(model, (XR, YR), start_lr=1e-5, end_lr=10.0, steps=100, batch_size=64)
+    r = trainwell.lr_find(model, (XR, YR), start_lr=1e-5, end_lr=10.0, steps=100, batch_size=64, method="minimum")
     assert r.stopped == "diverged"
     assert r.method == "minimum" and r.suggestion == r.suggestions["minimum"]
     assert 1e-2 < r.suggestion < 1.0
@@ -142,7 +143,7 @@ def test_suggesters_match_fastai_definitions():
 
 def test_plot_and_result_json(tmp_path):
     model = regression()
-    r = trainwell.lr_find(model, (XR, YR), start_lr=1e-4, end_lr=1.0, steps=30)
+    r = trainwell.lr_find(model, (XR, YR), start_lr=1e-4, end_lr=1.0, steps=30, method="minimum")
     p = r.plot(tmp_path / "lr.png")
     data = p.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
@@ -165,6 +166,107 @@ def test_validation():
         LRFinder(method="best")
     cfg = LRFinder(start_lr=1e-6, steps=50, method="valley").get_config()
     assert LRFinder.from_config(cfg).get_config() == cfg
+    model = regression()
+    for kwargs, text in (
+        ({"method": "best"}, "Received: method='best'"),
+        ({"probe_schedule": "cosine"}, "Received: probe_schedule='cosine'"),
+        ({"probe_steps": 1}, "Received: probe_steps=1"),
+        ({"restore": False}, "Received: restore=False"),  # probes start from the restored state
+    ):
+        with pytest.raises(ValueError, match=text):
+            trainwell.lr_find(model, (XR, YR), steps=10, **kwargs)
+
+
+# ----------------------------------------------------------------------------- probes
+def test_probes_search_down_from_the_loss_minimum_and_restore_everything():
+    model = regression(keras.optimizers.Adam(1e-3), bn=True)  # BatchNorm statistics and dropout too
+    model.fit(XR, YR, batch_size=64, epochs=1, verbose=0)  # a trained state with optimizer slots
+    before = [v.numpy() for v in model.variables]
+    opt_before = [v.numpy() for v in model.optimizer.variables]
+    r = trainwell.lr_find(model, (XR, YR), start_lr=1e-4, end_lr=10.0, steps=30, batch_size=64, probe_steps=12)
+    assert r.method == "probe" and r.probe_steps == 12 and r.probe_schedule == "constant"  # the default
+    # Probes at the curve's loss-minimum LR x 3, 1, 1/3, ... from high to low.
+    cut_l, cut_x = lr_finder._cut(r.lrs, r.losses, 30)
+    center = cut_l[int(np.nanargmin(cut_x))]
+    tried = list(r.probes)  # insertion order = the order run
+    assert tried[0] == pytest.approx(3 * center) and 3 <= len(tried) <= 8
+    assert np.allclose(np.array(tried[:-1]) / np.array(tried[1:]), 3.0)
+    finite = {lr: v for lr, v in r.probes.items() if math.isfinite(v)}
+    assert r.suggestion == r.suggestions["probe"] == min(finite, key=finite.get)
+    # It stopped after two runs in a row ended above the best (or ran out of candidates).
+    below_best = [lr for lr in tried if lr < r.suggestion]
+    assert len(below_best) == 2 or len(tried) == 8
+    assert all(r.probes[lr] > r.probes[r.suggestion] for lr in below_best)
+    # Everything is put back.
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables))
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(opt_before, model.optimizer.variables))
+    assert float(model.optimizer.learning_rate) == pytest.approx(1e-3)
+    d = r.to_dict()
+    assert len(d["probes"]) == len(tried) and d["probe_steps"] == 12 and d["method"] == "probe"
+
+
+def test_probe_score_is_the_mean_final_loss_and_inf_when_diverged():
+    p = lr_finder._LRProbe(0.1, steps=40, shape="constant", smooth=0.98, diverge_factor=4.0)
+    p._raw, p._stopped = list(np.arange(40.0)), "steps"
+    assert p.score() == pytest.approx(np.mean(np.arange(30.0, 40.0)))  # the last quarter (10 steps)
+    p._stopped = "diverged"
+    assert p.score() == math.inf
+
+
+@pytest.mark.parametrize("shape", ["constant", "warmup_cosine"])
+def test_a_probe_trains_with_the_lr_shape_asked_for(shape):
+    """One weight, loss = w (gradient exactly 1): plain SGD moves w by the LR it used."""
+    from trainwell.callbacks.schedules import WarmupCosineDecay
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+    model.compile(keras.optimizers.SGD(0.5), lambda y, p: keras.ops.mean(p))
+    model.fit(np.ones((24, 1), "float32"), np.zeros((24, 1)), batch_size=8, epochs=1, verbose=0)  # iterations = 3
+    w0 = float(model.trainable_weights[0].numpy().ravel()[0])
+
+    class Used(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.w = float(self.model.trainable_weights[0].numpy().ravel()[0])
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.used.append(self.w - float(self.model.trainable_weights[0].numpy().ravel()[0]))
+
+    used = Used()
+    used.used = []
+    probe = lr_finder._LRProbe(0.2, steps=10, shape=shape, smooth=0.98, diverge_factor=None)
+    model.fit(np.ones((160, 1), "float32"), np.zeros((160, 1)), batch_size=8, epochs=1, verbose=0,
+              callbacks=[probe, used])
+    if shape == "constant":
+        expected = np.full(10, 0.2)
+    else:  # the recipes' shape, counted from the probe's first step
+        sched = WarmupCosineDecay(0.2, total_steps=10, warmup_steps=1)
+        expected = np.array([float(sched(i)) for i in range(10)])
+    assert np.allclose(used.used, expected, atol=1e-6)
+    assert float(model.trainable_weights[0].numpy().ravel()[0]) == w0  # restored
+    assert int(model.optimizer.iterations.numpy()) == 3 and float(model.optimizer.learning_rate) == pytest.approx(0.5)
+
+
+def test_fit_after_the_probes_uses_the_models_own_lr():
+    """The probes' schedules are traced into `fit`'s step; it is rebuilt once they are done."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+    model.compile(keras.optimizers.SGD(0.5), lambda y, p: keras.ops.mean(p))  # gradient 1: w moves by the LR
+    x, y = np.ones((64, 1), "float32"), np.zeros((64, 1))
+    r = trainwell.lr_find(model, (x, y), start_lr=1e-3, end_lr=1.0, steps=10, batch_size=8, probe_steps=3)
+    # The loss (= w) goes below 0 and keeps falling: no divergence (once a false one at the 2nd step).
+    assert r.stopped == "steps" and min(r.losses) < 0
+    assert r.method == "probe" and len(r.probes) >= 3 and 0.5 not in r.probes
+    model.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)
+    assert float(model.trainable_weights[0].numpy().ravel()[0]) == pytest.approx(-0.5)
+
+
+def test_probes_that_all_diverge_fall_back_to_minimum(monkeypatch):
+    monkeypatch.setattr(lr_finder._LRProbe, "score", lambda self: math.inf)
+    model = regression()
+    with pytest.warns(UserWarning, match="Every probe diverged"):
+        r = trainwell.lr_find(model, (XR, YR), start_lr=1e-4, end_lr=1.0, steps=20, probe_steps=3)
+    assert r.method == "minimum" and r.suggestion == r.suggestions["minimum"] and "probe" not in r.suggestions
+    assert len(r.probes) == 8  # every candidate, x3 down to /729
 
 
 # ----------------------------------------------------------------------------- command line
@@ -193,7 +295,8 @@ def test_cli_main_prints_and_writes_the_suggestion(tmp_path, capsys):
     args = types.SimpleNamespace(write=True, config=str(config), dry_run=False)
     assert cli_main(tiny_recipe(), cfg, args) == 0
     out = capsys.readouterr().out
-    assert "Suggested peak learning rate (peak):" in out  # the CLI writes a schedule's peak
+    # The CLI's default: warmup + cosine probes around the range test's loss minimum.
+    assert "Suggested peak learning rate (probe):" in out and "probe runs of 100 steps (warmup_cosine)" in out
     written = yaml.safe_load(config.read_text())
     assert written["epochs"] == 3 and 1e-3 < written["lr"] < 1.0 and written["lr"] != 0.1
     assert config.read_text().startswith("# my run\nepochs: 3  # short\nlr: ") and "# peak LR" in config.read_text()

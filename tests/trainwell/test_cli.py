@@ -70,5 +70,5 @@ def test_lr_find_method_choices_are_the_lr_finders_suggestions():
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     method = next(a for a in sub.choices["lr-find"]._actions if a.dest == "method")
-    assert set(method.choices) == set(lr_finder._SUGGESTERS)
+    assert set(method.choices) == set(lr_finder.METHODS)
     assert lr_finder.CLI_METHOD in method.choices
