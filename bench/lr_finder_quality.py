@@ -157,7 +157,7 @@ def run_problem(name, schedules=SCHEDULES, grid_seeds=1):
             "method": probe.method,
             "probe_steps": probe.probe_steps,
             "probes": {f"{lr:.3g}": (round(v, 4) if math.isfinite(v) else None) for lr, v in sorted(probe.probes.items())},
-            "steps_total": len(probe.lrs) + probe.probe_steps * len(probe.probes),
+            "steps_total": len(probe.lrs) + (probe.probe_steps or 0) * len(probe.probes),
             "grid_steps_total": len(GRID) * steps * epochs,
             "seconds": round(time.perf_counter() - t0, 2),
         }
@@ -189,7 +189,7 @@ def main(argv=None):
                         "from the mean validation loss over the N seeds (keys SCHEDULE_meanN). Default 1.")
     args = p.parse_args(argv)
     if args.grid_seeds < 1:
-        p.error(f"--grid-seeds must be >= 1. Received: {args.grid_seeds}")
+        p.error(f"--grid-seeds must be >= 1. Received: grid_seeds={args.grid_seeds}")
     names = args.problems or list(PROBLEMS)
     unknown = sorted(set(names) - set(PROBLEMS))
     if unknown:

@@ -55,7 +55,7 @@ from trainwell.callbacks.schedules import inner_optimizer
 from trainwell.io import atomic_write_bytes
 
 __all__ = ["LRFinder", "LRFindResult", "lr_find", "cli_main", "suggest", "valley", "steep", "minimum", "peak",
-           "write_config_value"]
+           "write_config_value", "METHODS", "PROBE_SCHEDULES"]
 
 #: The suggestion `trainwell lr-find` prints and writes, with warmup + cosine probes:
 #: the recipes use it as the peak of warmup + decay (figures: `bench/lr_finder_quality.py`
@@ -256,7 +256,8 @@ class LRFindResult:
             ax.plot(lrs, np.where(np.isfinite(raw), raw, np.nan), color="0.75", lw=0.8, label="loss")
             ax.plot(lrs, np.where(finite, sm, np.nan), color="C0", lw=1.8, label="smoothed loss")
             if finite.any():
-                lo, hi = np.nanmin(sm[finite]), np.nanmax(sm[finite])
+                shown = np.concatenate([sm[finite], [v for v in self.probes.values() if math.isfinite(v)]])
+                lo, hi = np.nanmin(shown), np.nanmax(sm[finite])
                 first = sm[finite][0]
                 top = min(hi, first + 2.0 * max(first - lo, 1e-12)) if hi > first else hi
                 ax.set_ylim(lo - 0.05 * max(top - lo, 1e-12), top + 0.05 * max(top - lo, 1e-12))
@@ -325,7 +326,7 @@ class _ExpRamp(keras.optimizers.schedules.LearningRateSchedule):
     def __call__(self, step):
         from keras import ops
 
-        t = (ops.cast(step, "float32") - float(self.offset)) / float(max(self.steps - 1, 1))
+        t = ops.cast(step - self.offset, "float32") / float(max(self.steps - 1, 1))
         t = ops.clip(t, 0.0, 1.0)
         return ops.cast(self.start * ops.exp(t * math.log(self.end / self.start)), "float32")
 
@@ -334,21 +335,25 @@ class _ExpRamp(keras.optimizers.schedules.LearningRateSchedule):
 
 
 class _ProbeSchedule(keras.optimizers.schedules.LearningRateSchedule):
-    """A probe's LR from `offset` on: constant `lr`, or `lr` as the peak of a 10% linear
-    warmup then cosine to 0 over `steps` (`WarmupCosineDecay`, the recipes' shape)."""
+    """A probe's LR from `offset` on: constant `lr`, or `lr` as the peak of a linear
+    warmup from 0 over `max(1, steps // 10)` steps then a half cosine to 0 at `steps`,
+    the values of `WarmupCosineDecay(lr, total_steps=steps, warmup_steps=...)` (the
+    recipes' shape), in closed form: no `keras.Variable` created inside `fit`."""
 
     def __init__(self, lr: float, steps: int, offset: int, shape: str) -> None:
-        from trainwell.callbacks.schedules import WarmupCosineDecay
-
         self.lr, self.steps, self.offset, self.shape = float(lr), int(steps), int(offset), shape
-        self._cosine = WarmupCosineDecay(self.lr, total_steps=self.steps, warmup_steps=max(1, self.steps // 10))
+        self.warmup = max(1, self.steps // 10)
 
     def __call__(self, step):
         from keras import ops
 
+        t = ops.cast(step - self.offset, "float32")  # subtract in integers: exact past 2**24 steps
         if self.shape == "constant":
-            return ops.cast(ops.ones_like(ops.cast(step, "float32")) * self.lr, "float32")
-        return ops.cast(self._cosine(ops.cast(step, "float32") - float(self.offset)), "float32")
+            return ops.cast(ops.ones_like(t) * self.lr, "float32")
+        w, n = float(self.warmup), float(self.steps)
+        rise = self.lr * ops.clip(t / w, 0.0, 1.0)
+        fall = 0.5 * self.lr * (1.0 + ops.cos(math.pi * ops.clip((t - w) / (n - w), 0.0, 1.0)))
+        return ops.cast(ops.where(t < w, rise, fall), "float32")
 
     def get_config(self) -> dict[str, Any]:
         return {"lr": self.lr, "steps": self.steps, "offset": self.offset, "shape": self.shape}
@@ -484,6 +489,7 @@ class LRFinder(keras.callbacks.Callback):
         self._smoothed: list[float] = []
         self._avg = 0.0
         self._best = math.inf
+        self._worst = -math.inf
         self._prev_mean = None
         self._prev_batch = -1
         self._iter0 = int(inner.iterations.numpy())
@@ -510,11 +516,9 @@ class LRFinder(keras.callbacks.Callback):
         self._smoothed.append(sm)
         if math.isfinite(sm) and sm < self._best:
             self._best = sm
-        # `sm > factor * best`, written so that it also holds for losses below 0 (Keras's
-        # CosineSimilarity, log-likelihoods), where `factor * best` lies below `best`.
-        diverged = not math.isfinite(sm) or (
-            self.diverge_factor is not None and sm - self._best > (self.diverge_factor - 1.0) * abs(self._best)
-        )
+        if math.isfinite(sm):
+            self._worst = max(self._worst, sm)
+        diverged = not math.isfinite(sm) or (self.diverge_factor is not None and self._rose_too_far(sm))
         if diverged:
             self._stopped = "diverged"
             self.model.stop_training = True
@@ -522,17 +526,30 @@ class LRFinder(keras.callbacks.Callback):
             self._stopped = "steps"
             self.model.stop_training = True
 
-    def _put_back(self, rebuild: bool = True) -> None:
-        """Restores the learning rate and, with `restore`, every variable; rebuilds `fit`'s step
-        (traced with the test's schedule) unless `rebuild` is False."""
+    def _rose_too_far(self, sm: float) -> bool:
+        """fastai's `sm > diverge_factor * best`, for losses above 0. Where the best is
+        at or below 0 (Keras's CosineSimilarity, log-likelihoods) `factor * best` is no
+        bound, so the rise allowed is `diverge_factor - 1` times the larger of `|best|`
+        and the curve's range so far: no stop on the noise of a loss that starts near 0."""
+        if self._best > 0:
+            return sm > self.diverge_factor * self._best
+        scale = max(abs(self._best), self._worst - self._best)
+        return sm - self._best > (self.diverge_factor - 1.0) * scale
+
+    def _put_back(self) -> None:
+        """Restores the learning rate and, with `restore`, every variable; rebuilds `fit`'s
+        step (it was traced with the test's schedule). Idempotent: a second call does nothing."""
+        if getattr(self, "_inner", None) is None:
+            return
         self._inner._learning_rate = self._orig_lr
         if self.restore:
             for v, value in zip(self._model_vars, self._saved_model):
                 v.assign(value)
             for v, value in zip(self._opt_vars, self._saved_opt):
                 v.assign(value)
-        if rebuild and getattr(self.model, "train_function", None) is not None:
+        if getattr(self.model, "train_function", None) is not None:
             self.model.make_train_function(force=True)
+        self._inner = None
 
     def on_train_end(self, logs=None) -> None:
         self._put_back()
@@ -564,8 +581,7 @@ class _LRProbe(LRFinder):
         return self.lr  # the probe's nominal (peak) LR
 
     def on_train_end(self, logs=None) -> None:
-        # The next probe retraces `fit`'s step anyway; `_probe_search` rebuilds it once at the end.
-        self._put_back(rebuild=False)
+        self._put_back()
         self._saved_model = self._saved_opt = None
 
     def score(self) -> float:
@@ -587,7 +603,10 @@ def _probe_search(model, data, center: float, *, steps: int, shape: str, batch_s
     for k in range(up, -down - 1, -1):
         lr = center * factor**k
         probe = _LRProbe(lr, steps, shape, smooth, diverge_factor)
-        _fit_steps(model, data, probe, steps, batch_size, verbose)
+        try:
+            _fit_steps(model, data, probe, steps, batch_size, verbose)
+        finally:  # `fit` skips `on_train_end` when it raises: put the model back all the same
+            probe._put_back()
         probes[lr] = probe.score()
         if math.isfinite(probes[lr]) and (best is None or probes[lr] < probes[best]):
             best, worse = lr, 0
@@ -595,9 +614,24 @@ def _probe_search(model, data, center: float, *, steps: int, shape: str, batch_s
             worse += 1
             if worse >= patience:
                 break
-    if getattr(model, "train_function", None) is not None:
-        model.make_train_function(force=True)  # traced with the model's own learning rate again
     return best, probes
+
+
+def _is_one_shot(data) -> bool:
+    """A generator or other iterator: what the range test reads is gone for the probes."""
+    try:
+        import tensorflow as tf
+
+        if isinstance(data, tf.data.Dataset):
+            return False
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(data, (tuple, list, dict, keras.utils.PyDataset)):
+        return False
+    try:
+        return iter(data) is data
+    except TypeError:
+        return False
 
 
 def _fit_steps(model, data, callback, steps: int, batch_size, verbose) -> None:
@@ -641,7 +675,7 @@ def lr_find(
     batch_size: int | None = None,
     restore: bool = True,
     verbose: int = 0,
-    method: str = "probe",
+    method: str | None = None,
     probe_steps: int | None = None,
     probe_schedule: str = "constant",
 ) -> LRFindResult:
@@ -680,7 +714,9 @@ def lr_find(
         verbose: `fit`'s verbosity. Defaults to `0`.
         method: Which suggestion is `result.suggestion`: `"minimum"`,
             `"steep"`, `"valley"` (fastai's), `"peak"` (for a schedule's peak) or
-            `"probe"` (short runs, above). Defaults to `"probe"`.
+            `"probe"` (short runs, above). Defaults to `None`: `"probe"`, or
+            `"minimum"` where probing cannot work (`restore=False`, or `data` a
+            one-shot iterator such as a generator, which the range test uses up).
         probe_steps: Steps of each probe. Defaults to `None` (`steps`).
         probe_schedule: The LR during a probe: `"constant"` or `"warmup_cosine"`
             (the LR as the peak). Defaults to `"constant"`.
@@ -697,6 +733,9 @@ def lr_find(
     >>> result.stopped in ("diverged", "steps")
     True
     """
+    one_shot = _is_one_shot(data)
+    if method is None:
+        method = "probe" if restore and not one_shot else "minimum"
     if method not in METHODS:
         raise _invalid("method", f"one of {METHODS}", method)
     if probe_schedule not in PROBE_SCHEDULES:
@@ -706,8 +745,14 @@ def lr_find(
         raise _invalid("probe_steps", "None or an integer >= 2", probe_steps)
     if method == "probe" and not restore:
         raise _invalid("restore", "True with method='probe' (each probe starts from the model's state)", restore)
+    if method == "probe" and one_shot:
+        raise _invalid("data", "data that can be iterated again with method='probe' (a tf.data.Dataset, arrays, "
+                       "a PyDataset), or method='minimum'", data)
     finder = LRFinder(start_lr, end_lr, steps, smooth, diverge_factor, restore, "minimum" if method == "probe" else method)
-    _fit_steps(model, data, finder, steps, batch_size, verbose)
+    try:
+        _fit_steps(model, data, finder, steps, batch_size, verbose)
+    finally:  # `fit` skips `on_train_end` when it raises: put the model back all the same
+        finder._put_back()
     result = finder.result
     if method != "probe" or result is None:
         return result
@@ -725,6 +770,9 @@ def lr_find(
         warnings.warn(f"Every probe diverged ({len(probes)} short runs at {min(probes):.3g} to {max(probes):.3g}); "
                       "falling back to the 'minimum' suggestion.", stacklevel=2)
         return result
+    if best == min(probes) and len(probes) == 8:
+        warnings.warn(f"The best probe was the lowest LR tried ({best:.3g}, 1/729 of the range test's loss "
+                      "minimum): the best LR may be lower still.", stacklevel=2)
     result.suggestions["probe"] = best
     result.suggestion, result.method = best, "probe"
     return result
@@ -829,6 +877,13 @@ def cli_main(recipe_module, cfg, args) -> int:
 
     write = bool(getattr(args, "write", False))
     config_path = getattr(args, "config", None)
+    method = getattr(args, "method", None) or CLI_METHOD
+    probe_steps = getattr(args, "probe_steps", None)
+    if probe_steps is not None and (not isinstance(probe_steps, int) or isinstance(probe_steps, bool) or probe_steps < 2):
+        raise ConfigError(f"`--probe-steps` must be an integer >= 2. Received: probe_steps={probe_steps!r}")
+    if probe_steps is not None and method != "probe":
+        raise ConfigError(f"`--probe-steps` only applies to `--method probe`. Received: method={method!r}, "
+                          f"probe_steps={probe_steps!r}")
     field = _lr_field(recipe_module, cfg)
     if write and not config_path:
         raise ConfigError("`trainwell lr-find --write` needs `--config FILE`: the file to write the suggestion into.")
@@ -861,10 +916,6 @@ def cli_main(recipe_module, cfg, args) -> int:
                 if not hasattr(recipe_module, "compile_model"):
                     raise ConfigError("the recipe's `build_model` returned an uncompiled model and it has no `compile_model(cfg, model)`.")
                 recipe_module.compile_model(cfg, model)
-    method = getattr(args, "method", None) or CLI_METHOD
-    probe_steps = getattr(args, "probe_steps", None)
-    if probe_steps is not None and (not isinstance(probe_steps, int) or probe_steps < 2):
-        raise ConfigError(f"`--probe-steps` must be an integer >= 2. Received: {probe_steps!r}")
     result = lr_find(model, train, batch_size=getattr(cfg, "batch_size", None), method=method,
                      probe_steps=probe_steps, probe_schedule=CLI_PROBE_SCHEDULE)
     if result is None or result.suggestion is None:

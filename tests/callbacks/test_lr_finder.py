@@ -171,10 +171,17 @@ def test_validation():
         ({"method": "best"}, "Received: method='best'"),
         ({"probe_schedule": "cosine"}, "Received: probe_schedule='cosine'"),
         ({"probe_steps": 1}, "Received: probe_steps=1"),
-        ({"restore": False}, "Received: restore=False"),  # probes start from the restored state
+        ({"restore": False, "method": "probe"}, "Received: restore=False"),  # probes start from the restored state
+        ({"method": "probe", "data": (b for b in [(XR[:32], YR[:32])] * 20)}, "Received: data=<generator"),
     ):
+        data = kwargs.pop("data", (XR, YR))
         with pytest.raises(ValueError, match=text):
-            trainwell.lr_find(model, (XR, YR), steps=10, **kwargs)
+            trainwell.lr_find(model, data, steps=10, **kwargs)
+    # Where probing cannot work, the default is the curve's "minimum".
+    assert trainwell.lr_find(model, (XR, YR), steps=10, restore=False).method == "minimum"
+    gen = ((XR[i:i + 32], YR[i:i + 32]) for i in range(0, 512, 32))  # a generator: one pass only
+    r = trainwell.lr_find(model, gen, steps=10)
+    assert r.method == "minimum" and not r.probes and len(r.lrs) == 10
 
 
 # ----------------------------------------------------------------------------- probes
@@ -194,9 +201,9 @@ def test_probes_search_down_from_the_loss_minimum_and_restore_everything():
     finite = {lr: v for lr, v in r.probes.items() if math.isfinite(v)}
     assert r.suggestion == r.suggestions["probe"] == min(finite, key=finite.get)
     # It stopped after two runs in a row ended above the best (or ran out of candidates).
-    below_best = [lr for lr in tried if lr < r.suggestion]
-    assert len(below_best) == 2 or len(tried) == 8
-    assert all(r.probes[lr] > r.probes[r.suggestion] for lr in below_best)
+    i = tried.index(r.suggestion)
+    assert len(tried) == min(i + 3, 8)
+    assert all(r.probes[lr] > r.probes[r.suggestion] for lr in tried[i + 1:])
     # Everything is put back.
     assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables))
     assert all(np.array_equal(a, v.numpy()) for a, v in zip(opt_before, model.optimizer.variables))
@@ -260,6 +267,76 @@ def test_fit_after_the_probes_uses_the_models_own_lr():
     assert float(model.trainable_weights[0].numpy().ravel()[0]) == pytest.approx(-0.5)
 
 
+def test_probe_warmup_cosine_values_by_hand():
+    """25 steps: warmup over 2 (10%), then a half cosine to 0 at 25; counted from `offset`."""
+    from trainwell.callbacks.schedules import WarmupCosineDecay
+
+    sched = lr_finder._ProbeSchedule(0.4, steps=25, offset=7, shape="warmup_cosine")
+    got = [float(sched(7 + t)) for t in range(27)]
+    assert got[0] == 0.0 and got[1] == pytest.approx(0.2) and got[2] == pytest.approx(0.4)
+    assert got[14] < 0.2 < got[13]  # half-way down the cosine: 2 + 23 / 2 = 13.5 steps
+    assert got[13] == pytest.approx(0.2 * (1 + math.cos(math.pi * 11 / 23)), rel=1e-5)
+    assert got[25] == pytest.approx(0.0, abs=1e-7) and got[26] == pytest.approx(0.0, abs=1e-7)
+    ref = WarmupCosineDecay(0.4, total_steps=25, warmup_steps=2)  # the recipes' schedule
+    assert np.allclose(got, [float(ref(t)) for t in range(27)], atol=1e-6)
+    assert float(lr_finder._ProbeSchedule(0.4, 25, 7, "constant")(3)) == pytest.approx(0.4)
+
+
+def test_an_error_during_the_probes_leaves_the_model_as_it_was():
+    """`fit` skips `on_train_end` when it raises; the model must be put back all the same."""
+
+    class Failing(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            self.calls += 1
+            if self.calls > 20:  # the range test reads at most its epoch of 16 batches: this is in a probe
+                raise RuntimeError("disk gone")
+            return XR[i * 32:(i + 1) * 32], YR[i * 32:(i + 1) * 32]
+
+    model = regression(keras.optimizers.SGD(0.01))
+    before = [v.numpy() for v in model.variables]
+    with pytest.raises(Exception, match="disk gone"):  # RuntimeError, or tf.data's UnknownError around it
+        trainwell.lr_find(model, Failing(), start_lr=1e-4, end_lr=1.0, steps=10, probe_steps=8)
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables))
+    assert int(model.optimizer.iterations.numpy()) == 0 and float(model.optimizer.learning_rate) == pytest.approx(0.01)
+    assert not isinstance(model.optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule)
+    # The next fit trains with the model's own LR, not a probe's.
+    one = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+    one.compile(keras.optimizers.SGD(0.5), lambda y, p: keras.ops.mean(p))
+    x1, y1 = np.ones((64, 1), "float32"), np.zeros((64, 1))
+
+    class FailingOnes(Failing):
+        def __getitem__(self, i):
+            self.calls += 1
+            if self.calls > 20:
+                raise RuntimeError("disk gone")
+            return x1[:8], y1[:8]
+
+    with pytest.raises(Exception, match="disk gone"):  # RuntimeError, or tf.data's UnknownError around it
+        trainwell.lr_find(one, FailingOnes(), start_lr=1e-3, end_lr=1.0, steps=10, probe_steps=8)
+    one.fit(x1[:8], y1[:8], batch_size=8, epochs=1, verbose=0)
+    assert float(one.trainable_weights[0].numpy().ravel()[0]) == pytest.approx(-0.5)
+
+
+def test_a_loss_that_starts_near_zero_does_not_stop_the_test():
+    """CosineSimilarity starts near 0 and goes down to -1: noise around 0 is no divergence."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1024, 16)).astype("float32")
+    y = x @ rng.normal(size=(16, 8)).astype("float32")
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(8)])
+    model.compile(keras.optimizers.SGD(0.01), keras.losses.CosineSimilarity())
+    r = trainwell.lr_find(model, (x, y), steps=60, batch_size=32, method="minimum")
+    assert r.raw_losses[0] > -0.1 and max(r.raw_losses[:5]) > 0  # starts near 0, noisy around it
+    assert r.stopped == "steps" and len(r.lrs) == 60 and min(r.losses) < -0.15
+
+
 def test_probes_that_all_diverge_fall_back_to_minimum(monkeypatch):
     monkeypatch.setattr(lr_finder._LRProbe, "score", lambda self: math.inf)
     model = regression()
@@ -309,6 +386,22 @@ def test_cli_main_method_option_picks_the_suggestion(tmp_path, capsys):
     assert cli_main(tiny_recipe(), cfg, args) == 0
     out = capsys.readouterr().out
     assert "Suggested peak learning rate (minimum):" in out and "peak: " in out
+
+
+def test_cli_main_passes_probe_steps_on(tmp_path, capsys):
+    cfg = TinyConfig(run_dir=str(tmp_path / "run"), strategy="one_device", precision="float32")
+    assert cli_main(tiny_recipe(), cfg, types.SimpleNamespace(write=False, config=None, dry_run=False,
+                                                              probe_steps=12)) == 0
+    assert "probe runs of 12 steps (warmup_cosine)" in capsys.readouterr().out
+
+
+def test_cli_main_checks_probe_steps_before_building_anything(tmp_path):
+    cfg = TinyConfig(run_dir=str(tmp_path / "run"), strategy="one_device", precision="float32")
+    for extra, text in (({"probe_steps": 1}, "Received: probe_steps=1"),
+                        ({"probe_steps": 20, "method": "minimum"}, "Received: method='minimum', probe_steps=20")):
+        args = types.SimpleNamespace(write=False, config=None, dry_run=True, **extra)
+        with pytest.raises(ConfigError, match=text):
+            cli_main(tiny_recipe(), cfg, args)
 
 
 def test_cli_main_errors_and_protocol_hooks(tmp_path, capsys):
