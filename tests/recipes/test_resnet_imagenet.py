@@ -169,7 +169,7 @@ def test_lr_find_cli_writes_base_lr_into_the_config(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("dataset: digits\nimage_size: 8\nmodel: resnet18\nwidth: 4\nbatch_size: 64\nepochs: 3\n"
                    "warmup_epochs: 1\n")
-    r = subprocess.run([trainwell, "lr-find", "resnet-imagenet", "--config", str(cfg), "--write"],
+    r = subprocess.run([trainwell, "lr-find", "resnet-imagenet", "--config", str(cfg), "--write", "--probe-steps", "20"],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Suggested peak learning rate" in r.stdout
