@@ -32,21 +32,33 @@ def regression(optimizer=None, bn=False):
     return model
 
 
-def test_ramp_is_exponential_and_is_the_lr_really_used():
+def one_weight_model(lr):
     """One weight, loss = w (gradient exactly 1): plain SGD moves w by the LR it used."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
-    model.compile(keras.optimizers.SGD(0.5), lambda y, p: keras.ops.mean(p))
+    model.compile(keras.optimizers.SGD(lr), lambda y, p: keras.ops.mean(p))
+    return model
 
-    class Used(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.w = float(self.model.trainable_weights[0].numpy().ravel()[0])
 
-        def on_train_batch_end(self, batch, logs=None):
-            self.used.append(self.w - float(self.model.trainable_weights[0].numpy().ravel()[0]))
+class UsedLR(keras.callbacks.Callback):
+    """Records the LR each step used on a `one_weight_model`: how far the weight moved."""
 
-    used = Used()
-    used.used = []
+    def __init__(self):
+        super().__init__()
+        self.used = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.w = float(self.model.trainable_weights[0].numpy().ravel()[0])
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.used.append(self.w - float(self.model.trainable_weights[0].numpy().ravel()[0]))
+
+
+def test_ramp_is_exponential_and_is_the_lr_really_used():
+    """One weight, loss = w (gradient exactly 1): plain SGD moves w by the LR it used."""
+    model = one_weight_model(0.5)
+
+    used = UsedLR()
     finder = LRFinder(start_lr=1e-3, end_lr=1.0, steps=10, diverge_factor=None)
     model.fit(np.ones((320, 1), "float32"), np.zeros((320, 1)), batch_size=8, epochs=1, verbose=0, callbacks=[finder, used])
     r = finder.result
@@ -225,21 +237,11 @@ def test_a_probe_trains_with_the_lr_shape_asked_for(shape):
     """One weight, loss = w (gradient exactly 1): plain SGD moves w by the LR it used."""
     from trainwell.callbacks.schedules import WarmupCosineDecay
 
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
-    model.compile(keras.optimizers.SGD(0.5), lambda y, p: keras.ops.mean(p))
+    model = one_weight_model(0.5)
     model.fit(np.ones((24, 1), "float32"), np.zeros((24, 1)), batch_size=8, epochs=1, verbose=0)  # iterations = 3
     w0 = float(model.trainable_weights[0].numpy().ravel()[0])
 
-    class Used(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.w = float(self.model.trainable_weights[0].numpy().ravel()[0])
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.used.append(self.w - float(self.model.trainable_weights[0].numpy().ravel()[0]))
-
-    used = Used()
-    used.used = []
+    used = UsedLR()
     probe = lr_finder._LRProbe(0.2, steps=10, shape=shape, smooth=0.98, diverge_factor=None)
     model.fit(np.ones((160, 1), "float32"), np.zeros((160, 1)), batch_size=8, epochs=1, verbose=0,
               callbacks=[probe, used])
@@ -255,9 +257,7 @@ def test_a_probe_trains_with_the_lr_shape_asked_for(shape):
 
 def test_fit_after_the_probes_uses_the_models_own_lr():
     """The probes' schedules are traced into `fit`'s step; it is rebuilt once they are done."""
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
-    model.compile(keras.optimizers.SGD(0.5), lambda y, p: keras.ops.mean(p))  # gradient 1: w moves by the LR
+    model = one_weight_model(0.5)  # gradient 1: w moves by the LR
     x, y = np.ones((64, 1), "float32"), np.zeros((64, 1))
     r = trainwell.lr_find(model, (x, y), start_lr=1e-3, end_lr=1.0, steps=10, batch_size=8, probe_steps=3)
     # The loss (= w) goes below 0 and keeps falling: no divergence (once a false one at the 2nd step).
@@ -307,8 +307,7 @@ def test_an_error_during_the_probes_leaves_the_model_as_it_was():
     assert int(model.optimizer.iterations.numpy()) == 0 and float(model.optimizer.learning_rate) == pytest.approx(0.01)
     assert not isinstance(model.optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule)
     # The next fit trains with the model's own LR, not a probe's.
-    one = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
-    one.compile(keras.optimizers.SGD(0.5), lambda y, p: keras.ops.mean(p))
+    one = one_weight_model(0.5)
     x1, y1 = np.ones((64, 1), "float32"), np.zeros((64, 1))
 
     class FailingOnes(Failing):
