@@ -823,6 +823,91 @@ def atomic_keras_tuner_saves() -> bool:
     return True
 
 
+_RELOAD_FIX = {"applied": False}
+
+
+def reconcile_reloaded_trials(oracle) -> dict:
+    """Puts a reloaded oracle's trial bookkeeping in line with its trial files.
+
+    KerasTuner 1.4 commits a trial's start and end in two files, one after the
+    other: `create_trial` writes `trial_N/trial.json` (RUNNING) and then
+    `oracle.json`; `end_trial` writes `trial.json` (COMPLETED) and then an
+    `oracle.json` that still lists the trial as ongoing (it is removed from
+    `ongoing_trials` after the save). `Oracle.reload` takes `oracle.json` as the
+    truth, so a search killed between the two writes reloads wrongly:
+
+    - killed after a trial's start: the trial is RUNNING on disk but in no queue.
+      It is never run again and never ends; random search finishes one trial
+      short with a RUNNING trial left, and PBT waits forever for that member.
+    - killed after a trial's end: the COMPLETED trial is listed as ongoing and
+      `reload` sends it for retry, so it runs a second time.
+
+    This runs after `Oracle.reload` (see `recover_interrupted_trials`): trials that
+    are RUNNING on disk are queued for retry (their values recorded as tried, so
+    the oracle does not hand them out again), and trials that already ended
+    (COMPLETED, FAILED) are taken off the retry queue. INVALID trials waiting for
+    their retry stay. Returns `{"requeued": [...], "dropped": [...]}`.
+
+    Example:
+    >>> reconcile_reloaded_trials(tuner.oracle)  # doctest: +SKIP
+    {'requeued': ['02'], 'dropped': []}
+    """
+    from keras_tuner.src.engine.trial import TrialStatus
+
+    ended = {TrialStatus.COMPLETED, TrialStatus.FAILED}
+    dropped = [tid for tid in oracle._retry_queue if oracle.trials[tid].status in ended]
+    oracle._retry_queue = [tid for tid in oracle._retry_queue if tid not in dropped]
+    waiting = set(oracle._retry_queue) | {t.trial_id for t in oracle.ongoing_trials.values()}
+    requeued = []
+    for tid in sorted(oracle.trials, key=lambda t: (oracle.start_order.index(t) if t in oracle.start_order else -1, t)):
+        trial = oracle.trials[tid]
+        if trial.status == TrialStatus.RUNNING and tid not in waiting:
+            oracle._record_values(trial)
+            if tid not in oracle.start_order:
+                oracle.start_order.append(tid)
+            # `create_trial` pops the retry queue from its end: the oldest goes last.
+            oracle._retry_queue.insert(0, tid)
+            requeued.append(tid)
+    return {"requeued": requeued, "dropped": dropped}
+
+
+def recover_interrupted_trials() -> bool:
+    """Makes KerasTuner's `Oracle.reload` rerun trials a kill interrupted (a fix for KerasTuner 1.4).
+
+    Wraps `keras_tuner.Oracle.reload`, which every oracle (random, Bayesian,
+    Hyperband, trainwell's PBT) uses to continue a search from its project
+    directory, with `reconcile_reloaded_trials`: see there for the two kill points
+    KerasTuner mishandles. Applied by `make_tuner`; gated on KerasTuner < 1.5.
+    Returns whether the fix is in place.
+
+    Example:
+    >>> recover_interrupted_trials()  # doctest: +SKIP
+    True
+    """
+    if _RELOAD_FIX["applied"]:
+        return True
+    import keras_tuner
+    from keras_tuner.src.engine import oracle as oracle_module
+
+    major, minor = (int(x) for x in keras_tuner.__version__.split(".")[:2])
+    if (major, minor) >= (1, 5):
+        return False
+    original = oracle_module.Oracle.reload
+
+    def reload(self):
+        original(self)
+        fixed = reconcile_reloaded_trials(self)
+        if (fixed["requeued"] or fixed["dropped"]) and getattr(self, "verbose", 1):
+            print(f"trainwell: reloaded search: trials rerun after a kill {fixed['requeued']}, "
+                  f"finished trials not rerun {fixed['dropped']}")
+
+    reload.__doc__ = original.__doc__
+    reload._trainwell_original = original
+    oracle_module.Oracle.reload = reload
+    _RELOAD_FIX["applied"] = True
+    return True
+
+
 def make_tuner(
     hypermodel, tuner: str = "random", *, max_trials: int = 10, directory="tuning", project_name=None,
     overwrite: bool = False, objective=None, max_epochs=None, factor: int = 3, population_size: int = 4,
@@ -843,6 +928,7 @@ def make_tuner(
     import keras_tuner
 
     atomic_keras_tuner_saves()
+    recover_interrupted_trials()
     objective = objective or hypermodel.objective
     if isinstance(objective, str):
         if objective == getattr(hypermodel, "objective_name", None):

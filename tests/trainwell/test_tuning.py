@@ -495,6 +495,66 @@ def test_a_killed_search_continues_where_it_stopped(tmp_path):
     assert len(result.rows) == 4
 
 
+class _Killed(BaseException):
+    """Stands for SIGKILL at one point of KerasTuner's bookkeeping (not an `Exception`: nothing catches it)."""
+
+
+@pytest.mark.parametrize("point", ["after_a_trial_started", "after_a_trial_ended"])
+def test_a_search_killed_between_keras_tuners_two_writes_reruns_exactly_the_unfinished_trials(tmp_path, point):
+    """KerasTuner writes `trial.json` and then `oracle.json`; a kill between the two reloaded wrongly.
+
+    After a start: the trial was RUNNING on disk and in no queue, so it never ran
+    again (the search ended with it RUNNING; PBT would wait for it forever).
+    After an end: the COMPLETED trial was still "ongoing" in `oracle.json` and ran
+    a second time. `tuning.recover_interrupted_trials` fixes both.
+    """
+    from keras_tuner.src.engine.trial import TrialStatus
+
+    from trainwell import tuning
+
+    project = tmp_path / "tiny-random"
+    kw = dict(max_trials=4, directory=tmp_path, project_name="tiny-random")
+    first = tuning.make_tuner(tiny_hypermodel(epochs=2), "random", **kw)
+    oracle = first.oracle
+    done = lambda: sum(t.status == TrialStatus.COMPLETED for t in oracle.trials.values())  # noqa: E731
+    if point == "after_a_trial_started":
+        save_trial = oracle._save_trial
+
+        def killed_after_save_trial(trial):
+            save_trial(trial)
+            if trial.status == TrialStatus.RUNNING and done() >= 2:
+                raise _Killed  # trial.json says RUNNING; oracle.json was not written
+        oracle._save_trial = killed_after_save_trial
+    else:
+        on_trial_end = oracle._display.on_trial_end
+
+        def killed_after_end_trial(trial):
+            on_trial_end(trial)
+            if done() >= 2:
+                raise _Killed  # oracle.json still lists the COMPLETED trial as ongoing
+        oracle._display.on_trial_end = killed_after_end_trial
+    with pytest.raises(_Killed):
+        first.search(verbose=0)
+    before = _trials(project)
+    done_before = {k for k, t in before.items() if t["status"] == "COMPLETED"}
+    assert len(done_before) == 2 and len(before) == (3 if point == "after_a_trial_started" else 2)
+
+    second = tuning.make_tuner(tiny_hypermodel(epochs=2), "random", **kw)
+    ran = []
+    run_trial = second.run_trial
+
+    def counting_run_trial(trial, *args, **kwargs):
+        ran.append(trial.trial_id)
+        return run_trial(trial, *args, **kwargs)
+    second.run_trial = counting_run_trial
+    second.search(verbose=0)
+    after = _trials(project)
+    assert len(after) == 4 and all(t["status"] == "COMPLETED" for t in after.values()), after
+    assert sorted(ran) == sorted(set(after) - done_before)
+    for k in done_before:
+        assert after[k]["score"] == before[k]["score"]
+
+
 def test_chief_and_two_workers_run_the_same_search_as_one_process(tmp_path):
     from trainwell import tuning
 
