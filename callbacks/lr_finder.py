@@ -600,11 +600,12 @@ def _probe_search(model, data, center: float, *, steps: int, shape: str, batch_s
     `(best_lr or None, {lr: final loss})`."""
     probes: dict[float, float] = {}
     best, worse = None, 0
+    data, fixed = _in_fixed_order(data)
     for k in range(up, -down - 1, -1):
         lr = center * factor**k
         probe = _LRProbe(lr, steps, shape, smooth, diverge_factor)
         try:
-            _fit_steps(model, data, probe, steps, batch_size, verbose)
+            _fit_steps(model, data, probe, steps, batch_size, verbose, shuffle=not fixed)
         finally:  # `fit` skips `on_train_end` when it raises: put the model back all the same
             probe._put_back()
         probes[lr] = probe.score()
@@ -615,6 +616,26 @@ def _probe_search(model, data, center: float, *, steps: int, shape: str, batch_s
             if worse >= patience:
                 break
     return best, probes
+
+
+def compiled_schedule_shape(model) -> str:
+    """The probe schedule matching how `model` is compiled: `"warmup_cosine"` or `"constant"`.
+
+    `"warmup_cosine"` when the optimizer's (inner, under loss scaling) learning
+    rate is a `keras.optimizers.schedules.LearningRateSchedule`, `"constant"` for a
+    plain float. `lr_find`'s default `probe_schedule`.
+
+    Example:
+    >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> m.compile(keras.optimizers.SGD(keras.optimizers.schedules.CosineDecay(0.1, 100)), "mse")
+    >>> compiled_schedule_shape(m)
+    'warmup_cosine'
+    """
+    opt = getattr(model, "optimizer", None)
+    if opt is None:
+        raise _invalid("model", "a compiled model (call `model.compile` first)", model)
+    lr = getattr(inner_optimizer(opt), "_learning_rate", None)
+    return "warmup_cosine" if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule) else "constant"
 
 
 def _is_one_shot(data) -> bool:
@@ -634,7 +655,23 @@ def _is_one_shot(data) -> bool:
         return False
 
 
-def _fit_steps(model, data, callback, steps: int, batch_size, verbose) -> None:
+def _in_fixed_order(data, seed: int = 0):
+    """Arrays `(x, y[, sample_weight])` permuted once, for the probes; other data as it is.
+
+    With `fit(..., shuffle=False)` on the permuted copy every probe sees the same
+    batches in the same order, so two probes differ by their LR and not by their
+    shuffle (common random numbers). Returns `(data, fixed)`; `fixed` is whether
+    the order is fixed. A `tf.data.Dataset` or `PyDataset` keeps its own order.
+    """
+    if isinstance(data, (tuple, list)) and 2 <= len(data) <= 3:
+        n = len(keras.tree.flatten(data[0])[0])
+        perm = np.random.default_rng(seed).permutation(n)
+        take = lambda a: None if a is None else np.asarray(a)[perm]  # noqa: E731
+        return tuple(keras.tree.map_structure(take, part) for part in data), True
+    return data, False
+
+
+def _fit_steps(model, data, callback, steps: int, batch_size, verbose, shuffle: bool = True) -> None:
     """`fit` for about `steps` steps with `callback` (which stops it)."""
     fit_kw: dict[str, Any] = {"callbacks": [callback], "verbose": verbose}
     try:
@@ -651,7 +688,8 @@ def _fit_steps(model, data, callback, steps: int, batch_size, verbose) -> None:
         n = len(keras.tree.flatten(x)[0])
         bs = batch_size or 32
         per_epoch = max(math.ceil(n / bs), 1)
-        model.fit(x, y, sample_weight=sw, batch_size=bs, epochs=math.ceil(steps / per_epoch), **fit_kw)
+        model.fit(x, y, sample_weight=sw, batch_size=bs, epochs=math.ceil(steps / per_epoch), shuffle=shuffle,
+                  **fit_kw)
     else:
         try:
             per_epoch = len(data)
@@ -677,7 +715,7 @@ def lr_find(
     verbose: int = 0,
     method: str | None = None,
     probe_steps: int | None = None,
-    probe_schedule: str = "constant",
+    probe_schedule: str | None = None,
 ) -> LRFindResult:
     """Runs the LR range test on a compiled model and returns the curve and suggestions.
 
@@ -696,7 +734,9 @@ def lr_find(
     times `probe_steps` steps. The best LR of a short run need not be the best of
     a long one, so make `probe_steps` as long as you can afford; with `probe_schedule=
     "warmup_cosine"` each probe runs the recipes' schedule (10% warmup, cosine to
-    0) with the LR as its peak.
+    0) with the LR as its peak. With array data every probe sees the same batches
+    in the same order (a permuted copy of the arrays, made once), so probes differ
+    by their LR only; a `tf.data.Dataset` or `PyDataset` keeps its own order.
 
     Args:
         model: A compiled Keras model. Required.
@@ -719,7 +759,10 @@ def lr_find(
             one-shot iterator such as a generator, which the range test uses up).
         probe_steps: Steps of each probe. Defaults to `None` (`steps`).
         probe_schedule: The LR during a probe: `"constant"` or `"warmup_cosine"`
-            (the LR as the peak). Defaults to `"constant"`.
+            (the LR as the peak). Defaults to `None`: the shape the model is
+            compiled with, `"warmup_cosine"` when its optimizer's learning rate is
+            a `LearningRateSchedule` (the suggestion is then a peak LR), else
+            `"constant"`.
 
     Returns:
         An `LRFindResult`: `.suggestion`, `.suggestions`, `.lrs`, `.losses`,
@@ -738,8 +781,8 @@ def lr_find(
         method = "probe" if restore and not one_shot else "minimum"
     if method not in METHODS:
         raise _invalid("method", f"one of {METHODS}", method)
-    if probe_schedule not in PROBE_SCHEDULES:
-        raise _invalid("probe_schedule", f"one of {PROBE_SCHEDULES}", probe_schedule)
+    if probe_schedule is not None and probe_schedule not in PROBE_SCHEDULES:
+        raise _invalid("probe_schedule", f"None or one of {PROBE_SCHEDULES}", probe_schedule)
     if probe_steps is not None and (not isinstance(probe_steps, (int, np.integer)) or isinstance(probe_steps, bool)
                                     or probe_steps < 2):
         raise _invalid("probe_steps", "None or an integer >= 2", probe_steps)
@@ -761,6 +804,7 @@ def lr_find(
         return result
     center, _ = _at_loss_minimum(cut_l, cut_x, 1.0)
     n = int(probe_steps or steps)
+    probe_schedule = probe_schedule or compiled_schedule_shape(model)  # the range test has put the LR back
     best, probes = _probe_search(model, data, center, steps=n, shape=probe_schedule, batch_size=batch_size,
                                  smooth=smooth, diverge_factor=diverge_factor, verbose=verbose)
     result.probes = probes

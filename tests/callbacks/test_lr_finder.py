@@ -224,6 +224,58 @@ def test_probes_search_down_from_the_loss_minimum_and_restore_everything():
     assert len(d["probes"]) == len(tried) and d["probe_steps"] == 12 and d["method"] == "probe"
 
 
+def test_probes_on_arrays_see_the_same_batches_in_the_same_order(monkeypatch):
+    """Common random numbers: two probes differ by their LR, not by a reshuffle of the data."""
+    fits = []  # per `fit`: the row ids of each batch, in order
+
+    class RowIds(keras.layers.Layer):
+        def call(self, x, training=False):
+            if training:
+                fits[-1].append(tuple(np.asarray(x[:, 0]).astype(int)))
+            return x[:, 1:]
+
+    fit_steps = lr_finder._fit_steps
+
+    def recording_fit_steps(*args, **kwargs):
+        fits.append([])
+        return fit_steps(*args, **kwargs)
+
+    monkeypatch.setattr(lr_finder, "_fit_steps", recording_fit_steps)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((9,)), RowIds(), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.01), "mse", run_eagerly=True)
+    # Keras's array shuffle repeats itself from `fit` to `fit` under a global seed
+    # (`keras.utils.set_random_seed`); this stands for a user who never set one.
+    tf.random.set_seed(None)
+    x = np.concatenate([np.arange(512, dtype="float32")[:, None], XR], axis=1)
+    try:
+        r = trainwell.lr_find(model, (x, YR), start_lr=1e-4, end_lr=1.0, steps=20, batch_size=32, probe_steps=20)
+    finally:
+        keras.utils.set_random_seed(0)  # the seeded state the other tests start from
+    probes = fits[1:]
+    assert len(probes) == len(r.probes) >= 3
+    n = min(len(f) for f in probes)
+    assert n >= 10 and all(f[:n] == probes[0][:n] for f in probes)
+    assert sorted(sum(probes[0][:16], ())) == list(range(512))  # a permutation of the rows, not their order
+    assert probes[0][:16] != [tuple(range(i, i + 32)) for i in range(0, 512, 32)]
+
+
+def test_probes_follow_the_lr_shape_the_model_is_compiled_with():
+    from trainwell.callbacks.schedules import WarmupCosineDecay
+
+    plain = regression(keras.optimizers.SGD(0.01))
+    scheduled = regression(keras.optimizers.SGD(WarmupCosineDecay(0.01, total_steps=100, warmup_steps=10)))
+    scaled = regression(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(keras.optimizers.schedules.CosineDecay(0.01, 100))))
+    assert [lr_finder.compiled_schedule_shape(m) for m in (plain, scheduled, scaled)] == [
+        "constant", "warmup_cosine", "warmup_cosine"]
+    with pytest.raises(ValueError, match="Received: model="):
+        lr_finder.compiled_schedule_shape(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
+    kw = dict(start_lr=1e-4, end_lr=1.0, steps=10, batch_size=64, probe_steps=4)
+    assert trainwell.lr_find(plain, (XR, YR), **kw).probe_schedule == "constant"
+    assert trainwell.lr_find(scheduled, (XR, YR), **kw).probe_schedule == "warmup_cosine"
+    assert trainwell.lr_find(scheduled, (XR, YR), probe_schedule="constant", **kw).probe_schedule == "constant"
+
+
 def test_probe_score_is_the_mean_final_loss_and_inf_when_diverged():
     p = lr_finder._LRProbe(0.1, steps=40, shape="constant", smooth=0.98, diverge_factor=4.0)
     p._raw, p._stopped = list(np.arange(40.0)), "steps"
@@ -422,7 +474,9 @@ def test_cli_main_errors_and_protocol_hooks(tmp_path, capsys):
         return {"lr": peak / 2, "batch_size": 32}
 
     rec = tiny_recipe(lr_find_setup=lr_find_setup, lr_to_config=lr_to_config)
-    assert cli_main(rec, cfg, types.SimpleNamespace(write=True, config=str(config), dry_run=False)) == 0
+    # Short probes: this test is about the hooks (the default length is tested above).
+    args = types.SimpleNamespace(write=True, config=str(config), dry_run=False, probe_steps=10)
+    assert cli_main(rec, cfg, args) == 0
     written = yaml.safe_load(config.read_text())
     assert calls["setup"] and written["batch_size"] == 32 and written["lr"] < 0.5
 
