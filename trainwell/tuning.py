@@ -859,13 +859,14 @@ def reconcile_reloaded_trials(oracle) -> dict:
     oracle._retry_queue = [tid for tid in oracle._retry_queue if tid not in dropped]
     waiting = set(oracle._retry_queue) | {t.trial_id for t in oracle.ongoing_trials.values()}
     requeued = []
-    for tid in sorted(oracle.trials, key=lambda t: (oracle.start_order.index(t) if t in oracle.start_order else -1, t)):
+    for tid in sorted(oracle.trials):  # trial ids are zero-padded creation numbers
         trial = oracle.trials[tid]
         if trial.status == TrialStatus.RUNNING and tid not in waiting:
             oracle._record_values(trial)
             if tid not in oracle.start_order:
                 oracle.start_order.append(tid)
-            # `create_trial` pops the retry queue from its end: the oldest goes last.
+            # `create_trial` pops the queue from its end: these run after the trials
+            # KerasTuner queued itself, oldest first.
             oracle._retry_queue.insert(0, tid)
             requeued.append(tid)
     return {"requeued": requeued, "dropped": dropped}
