@@ -184,7 +184,11 @@ class TrainingDoctor(StatefulCallback):
     `tf.data.Dataset`: the head of its first batch; a `PyDataset`: of item 0).
     Python generators are never read (that would consume them): pass
     `probe_batch` then, or the gradient, activation and input-bound checks are
-    skipped. For the input-bound check the probe's compute time is scaled
+    skipped. Reading a `tf.data.Dataset` makes one iterator of it, which moves a
+    seeded `shuffle(..., reshuffle_each_iteration=True)` on by one epoch: the run
+    then sees another (equally valid) order than the same run without the
+    doctor, and a resumed run stays exact (the doctor reads it at every start).
+    Pass `probe_batch` for a run that matches one without the doctor. For the input-bound check the probe's compute time is scaled
     linearly to the training batch size (an over-estimate on accelerators,
     which only makes the check more conservative).
 
