@@ -779,6 +779,18 @@ def resolve_hypermodel(recipe, cfg=None, overrides=None):
     return recipe.hypermodel(cfg, **overrides)
 
 
+#: The KerasTuner version from which trainwell's fixes of its saves and reload are no
+#: longer applied (they were written against 1.4).
+KERAS_TUNER_FIXED_IN = (1, 5)
+
+
+def _keras_tuner_needs_fixes() -> bool:
+    import keras_tuner
+
+    major, minor = (int(x) for x in keras_tuner.__version__.split(".")[:2])
+    return (major, minor) < KERAS_TUNER_FIXED_IN
+
+
 _ATOMIC_SAVES = {"applied": False}
 
 
@@ -800,12 +812,10 @@ def atomic_keras_tuner_saves() -> bool:
     """
     if _ATOMIC_SAVES["applied"]:
         return True
-    import keras_tuner
+    if not _keras_tuner_needs_fixes():
+        return False
     from keras_tuner.src import utils as kt_utils
 
-    major, minor = (int(x) for x in keras_tuner.__version__.split(".")[:2])
-    if (major, minor) >= (1, 5):
-        return False
     original = kt_utils.save_json
 
     def save_json(path, obj):
@@ -887,12 +897,10 @@ def recover_interrupted_trials() -> bool:
     """
     if _RELOAD_FIX["applied"]:
         return True
-    import keras_tuner
+    if not _keras_tuner_needs_fixes():
+        return False
     from keras_tuner.src.engine import oracle as oracle_module
 
-    major, minor = (int(x) for x in keras_tuner.__version__.split(".")[:2])
-    if (major, minor) >= (1, 5):
-        return False
     original = oracle_module.Oracle.reload
 
     def reload(self):
