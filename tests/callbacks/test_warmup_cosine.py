@@ -182,6 +182,17 @@ def test_mixed_float16_loss_scale_optimizer():
     assert np.allclose(hist.history["lr"], ref_cosine([8, 16], 0.1, 16, warmup=4), **TOL)
 
 
+def test_warmup_going_down_and_float_steps_follow_keras_cosine_decay():
+    # What Keras's CosineDecay accepts; a WarmupCosineDecay config may hold it, and the
+    # recipes hand that config to WarmupCosine.
+    model, used = make_model(), UsedLR()
+    cb = WarmupCosine(peak_lr=0.1, warmup_steps=4.0, warmup_start=0.4, total_steps=16.0)
+    model.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[cb, used])
+    keras_lr = keras.optimizers.schedules.CosineDecay(0.4, 12.0, warmup_target=0.1, warmup_steps=4.0)
+    assert np.allclose(used.used, [float(keras_lr(step)) for step in range(16)], **TOL)
+    assert used.used[0] > used.used[3] > used.used[4]  # down through the warmup, then the decay
+
+
 @pytest.mark.filterwarnings("ignore:.*shuffle=True:UserWarning", "ignore:Your input ran out of data:UserWarning")
 def test_unknown_steps_per_epoch():
     ds = tf.data.Dataset.from_tensor_slices((X, Y)).filter(lambda x, y: True).batch(8)
@@ -219,7 +230,8 @@ def test_get_config_round_trip(tmp_path):
     [
         (dict(peak_lr=0.0), "Received: peak_lr=0.0"),
         (dict(warmup_epochs=-1), "Received: warmup_epochs=-1"),
-        (dict(warmup_steps=1.5), "Received: warmup_steps=1.5"),
+        (dict(warmup_steps=-1.5), "Received: warmup_steps=-1.5"),
+        (dict(warmup_start=-0.1), "Received: warmup_start=-0.1"),
         (dict(peak_lr=0.1, min_lr=0.2), "Received: min_lr=0.2"),
         (dict(decay="step"), "Received: decay='step'"),
         (dict(decay="linear", restart_epochs=1), "decay='cosine'"),
