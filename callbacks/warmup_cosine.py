@@ -44,9 +44,11 @@ class WarmupCosine(keras.callbacks.Callback):
     the same curve, since `initial_epoch` does not change the total.
 
     At each epoch end it writes the current learning rate (the one the next
-    step will use) into the epoch logs as `lr`, so `CSVLogger`, `TensorBoard`
-    and `History` record it: put it *before* those callbacks in the list. With
-    `run_dir`, it writes `lr_schedule.png`, the whole schedule (chief only).
+    step will use) into the epoch logs as `learning_rate`, the name Keras's
+    own LR callbacks use, so `CSVLogger`, `TensorBoard` and `History` record
+    it (TensorBoard as `epoch_learning_rate`, the scalar it writes anyway): put
+    it *before* those callbacks in the list. With `run_dir`, it writes
+    `lr_schedule.png`, the whole schedule (chief only).
 
     Why not a Keras built-in: `LearningRateScheduler` sets a Python float once
     per epoch (no per-step warmup, and it fails on an optimizer built with a
@@ -92,7 +94,7 @@ class WarmupCosine(keras.callbacks.Callback):
     >>> x, y = np.zeros((64, 4)), np.zeros((64, 1))
     >>> h = model.fit(x, y, batch_size=16, epochs=3, verbose=0,
     ...               callbacks=[WarmupCosine(warmup_epochs=1)])
-    >>> round(h.history["lr"][0], 4)   # end of warmup (4 steps): the peak
+    >>> round(h.history["learning_rate"][0], 4)   # end of warmup (4 steps): the peak
     0.1
     """
 
@@ -263,8 +265,10 @@ class WarmupCosine(keras.callbacks.Callback):
                 self.plot(Path(self.run_dir) / "lr_schedule.png")
 
     def on_epoch_end(self, epoch, logs=None) -> None:
+        # Keras's own name (`ReduceLROnPlateau`, `LearningRateScheduler` and
+        # `TensorBoard` write `learning_rate`; `fit` itself writes none).
         if logs is not None:
-            logs["lr"] = current_lr(self.model.optimizer)
+            logs["learning_rate"] = current_lr(self.model.optimizer)
 
     # ---------------------------------------------------------------- plot
     def plot(self, path: str | os.PathLike) -> Path:
