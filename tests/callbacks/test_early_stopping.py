@@ -213,7 +213,8 @@ def test_defaults_are_keras_defaults():
     # A drop-in: every argument Keras has, with Keras's default (patience=0 included).
     ours = inspect.signature(EarlyStopping.__init__).parameters
     theirs = inspect.signature(keras.callbacks.EarlyStopping.__init__).parameters
-    assert {n: p.default for n, p in theirs.items() if n != "self"} == {n: ours[n].default for n in theirs if n != "self"}
+    shared = [n for n in theirs if n != "self"]
+    assert {n: ours[n].default for n in shared} == {n: theirs[n].default for n in shared}
     assert list(ours)[: len(theirs)] == list(theirs)  # same order: positional calls mean the same
 
 

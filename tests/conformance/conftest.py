@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+_DESELECTED = pytest.StashKey[list]()
+
 
 def pytest_configure(config):
     # Keras's conftest (not in the wheel) registers the marker its tests carry;
@@ -33,13 +35,14 @@ def pytest_collection_modifyitems(config, items):
         else:  # "defect": fixed elsewhere; strict, so the fix shows up as a failure to remove the entry
             item.add_marker(pytest.mark.xfail(strict=True, reason=entry["reason"]))
             kept.append(item)
+    config.stash[_DESELECTED] = dropped
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    dropped = [i for i in terminalreporter.stats.get("deselected", []) if hasattr(getattr(i, "module", None), "DEVIATIONS")]
+    dropped = config.stash.get(_DESELECTED, [])
     if dropped:
         terminalreporter.write_line(
             f"tests/conformance: {len(dropped)} Keras tests deselected as deliberate deviations "

@@ -3,31 +3,32 @@
 The Keras wheel ships its test files. This module loads five of them from the
 installed package (located through `keras.__file__`; nothing is copied into this
 repository), puts trainwell's class in place of the Keras class each one tests,
-and hands their `TestCase` classes to pytest with Keras's assertions unchanged:
+and hands their `TestCase` classes to pytest with Keras's assertions unchanged
+(paths under `keras/src/`):
 
-| Keras test file (under `keras/src/`)                 | Keras name                     | runs against                |
-|------------------------------------------------------|--------------------------------|-----------------------------|
-| `callbacks/early_stopping_test.py`                   | `EarlyStopping`                | `EarlyStopping`             |
-| `callbacks/backup_and_restore_test.py`               | `BackupAndRestore`             | `Checkpoint`                |
-| `callbacks/terminate_on_nan_test.py`                 | `TerminateOnNaN`, `BackupAndRestore` | `NaNRollback`, `Checkpoint` |
-| `callbacks/reduce_lr_on_plateau_test.py`             | (Keras's `ReduceLROnPlateau`)  | alongside trainwell's stack |
-| `optimizers/schedules/learning_rate_schedule_test.py` (`CosineDecayTest`) | `CosineDecay` | `WarmupCosineDecay` |
+- `callbacks/early_stopping_test.py`: `EarlyStopping` -> trainwell's `EarlyStopping`;
+- `callbacks/backup_and_restore_test.py`: `BackupAndRestore` -> `Checkpoint`;
+- `callbacks/terminate_on_nan_test.py`: `TerminateOnNaN` -> `NaNRollback`, and
+  `BackupAndRestore` -> `Checkpoint`;
+- `callbacks/reduce_lr_on_plateau_test.py`: Keras's `ReduceLROnPlateau` alongside
+  trainwell's stateful callbacks (below);
+- `optimizers/schedules/learning_rate_schedule_test.py`, `CosineDecayTest` only:
+  `CosineDecay` -> `WarmupCosineDecay`.
 
-Adapters translate argument names only (below, one per Keras name). Two adapters
-also answer attributes Keras's tests read: `BackupAndRestore`'s `_current_epoch`
-and file paths are answered from `Checkpoint`'s committed checkpoints (what a
-resume would load), the nearest thing trainwell has.
+Adapters translate argument names only (below, one per Keras name). The
+`BackupAndRestore` adapter also answers the private attributes Keras's tests
+read (`_current_epoch` and the backup's file paths) from `Checkpoint`'s
+committed checkpoints, i.e. from what a resume would load.
 
-ReduceLROnPlateau has no trainwell counterpart: the LR it lowers is the
-optimizer's, and trainwell's stateful callbacks must leave that alone. So its
-tests run with Keras's `ReduceLROnPlateau` and trainwell's `Checkpoint`,
-`NaNRollback` and `EarlyStopping` attached to every `fit` (the module's
-`Sequential` is a subclass that appends them), and the test that an optimizer
-on a schedule refuses a new LR uses trainwell's `WarmupLinearDecay` for Keras's
-`PolynomialDecay`: Keras refuses it with the same `TypeError`, because Keras
-refuses any `LearningRateSchedule`. A user who needs to lower a scheduled LR
-goes through the schedule's multiplier (`trainwell.callbacks.scale_learning_rate`),
-which is what `NaNRollback` does.
+ReduceLROnPlateau has no trainwell counterpart; what a user needs is that it
+keeps working next to trainwell's callbacks. So its tests run with Keras's
+`ReduceLROnPlateau` and trainwell's `Checkpoint`, `NaNRollback` and
+`EarlyStopping` attached to every `fit` (the module's `Sequential` is a
+subclass that appends them), and the test that an optimizer on a schedule
+refuses a new LR uses trainwell's `WarmupLinearDecay` for Keras's
+`PolynomialDecay`: Keras refuses it with the same `TypeError`, as it refuses
+any `LearningRateSchedule`. To lower a scheduled LR, use the schedule's
+multiplier (`trainwell.callbacks.scale_learning_rate`), as `NaNRollback` does.
 
 Where trainwell deliberately differs, the test is listed once in `DEVIATIONS`
 (with the reason) and deselected by `conftest.py`; a Keras test that fails on a
