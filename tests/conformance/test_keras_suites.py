@@ -239,7 +239,7 @@ DEVIATIONS: dict[str, dict] = {
     _NAN + "test_TerminateOnNaN": {"kind": "deviation", "reason": (
         _NO_QUIET_STOP + " (here every batch is non-finite: 1e5 weights through 5 layers). Today it raises at "
         "step 1 ('before any good snapshot existed'; H3 is fixing the missing snapshot of a model built at its "
-        "first step), after the fix at step 4; either way it raises"
+        "first step), after the fix once its max_rollbacks=3 rollbacks are spent; either way it raises"
     )},
     _NAN + "test_terminate_on_nan_graceful_stop": {"kind": "deviation", "reason": _NO_QUIET_STOP},
     _NAN + "test_terminate_on_nan_raise_error_raises_error": {"kind": "deviation", "reason": _OWN_MESSAGE},
