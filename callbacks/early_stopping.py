@@ -10,23 +10,46 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
+import warnings
 from typing import Any
 
 import keras
+import numpy as np
 
 from trainwell.callbacks.base import StatefulCallback, stateful_callbacks
+from trainwell.callbacks.schedules import _is_int, _is_number
 
 logger = logging.getLogger("trainwell.early_stopping")
 
 STOP_REASONS = ("patience", "non_finite", "divergence")
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _python(x):
+    """A NumPy scalar as the Python number it holds (JSON-safe configs); anything else unchanged."""
+    return x.item() if isinstance(x, np.generic) else x
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _is_flag(x) -> bool:
+    """A bool, or an integer 0/1 (Keras tests `restore_best_weights` for truth only)."""
+    return isinstance(x, (bool, np.bool_)) or (isinstance(x, numbers.Integral) and x in (0, 1))
+
+
+def _scalar(name: str, value) -> float:
+    """The monitored value as a float: a number, or an array of one element.
+
+    Keras compares metrics with `ops.greater`/`ops.less`, so a 1-element array
+    (binary `keras.metrics.F1Score`, whose result has shape `(1,)`) works there;
+    it works here too. Larger arrays have no single best value.
+    """
+    arr = np.asarray(keras.ops.convert_to_numpy(value))
+    if arr.size != 1:
+        raise ValueError(
+            f"EarlyStopping cannot monitor `{name}`: its value has shape {arr.shape}, expected a scalar "
+            "(e.g. `F1Score(average='macro')` rather than one score per class). "
+            f"Received: {name}={arr.tolist()}"
+        )
+    return float(arr.reshape(-1)[0])
 
 
 class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
@@ -57,11 +80,20 @@ class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
       restarts; without such a checkpoint it falls back to Keras's in-memory
       copy of the best weights. The weights are restored at `on_train_end`.
 
+    A drop-in: Keras's arguments with Keras's defaults (`patience=0` included),
+    and the values Keras accepts (NumPy scalars, `verbose=True`,
+    `restore_best_weights=1`; an unknown `mode` warns and falls back to
+    `"auto"`). The monitored value may be a number or a 1-element array (binary
+    `keras.metrics.F1Score` reports shape `(1,)`), as in Keras. Keras's own
+    `early_stopping_test.py` runs against this class in `tests/conformance/`.
+
     Args:
         monitor: Quantity to monitor. Defaults to `"val_loss"`.
         min_delta: Minimum change that counts as an improvement. Defaults to `0`.
-        patience: Epochs without improvement before stopping (>= 0). Defaults to `10`.
-        verbose: Verbosity, 0 or 1. Defaults to `0`.
+        patience: Epochs without improvement before stopping (an int >= 0).
+            Defaults to `0` (Keras's default: stop at the first epoch without
+            improvement; pass your own patience).
+        verbose: Verbosity, 0 or 1 (or a bool). Defaults to `0`.
         mode: `"auto"`, `"min"` or `"max"`. Defaults to `"auto"`.
         baseline: Value the monitored quantity must beat to reset `wait`.
             Defaults to `None`.
@@ -83,7 +115,7 @@ class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
         self,
         monitor="val_loss",
         min_delta=0,
-        patience=10,
+        patience=0,
         verbose=0,
         mode="auto",
         baseline=None,
@@ -92,11 +124,15 @@ class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
         warmup_epochs=0,
         divergence_threshold=None,
     ):
+        # Keras's own checks are few (it fails later, or never); these fail at
+        # construction, but accept every value Keras works with: NumPy scalars,
+        # `verbose=True`, `restore_best_weights=1`, and an unknown `mode` (a
+        # warning, then "auto", as Keras does).
         if not isinstance(monitor, str) or not monitor:
             raise ValueError(
                 f"Invalid value for argument `monitor`. Expected a metric name. Received: monitor={monitor!r}"
             )
-        if not _is_number(min_delta) or not math.isfinite(min_delta):
+        if not _is_number(min_delta):
             raise ValueError(
                 f"Invalid value for argument `min_delta`. Expected a finite number. Received: min_delta={min_delta!r}"
             )
@@ -104,17 +140,19 @@ class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
             raise ValueError(
                 f"Invalid value for argument `patience`. Expected an int >= 0. Received: patience={patience!r}"
             )
-        if not _is_int(verbose):
-            raise ValueError(f"Invalid value for argument `verbose`. Expected an int. Received: verbose={verbose!r}")
-        if mode not in ("auto", "min", "max"):
+        if not (_is_int(verbose) or isinstance(verbose, (bool, np.bool_))):
             raise ValueError(
-                f"Invalid value for argument `mode`. Expected one of 'auto', 'min', 'max'. Received: mode={mode!r}"
+                f"Invalid value for argument `verbose`. Expected an int or a bool. Received: verbose={verbose!r}"
             )
+        if mode not in ("auto", "min", "max"):
+            warnings.warn(f"{type(self).__name__} mode '{mode}' is unknown, fallback to auto mode.", stacklevel=2)
+            mode = "auto"
         if baseline is not None and not _is_number(baseline):
             raise ValueError(
-                f"Invalid value for argument `baseline`. Expected a number or None. Received: baseline={baseline!r}"
+                "Invalid value for argument `baseline`. Expected a finite number or None. "
+                f"Received: baseline={baseline!r}"
             )
-        if not isinstance(restore_best_weights, bool):
+        if not _is_flag(restore_best_weights):
             raise ValueError(
                 "Invalid value for argument `restore_best_weights`. Expected a bool. "
                 f"Received: restore_best_weights={restore_best_weights!r}"
@@ -124,26 +162,24 @@ class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
                 raise ValueError(
                     f"Invalid value for argument `{name}`. Expected an int >= 0. Received: {name}={value!r}"
                 )
-        if divergence_threshold is not None and not (
-            _is_number(divergence_threshold) and math.isfinite(divergence_threshold)
-        ):
+        if divergence_threshold is not None and not _is_number(divergence_threshold):
             raise ValueError(
                 "Invalid value for argument `divergence_threshold`. Expected a finite number or None. "
                 f"Received: divergence_threshold={divergence_threshold!r}"
             )
-        self.warmup_epochs = warmup_epochs
-        self.divergence_threshold = divergence_threshold
-        self._min_delta_arg = min_delta
+        self.warmup_epochs = int(warmup_epochs)
+        self.divergence_threshold = _python(divergence_threshold)
+        self._min_delta_arg = _python(min_delta)
         self.restored_from: str | None = None
         super().__init__(
             monitor=monitor,
-            min_delta=min_delta,
-            patience=patience,
-            verbose=verbose,
+            min_delta=_python(min_delta),
+            patience=int(patience),
+            verbose=int(verbose),
             mode=mode,
-            baseline=baseline,
-            restore_best_weights=restore_best_weights,
-            start_from_epoch=start_from_epoch,
+            baseline=_python(baseline),
+            restore_best_weights=bool(restore_best_weights),
+            start_from_epoch=int(start_from_epoch),
         )
 
     # ------------------------------------------------------------ config/state
@@ -207,7 +243,7 @@ class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
         current = self.get_monitor_value(logs)
         if current is None:
             return
-        current = float(current)
+        current = _scalar(self.monitor, current)
         if not math.isfinite(current):
             self._stop(epoch, "non_finite", current)
             return

@@ -64,11 +64,16 @@ def _check_peak(peak_lr: Any) -> float:
     return float(peak_lr)
 
 
-def _check_warmup(warmup_steps: Any, upper: int | None, upper_name: str) -> int:
-    if not _is_int(warmup_steps) or warmup_steps < 0 or (upper is not None and warmup_steps > upper):
+def _check_warmup(warmup_steps: Any, upper: float | None, upper_name: str) -> int | float:
+    if not _is_number(warmup_steps) or warmup_steps < 0 or (upper is not None and warmup_steps > upper):
         bound = f" and <= {upper_name} ({upper})" if upper is not None else ""
-        raise _invalid("warmup_steps", f"an integer >= 0{bound}", warmup_steps)
-    return int(warmup_steps)
+        raise _invalid("warmup_steps", f"a number >= 0{bound}", warmup_steps)
+    return _step_count(warmup_steps)
+
+
+def _step_count(x: Any) -> int | float:
+    """A step count as given: an int stays an int, a float (as `CosineDecay` takes) a float."""
+    return int(x) if _is_int(x) else float(x)
 
 
 def _check_between(name: str, value: Any, peak_lr: float) -> float:
@@ -77,15 +82,25 @@ def _check_between(name: str, value: Any, peak_lr: float) -> float:
     return float(value)
 
 
+def _check_warmup_start(warmup_start: Any) -> float:
+    # Above `peak_lr` is a warmup that goes down, which `CosineDecay` allows too.
+    if not _is_number(warmup_start) or warmup_start < 0:
+        raise _invalid("warmup_start", "a float >= 0", warmup_start)
+    return float(warmup_start)
+
+
 def _check_decay_args(peak_lr, total_steps, warmup_steps, min_lr, warmup_start):
-    """Validated `(peak_lr, total_steps, warmup_steps, min_lr, warmup_start)` of a decay schedule."""
+    """Validated `(peak_lr, total_steps, warmup_steps, min_lr, warmup_start)` of a decay schedule.
+
+    Step counts may be floats, as in Keras's `CosineDecay(decay_steps=1000.0)`.
+    """
     peak_lr = _check_peak(peak_lr)
-    if not _is_int(total_steps) or total_steps < 1:
-        raise _invalid("total_steps", "an integer >= 1", total_steps)
-    total_steps = int(total_steps)
+    if not _is_number(total_steps) or total_steps <= 0:
+        raise _invalid("total_steps", "a number > 0", total_steps)
+    total_steps = _step_count(total_steps)
     warmup_steps = _check_warmup(warmup_steps, total_steps, "total_steps")
     min_lr = _check_between("min_lr", min_lr, peak_lr)
-    warmup_start = _check_between("warmup_start", warmup_start, peak_lr)
+    warmup_start = _check_warmup_start(warmup_start)
     return peak_lr, total_steps, warmup_steps, min_lr, warmup_start
 
 
@@ -106,7 +121,7 @@ class _WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         raise NotImplementedError
 
     def _warmup(self, step):
-        w = float(max(self.warmup_steps, 1))
+        w = float(self.warmup_steps) if self.warmup_steps > 0 else 1.0
         return self.warmup_start + (self.peak_lr - self.warmup_start) * (step / w)
 
     def __call__(self, step):
@@ -142,15 +157,24 @@ class WarmupCosineDecay(_WarmupSchedule):
     `CosineDecay`/`CosineDecayRestarts`: those have no LR multiplier (see the
     module docstring), and `CosineDecayRestarts` has no warmup.
 
+    Keras's `CosineDecay(initial_learning_rate=a, decay_steps=d, alpha=r,
+    warmup_target=t, warmup_steps=w)` is `WarmupCosineDecay(peak_lr=t,
+    total_steps=w + d, warmup_steps=w, min_lr=r * t, warmup_start=a)`; without
+    `warmup_target` it is `WarmupCosineDecay(peak_lr=a, total_steps=d,
+    min_lr=r * a)`. Keras's own `CosineDecay` tests run against this class that
+    way (`tests/conformance/`).
+
     The value is multiplied by `self.multiplier` (a float32 `keras.Variable`,
     initially 1.0, not in `get_config()`).
 
     Args:
         peak_lr: LR at the end of warmup. Required.
-        total_steps: Step at which the LR reaches `min_lr`. Required.
+        total_steps: Step at which the LR reaches `min_lr` (an int, or a float
+            as `CosineDecay` takes). Required.
         warmup_steps: Length of the linear warmup, in steps. Defaults to `0`.
         min_lr: Final LR. Defaults to `0.0`.
-        warmup_start: LR at step 0 when `warmup_steps > 0`. Defaults to `0.0`.
+        warmup_start: LR at step 0 when `warmup_steps > 0`; above `peak_lr`, the
+            warmup goes down (as `CosineDecay` allows). Defaults to `0.0`.
         restart_steps: Length in steps of the first SGDR cycle after warmup;
             `None` means a single cosine. Defaults to `None`.
         t_mul: Each cycle is `t_mul` times longer than the previous one.
@@ -168,8 +192,8 @@ class WarmupCosineDecay(_WarmupSchedule):
     def __init__(
         self,
         peak_lr: float,
-        total_steps: int,
-        warmup_steps: int = 0,
+        total_steps: int | float,
+        warmup_steps: int | float = 0,
         min_lr: float = 0.0,
         warmup_start: float = 0.0,
         restart_steps: int | None = None,
@@ -235,7 +259,7 @@ class WarmupCosineDecay(_WarmupSchedule):
         t = ops.maximum(step - float(self.warmup_steps), 0.0)
         amp = self.peak_lr - self.min_lr
         if self.restart_steps is None:
-            frac = ops.clip(t / max(d, 1.0), 0.0, 1.0)
+            frac = ops.clip(t / (d if d > 0 else 1.0), 0.0, 1.0)
             height = amp
         else:
             r = float(self.restart_steps)
@@ -283,10 +307,12 @@ class WarmupLinearDecay(_WarmupSchedule):
 
     Args:
         peak_lr: LR at the end of warmup. Required.
-        total_steps: Step at which the LR reaches `min_lr`. Required.
+        total_steps: Step at which the LR reaches `min_lr` (an int, or a float
+            as `CosineDecay` takes). Required.
         warmup_steps: Length of the linear warmup, in steps. Defaults to `0`.
         min_lr: Final LR. Defaults to `0.0`.
-        warmup_start: LR at step 0 when `warmup_steps > 0`. Defaults to `0.0`.
+        warmup_start: LR at step 0 when `warmup_steps > 0`; above `peak_lr`, the
+            warmup goes down (as `CosineDecay` allows). Defaults to `0.0`.
 
     Example:
     >>> s = WarmupLinearDecay(peak_lr=2e-5, total_steps=1000, warmup_steps=100)
@@ -297,8 +323,8 @@ class WarmupLinearDecay(_WarmupSchedule):
     def __init__(
         self,
         peak_lr: float,
-        total_steps: int,
-        warmup_steps: int = 0,
+        total_steps: int | float,
+        warmup_steps: int | float = 0,
         min_lr: float = 0.0,
         warmup_start: float = 0.0,
     ) -> None:
@@ -310,7 +336,7 @@ class WarmupLinearDecay(_WarmupSchedule):
         self.min_lr = min_lr
 
     def _base(self, step):
-        d = float(max(self.total_steps - self.warmup_steps, 1))
+        d = float(self.total_steps - self.warmup_steps) or 1.0
         frac = ops.clip((step - float(self.warmup_steps)) / d, 0.0, 1.0)
         value = self.peak_lr - (self.peak_lr - self.min_lr) * frac
         return ops.where(step >= float(self.total_steps), self.min_lr, value)
@@ -344,7 +370,8 @@ class WarmupStepDecay(_WarmupSchedule):
             LR is multiplied by `decay_rate`. Required.
         decay_rate: Factor applied at each boundary, in (0, 1]. Defaults to `0.1`.
         warmup_steps: Length of the linear warmup, in steps. Defaults to `0`.
-        warmup_start: LR at step 0 when `warmup_steps > 0`. Defaults to `0.0`.
+        warmup_start: LR at step 0 when `warmup_steps > 0`; above `peak_lr`, the
+            warmup goes down (as `CosineDecay` allows). Defaults to `0.0`.
 
     Example:
     >>> s = WarmupStepDecay(peak_lr=0.4, boundaries=[300, 600, 800], warmup_steps=50)
@@ -357,7 +384,7 @@ class WarmupStepDecay(_WarmupSchedule):
         peak_lr: float,
         boundaries: list[int],
         decay_rate: float = 0.1,
-        warmup_steps: int = 0,
+        warmup_steps: int | float = 0,
         warmup_start: float = 0.0,
     ) -> None:
         peak_lr = _check_peak(peak_lr)
@@ -372,7 +399,7 @@ class WarmupStepDecay(_WarmupSchedule):
         if not _is_number(decay_rate) or not 0 < decay_rate <= 1:
             raise _invalid("decay_rate", "a float in (0, 1]", decay_rate)
         warmup_steps = _check_warmup(warmup_steps, boundaries[0], "the first boundary")
-        warmup_start = _check_between("warmup_start", warmup_start, peak_lr)
+        warmup_start = _check_warmup_start(warmup_start)
         super().__init__(peak_lr, warmup_steps, warmup_start)
         self.boundaries = boundaries
         self.decay_rate = float(decay_rate)

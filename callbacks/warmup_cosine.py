@@ -18,10 +18,11 @@ from trainwell.callbacks.schedules import (
     WarmupCosineDecay,
     WarmupLinearDecay,
     _PENDING_ATTR,
+    _check_warmup_start,
     _inner,
     _invalid,
-    _is_int,
     _is_number,
+    _step_count,
     _to_float,
     current_lr,
     get_lr_multiplier,
@@ -43,9 +44,11 @@ class WarmupCosine(keras.callbacks.Callback):
     the same curve, since `initial_epoch` does not change the total.
 
     At each epoch end it writes the current learning rate (the one the next
-    step will use) into the epoch logs as `lr`, so `CSVLogger`, `TensorBoard`
-    and `History` record it: put it *before* those callbacks in the list. With
-    `run_dir`, it writes `lr_schedule.png`, the whole schedule (chief only).
+    step will use) into the epoch logs as `learning_rate`, the name Keras's
+    own LR callbacks use, so `CSVLogger`, `TensorBoard` and `History` record
+    it (TensorBoard as `epoch_learning_rate`, the scalar it writes anyway): put
+    it *before* those callbacks in the list. With `run_dir`, it writes
+    `lr_schedule.png`, the whole schedule (chief only).
 
     Why not a Keras built-in: `LearningRateScheduler` sets a Python float once
     per epoch (no per-step warmup, and it fails on an optimizer built with a
@@ -68,10 +71,11 @@ class WarmupCosine(keras.callbacks.Callback):
             learning rate (or the `peak_lr` of a trainwell schedule already on
             it). Defaults to `None`.
         warmup_epochs: Warmup length in epochs (may be fractional). Defaults to `0`.
-        warmup_steps: Warmup length in steps; overrides `warmup_epochs`.
-            Defaults to `None`.
+        warmup_steps: Warmup length in steps (an int, or a float as Keras's
+            `CosineDecay` takes); overrides `warmup_epochs`. Defaults to `None`.
         min_lr: Final LR. Defaults to `0.0`.
-        warmup_start: LR at step 0 when there is a warmup. Defaults to `0.0`.
+        warmup_start: LR at step 0 when there is a warmup; above the peak, the
+            warmup goes down. Defaults to `0.0`.
         decay: `"cosine"` or `"linear"`. Defaults to `"cosine"`.
         restart_epochs: Length in epochs of the first SGDR cycle after warmup
             (cosine only); `None` means no restarts. Defaults to `None`.
@@ -90,7 +94,7 @@ class WarmupCosine(keras.callbacks.Callback):
     >>> x, y = np.zeros((64, 4)), np.zeros((64, 1))
     >>> h = model.fit(x, y, batch_size=16, epochs=3, verbose=0,
     ...               callbacks=[WarmupCosine(warmup_epochs=1)])
-    >>> round(h.history["lr"][0], 4)   # end of warmup (4 steps): the peak
+    >>> round(h.history["learning_rate"][0], 4)   # end of warmup (4 steps): the peak
     0.1
     """
 
@@ -113,12 +117,11 @@ class WarmupCosine(keras.callbacks.Callback):
             raise _invalid("peak_lr", "None or a float > 0", peak_lr)
         if not _is_number(warmup_epochs) or warmup_epochs < 0:
             raise _invalid("warmup_epochs", "a number >= 0", warmup_epochs)
-        if warmup_steps is not None and (not _is_int(warmup_steps) or warmup_steps < 0):
-            raise _invalid("warmup_steps", "None or an integer >= 0", warmup_steps)
+        if warmup_steps is not None and (not _is_number(warmup_steps) or warmup_steps < 0):
+            raise _invalid("warmup_steps", "None or a number >= 0", warmup_steps)
         if not _is_number(min_lr) or min_lr < 0 or (peak_lr is not None and min_lr > peak_lr):
             raise _invalid("min_lr", "a float in [0, peak_lr]", min_lr)
-        if not _is_number(warmup_start) or warmup_start < 0 or (peak_lr is not None and warmup_start > peak_lr):
-            raise _invalid("warmup_start", "a float in [0, peak_lr]", warmup_start)
+        _check_warmup_start(warmup_start)
         if decay not in _DECAYS:
             raise _invalid("decay", "one of " + ", ".join(repr(d) for d in _DECAYS), decay)
         if restart_epochs is not None and (not _is_number(restart_epochs) or restart_epochs <= 0):
@@ -137,8 +140,8 @@ class WarmupCosine(keras.callbacks.Callback):
                 "Arguments `t_mul` and `m_mul` only apply to warm restarts: pass `restart_epochs` too. "
                 f"Received: restart_epochs=None, t_mul={t_mul}, m_mul={m_mul}"
             )
-        if total_steps is not None and (not _is_int(total_steps) or total_steps < 1):
-            raise _invalid("total_steps", "None or an integer >= 1", total_steps)
+        if total_steps is not None and (not _is_number(total_steps) or total_steps <= 0):
+            raise _invalid("total_steps", "None or a number > 0", total_steps)
         self.peak_lr = peak_lr
         self.warmup_epochs = warmup_epochs
         self.warmup_steps = warmup_steps
@@ -187,12 +190,12 @@ class WarmupCosine(keras.callbacks.Callback):
 
     def _build_schedule(self, peak_lr: float):
         if self.total_steps is not None:
-            total = int(self.total_steps)
+            total = _step_count(self.total_steps)
         else:
             epochs = (self.params or {}).get("epochs")
             total = int(epochs) * self._steps_per_epoch("the total number of steps")
         if self.warmup_steps is not None:
-            warmup = int(self.warmup_steps)
+            warmup = _step_count(self.warmup_steps)
         elif self.warmup_epochs:
             warmup = int(round(self.warmup_epochs * self._steps_per_epoch("`warmup_steps` from `warmup_epochs`")))
         else:
@@ -262,8 +265,10 @@ class WarmupCosine(keras.callbacks.Callback):
                 self.plot(Path(self.run_dir) / "lr_schedule.png")
 
     def on_epoch_end(self, epoch, logs=None) -> None:
+        # Keras's own name (`ReduceLROnPlateau`, `LearningRateScheduler` and
+        # `TensorBoard` write `learning_rate`; `fit` itself writes none).
         if logs is not None:
-            logs["lr"] = current_lr(self.model.optimizer)
+            logs["learning_rate"] = current_lr(self.model.optimizer)
 
     # ---------------------------------------------------------------- plot
     def plot(self, path: str | os.PathLike) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -206,7 +207,73 @@ def test_get_config_and_state_round_trip():
     state = {"wait": 3, "best": 0.75, "best_epoch": 5, "stopped_epoch": 9, "stop_reason": "divergence"}
     es.set_state(state)
     assert es.get_state() == state and json.loads(json.dumps(es.get_state())) == state
-    assert EarlyStopping().patience == 10
+
+
+def test_defaults_are_keras_defaults():
+    # A drop-in: every argument Keras has, with Keras's default (patience=0 included).
+    ours = inspect.signature(EarlyStopping.__init__).parameters
+    theirs = inspect.signature(keras.callbacks.EarlyStopping.__init__).parameters
+    shared = [n for n in theirs if n != "self"]
+    assert {n: ours[n].default for n in shared} == {n: theirs[n].default for n in shared}
+    assert list(ours)[: len(theirs)] == list(theirs)  # same order: positional calls mean the same
+
+
+# Values Keras accepts; both classes see the same monitored values and must stop alike.
+KERAS_ACCEPTS = [
+    dict(patience=np.int64(2), baseline=np.float32(0.6)),
+    dict(patience=np.int64(1), min_delta=np.float32(0.01), start_from_epoch=np.int64(2)),
+    dict(patience=1, verbose=True, restore_best_weights=1),
+]
+
+
+@pytest.mark.parametrize("kwargs", KERAS_ACCEPTS)
+def test_accepts_what_keras_accepts(kwargs, capsys):
+    values = [0.5, 0.7, 0.705, 0.71, 0.69, 0.72, 0.7, 0.7, 0.7]
+    runs = []
+    for cls in (keras.callbacks.EarlyStopping, EarlyStopping):
+        es = cls(monitor="score", mode="max", **kwargs)
+        es.set_model(_model())
+        es.on_train_begin()
+        for epoch, v in enumerate(values):
+            es.on_epoch_end(epoch, {"score": v})
+            if es.model.stop_training:
+                break
+        es.on_train_end()
+        runs.append((es.stopped_epoch, es.best_epoch, es.wait, float(es.best)))
+    assert runs[0] == runs[1]
+    assert runs[1][0] > 0  # it did stop, so the comparison covers the stop
+    config = EarlyStopping(**kwargs).get_config()
+    assert json.loads(json.dumps(config)) == config  # NumPy scalars become Python numbers
+
+
+def test_unknown_mode_warns_and_falls_back_to_auto():
+    with pytest.warns(UserWarning, match="mode 'unknown' is unknown, fallback to auto mode"):
+        es = EarlyStopping(monitor="val_accuracy", mode="unknown")
+    assert es.mode == "auto" and es.get_config()["mode"] == "auto"
+
+
+def test_monitors_a_one_element_array():
+    # Binary keras.metrics.F1Score reports shape (1,); Keras compares it fine, and so must we.
+    f1 = keras.metrics.F1Score(threshold=0.5)
+    f1.update_state(np.array([[1.0], [0.0], [1.0]]), np.array([[0.9], [0.2], [0.4]]))
+    assert keras.ops.convert_to_numpy(f1.result()).shape == (1,)
+    es = EarlyStopping(monitor="val_f1_score", mode="max", patience=1)
+    es.set_model(_model())
+    es.on_train_begin()
+    for epoch, v in enumerate([f1.result(), np.array([0.9]), np.array([0.8], "float32"), np.array([0.95])]):
+        es.on_epoch_end(epoch, {"val_f1_score": v})
+        if es.model.stop_training:
+            break
+    assert (es.stopped_epoch, es.best_epoch, es.stop_reason) == (2, 1, "patience")
+    assert es.get_state()["best"] == pytest.approx(0.9) and type(es.get_state()["best"]) is float
+
+
+def test_a_metric_with_several_values_is_a_clear_error():
+    es = EarlyStopping(monitor="val_f1_score", mode="max")
+    es.set_model(_model())
+    es.on_train_begin()
+    with pytest.raises(ValueError, match=r"cannot monitor `val_f1_score`: its value has shape \(3,\)"):
+        es.on_epoch_end(0, {"val_f1_score": np.array([0.1, 0.5, 0.9])})
 
 
 @pytest.mark.parametrize(
@@ -214,15 +281,17 @@ def test_get_config_and_state_round_trip():
     [
         ({"patience": -1}, "patience"),
         ({"patience": 1.5}, "patience"),
-        ({"mode": "up"}, "mode"),
         ({"monitor": ""}, "monitor"),
         ({"min_delta": "x"}, "min_delta"),
         ({"baseline": "x"}, "baseline"),
-        ({"restore_best_weights": 1}, "restore_best_weights"),
+        ({"baseline": math.nan}, "baseline"),
+        ({"restore_best_weights": "yes"}, "restore_best_weights"),
+        ({"restore_best_weights": 2}, "restore_best_weights"),
         ({"start_from_epoch": -1}, "start_from_epoch"),
         ({"warmup_epochs": 2.0}, "warmup_epochs"),
         ({"divergence_threshold": math.nan}, "divergence_threshold"),
         ({"verbose": "loud"}, "verbose"),
+        ({"verbose": 1.5}, "verbose"),
     ],
 )
 def test_argument_validation(kwargs, name):

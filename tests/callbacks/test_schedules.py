@@ -213,6 +213,30 @@ def test_scaled_lr():
         scaled_lr(0.1, 0)
 
 
+# Keras's CosineDecay arguments, and the same curve as WarmupCosineDecay (the mapping in its docstring).
+# The first two are what WarmupCosineDecay used to refuse: float steps, a warmup that goes down.
+KERAS_COSINE = [
+    dict(initial_learning_rate=0.1, decay_steps=1000.0, alpha=0.1),
+    dict(initial_learning_rate=0.5, decay_steps=90, warmup_target=0.1, warmup_steps=10.0),
+    dict(initial_learning_rate=0.0, decay_steps=90, alpha=0.2, warmup_target=0.3, warmup_steps=10),
+]
+
+
+@pytest.mark.parametrize("kw", KERAS_COSINE)
+def test_accepts_what_keras_cosine_decay_accepts(kw):
+    a, d, r, t, w = (kw["initial_learning_rate"], kw["decay_steps"], kw.get("alpha", 0.0),
+                     kw.get("warmup_target"), kw.get("warmup_steps", 0))
+    if t is None:
+        ours = WarmupCosineDecay(peak_lr=a, total_steps=d, min_lr=r * a)
+    else:
+        ours = WarmupCosineDecay(peak_lr=t, total_steps=w + d, warmup_steps=w, min_lr=r * t, warmup_start=a)
+    steps = np.unique(np.linspace(0, 1.2 * (w + d), 61).astype(int))
+    expected = [float(keras.optimizers.schedules.CosineDecay(**kw)(int(step))) for step in steps]
+    assert np.allclose(_values(ours, steps), expected, rtol=1e-5, atol=1e-7)
+    assert WarmupCosineDecay.from_config(ours.get_config()).get_config() == ours.get_config()
+    assert type(ours.get_config()["total_steps"]) is type(w + d)  # the float stays a float
+
+
 @pytest.mark.parametrize(
     "make, match",
     [
@@ -228,7 +252,8 @@ def test_scaled_lr():
         (lambda: WarmupCosineDecay(0.1, 100, restart_steps=10, m_mul=1.5), "Received: m_mul=1.5"),
         (lambda: WarmupCosineDecay(0.1, 100, t_mul=2.0), "pass `restart_steps`"),
         (lambda: WarmupLinearDecay(0.1, 10, warmup_steps=11), "Received: warmup_steps=11"),
-        (lambda: WarmupLinearDecay(0.1, 10.5), "Received: total_steps=10.5"),
+        (lambda: WarmupLinearDecay(0.1, math.inf), "Received: total_steps=inf"),
+        (lambda: WarmupCosineDecay(0.1, "100"), "Received: total_steps='100'"),
         (lambda: WarmupStepDecay(0.1, [30, 30]), r"Received: boundaries=\[30, 30\]"),
         (lambda: WarmupStepDecay(0.1, []), r"Received: boundaries=\[\]"),
         (lambda: WarmupStepDecay(0.1, [30], decay_rate=0.0), "Received: decay_rate=0.0"),

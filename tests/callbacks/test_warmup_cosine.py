@@ -62,14 +62,14 @@ class StopAfter(keras.callbacks.Callback):
 
 
 class SeesLR(keras.callbacks.Callback):
-    """A callback placed after WarmupCosine: records logs['lr'] it sees."""
+    """A callback placed after WarmupCosine: records logs['learning_rate'] it sees."""
 
     def __init__(self):
         super().__init__()
         self.seen = []
 
     def on_epoch_end(self, epoch, logs=None):
-        self.seen.append(logs["lr"])
+        self.seen.append(logs["learning_rate"])
 
 
 def make_model(lr=0.1):
@@ -84,24 +84,39 @@ Y = np.zeros((64, 1), "float32")
 TOL = dict(rtol=1e-4, atol=1e-6)
 
 
+def _tensorboard_epoch_scalars(log_dir):
+    """{tag: [values]} of the epoch scalars a `keras.callbacks.TensorBoard` wrote for training."""
+    out = {}
+    for path in sorted((log_dir / "train").glob("events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for value in event.summary.value:
+                if value.tag.startswith("epoch_"):
+                    out.setdefault(value.tag, []).append(float(tf.make_ndarray(value.tensor)))
+    return out
+
+
 def test_fit_follows_curve_with_total_steps_inferred(tmp_path):
     model = make_model(lr=0.1)
     used, sees = UsedLR(), SeesLR()
     cb = WarmupCosine(warmup_epochs=1, min_lr=0.01)  # peak_lr None: the optimizer's 0.1
     csv_path = tmp_path / "history.csv"
+    tensorboard = keras.callbacks.TensorBoard(log_dir=str(tmp_path / "tb"), write_graph=False)
     hist = model.fit(X, Y, batch_size=8, epochs=4, shuffle=False, verbose=0,
-                     callbacks=[cb, used, sees, keras.callbacks.CSVLogger(str(csv_path))])
+                     callbacks=[cb, used, sees, keras.callbacks.CSVLogger(str(csv_path)), tensorboard])
     expected = ref_cosine(np.arange(4 * STEPS), peak=0.1, total=4 * STEPS, warmup=STEPS, min_lr=0.01)
     assert isinstance(cb.schedule, WarmupCosineDecay)
     assert cb.schedule.total_steps == 32 and cb.schedule.warmup_steps == 8 and cb.schedule.peak_lr == 0.1
     assert np.allclose(used.used, expected, **TOL)
-    # lr in the epoch logs: the LR of the next step, at iterations 8, 16, 24, 32
+    # The LR in the epoch logs, under Keras's name: the LR of the next step, at iterations 8, 16, 24, 32
     epoch_lrs = ref_cosine([8, 16, 24, 32], peak=0.1, total=32, warmup=8, min_lr=0.01)
-    assert np.allclose(hist.history["lr"], epoch_lrs, **TOL)
+    assert np.allclose(hist.history["learning_rate"], epoch_lrs, **TOL) and "lr" not in hist.history
     assert np.allclose(sees.seen, epoch_lrs, **TOL)
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
-    assert np.allclose([float(r["lr"]) for r in rows], epoch_lrs, **TOL)
+    assert np.allclose([float(r["learning_rate"]) for r in rows], epoch_lrs, **TOL) and "lr" not in rows[0]
+    # TensorBoard writes `epoch_learning_rate` itself: one LR scalar, the same values
+    scalars = _tensorboard_epoch_scalars(tmp_path / "tb")
+    assert "epoch_lr" not in scalars and np.allclose(scalars["epoch_learning_rate"], epoch_lrs, **TOL)
 
 
 def test_two_consecutive_fits_retrace():
@@ -179,7 +194,18 @@ def test_mixed_float16_loss_scale_optimizer():
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     assert model.optimizer.inner_optimizer._learning_rate is cb.schedule
     assert np.allclose(used.used, ref_cosine(np.arange(16), 0.1, 16, warmup=4), rtol=1e-3, atol=1e-5)
-    assert np.allclose(hist.history["lr"], ref_cosine([8, 16], 0.1, 16, warmup=4), **TOL)
+    assert np.allclose(hist.history["learning_rate"], ref_cosine([8, 16], 0.1, 16, warmup=4), **TOL)
+
+
+def test_warmup_going_down_and_float_steps_follow_keras_cosine_decay():
+    # What Keras's CosineDecay accepts; a WarmupCosineDecay config may hold it, and the
+    # recipes hand that config to WarmupCosine.
+    model, used = make_model(), UsedLR()
+    cb = WarmupCosine(peak_lr=0.1, warmup_steps=4.0, warmup_start=0.4, total_steps=16.0)
+    model.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[cb, used])
+    keras_lr = keras.optimizers.schedules.CosineDecay(0.4, 12.0, warmup_target=0.1, warmup_steps=4.0)
+    assert np.allclose(used.used, [float(keras_lr(step)) for step in range(16)], **TOL)
+    assert used.used[0] > used.used[3] > used.used[4]  # down through the warmup, then the decay
 
 
 @pytest.mark.filterwarnings("ignore:.*shuffle=True:UserWarning", "ignore:Your input ran out of data:UserWarning")
@@ -219,7 +245,8 @@ def test_get_config_round_trip(tmp_path):
     [
         (dict(peak_lr=0.0), "Received: peak_lr=0.0"),
         (dict(warmup_epochs=-1), "Received: warmup_epochs=-1"),
-        (dict(warmup_steps=1.5), "Received: warmup_steps=1.5"),
+        (dict(warmup_steps=-1.5), "Received: warmup_steps=-1.5"),
+        (dict(warmup_start=-0.1), "Received: warmup_start=-0.1"),
         (dict(peak_lr=0.1, min_lr=0.2), "Received: min_lr=0.2"),
         (dict(decay="step"), "Received: decay='step'"),
         (dict(decay="linear", restart_epochs=1), "decay='cosine'"),

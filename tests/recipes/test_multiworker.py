@@ -177,7 +177,7 @@ def test_two_workers_match_single_process_mirrored(jobs):
     assert w0["replicas"] == w1["replicas"] == r["replicas"] == 2
     # One shared run directory, the one given; every worker reports the same history.
     assert w0["run_dir"] == w1["run_dir"] == str(jobs["tmp"] / "mw-run")
-    assert set(w0["history"]) >= {"loss", "accuracy", "val_loss", "val_accuracy", "lr"}
+    assert set(w0["history"]) >= {"loss", "accuracy", "val_loss", "val_accuracy", "learning_rate"}
     for key, values in w0["history"].items():
         assert len(values) == 3
         assert np.allclose(values, w1["history"][key], rtol=0, atol=1e-6), key
