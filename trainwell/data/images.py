@@ -69,7 +69,14 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from trainwell.data.sources import AUGMENTATIONS, DataError, DataNotFoundError, check_image_folder, list_images
+from trainwell.data.sources import (
+    AUGMENTATIONS,
+    DataError,
+    DataNotFoundError,
+    check_image_folder,
+    list_images,
+    resolve_path,
+)
 
 logger = logging.getLogger("trainwell.data")
 
@@ -227,13 +234,6 @@ def _num_workers_from_tf_config() -> int:
     except (json.JSONDecodeError, AttributeError):
         return 1
     return max(1, sum(len(cluster.get(k) or []) for k in ("chief", "worker")))
-
-
-def _resolve(path: str, data_dir: str | None) -> str:
-    path = os.path.expanduser(path)
-    if data_dir and not os.path.isabs(path):
-        path = os.path.join(os.path.expanduser(data_dir), path)
-    return path
 
 
 def _carve(key: tf.Tensor, split_seed: int) -> tf.Tensor:
@@ -461,7 +461,7 @@ def _list_class_dir(root: Path) -> tuple[dict[str, list[str]], list[str]]:
 
 
 def _folder_source(path, *, val_fraction, test_fraction, split_seed, seed, data_dir):
-    root = Path(_resolve(path, data_dir))
+    root = Path(resolve_path(path, data_dir))
     check_image_folder(root)  # exists, 2+ classes with images, not every image corrupt
     sub = {p.name.lower(): p for p in root.iterdir() if p.is_dir()}
     split_dirs = {}
@@ -539,7 +539,7 @@ def _folder_source(path, *, val_fraction, test_fraction, split_seed, seed, data_
 
 def _tfrecord_source(pattern, *, val_fraction, test_fraction, split_seed, seed, data_dir, num_classes,
                      num_examples, label_offset, cycle_length):
-    full = _resolve(pattern, data_dir)
+    full = resolve_path(pattern, data_dir)
     if os.path.isdir(full):
         full = os.path.join(full, "*")
     files = sorted(f for f in tf.io.gfile.glob(full) if not tf.io.gfile.isdir(f))

@@ -71,11 +71,17 @@ def _expected(forms: Iterable[str]) -> str:
     return ", ".join(forms[:-1]) + " or " + forms[-1]
 
 
-def _resolve(path: str, data_dir: str | None) -> Path:
-    p = Path(os.path.expanduser(path.strip()))
-    if data_dir and not p.is_absolute():
-        p = Path(os.path.expanduser(data_dir)) / p
-    return p
+def resolve_path(path: str, data_dir: str | None = None) -> str:
+    """`path` with `~` expanded, under `data_dir` when relative (a string: `gs://` paths stay intact).
+
+    Example:
+    >>> resolve_path("train.csv", "/data")
+    '/data/train.csv'
+    """
+    path = os.path.expanduser(path.strip())
+    if data_dir and not os.path.isabs(path) and "://" not in path:
+        path = os.path.join(os.path.expanduser(data_dir), path)
+    return path
 
 
 def _path_hint(path: Path) -> str:
@@ -112,7 +118,7 @@ def _source_hint(value: str, forms: Iterable[str], kinds: Iterable[str], data_di
     if kind:  # a misspelt kind: "foldr:/x"
         return suggest(f"{k}:{rest}" for k in close_matches(kind, kinds, n=1))
     options = close_matches(value, [f for f in forms if ":" not in f])
-    path = _resolve(value, data_dir)
+    path = Path(resolve_path(value, data_dir))
     if path.is_dir() and "folder" in kinds:
         options.append(f"folder:{value}")
     elif path.is_file() and path.suffix.lower().lstrip(".") in kinds:
@@ -124,7 +130,7 @@ def _source_hint(value: str, forms: Iterable[str], kinds: Iterable[str], data_di
 
 # --------------------------------------------------------------------------- image sources
 def check_image_source(source: str, data_dir: str | None = None, field: str = "dataset") -> None:
-    """Checks an image source name or path; raises a one-line `ConfigError` (or `MissingDataError`).
+    """Checks an image source name or path; raises a one-line `ConfigError` naming `field`.
 
     Args:
         source: `"mnist5k"`, `"digits"`, `"synthetic"`, `"tfds:NAME"`, `"folder:PATH"` or
@@ -154,7 +160,7 @@ def check_image_source(source: str, data_dir: str | None = None, field: str = "d
     if kind in ("folder", "tfrecord", "tfds") and rest:
         if kind == "folder":
             with _as_config_error(field, source):
-                check_image_folder(_resolve(rest, data_dir))
+                check_image_folder(Path(resolve_path(rest, data_dir)))
         elif kind == "tfrecord":
             _check_tfrecord_glob(rest, data_dir, field, source)
         else:
@@ -169,7 +175,7 @@ def check_image_source(source: str, data_dir: str | None = None, field: str = "d
 def _check_tfrecord_glob(pattern: str, data_dir: str | None, field: str, source: str) -> None:
     if "://" in pattern:  # gs://, s3://: checked when the data is read
         return
-    full = _resolve(pattern, data_dir)
+    full = Path(resolve_path(pattern, data_dir))
     if full.is_dir():
         full = full / "*"
     if not [f for f in glob.glob(str(full)) if os.path.isfile(f)]:
@@ -382,7 +388,7 @@ def check_text_source(
     if kind in ("csv", "jsonl") and rest:
         from trainwell.data import text
 
-        path = _resolve(rest, data_dir)
+        path = Path(resolve_path(rest, data_dir))
         if not path.exists():
             _invalid(field, source, f"no file or directory {str(path)!r}", _path_hint(path))
         with _as_config_error(field, source):
@@ -444,4 +450,5 @@ __all__ = [
     "check_tfds_name",
     "image_problem",
     "list_images",
+    "resolve_path",
 ]

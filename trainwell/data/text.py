@@ -61,7 +61,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from trainwell.data.sources import DataError, DataNotFoundError
+from trainwell.data.sources import DataError, DataNotFoundError, resolve_path
 
 TEXT_FIELD_CANDIDATES = ("text", "sentence", "review", "content")
 LABEL_MAP_FILE = "labels.json"
@@ -199,7 +199,7 @@ def _encode_labels(
                 if k < 0:
                     raise DataError(
                         f"Label {int(float(v))} in {where[split]} never occurs in the training data "
-                        f"({where['train']}); known labels: {names}."
+                        f"({where['train']}); known labels: {_short(names, 200)}."
                     )
             else:
                 key = str(v).strip()
@@ -207,7 +207,7 @@ def _encode_labels(
                     if class_names is None:
                         raise DataError(
                             f"Label {key!r} in {where[split]} never occurs in the training data "
-                            f"({where['train']}); known labels: {names}."
+                            f"({where['train']}); known labels: {_short(names, 200)}."
                         )
                     raise DataError(f"Label {key!r} in {where[split]} is not one of class_names={names}.")
                 k = index[key]
@@ -323,9 +323,7 @@ def _read_table(path: Path, kind: str, text_field: str | None, label_field: str)
 
 
 def _source_files(kind: str, rest: str, data_dir: str | None) -> dict[str, Path]:
-    path = Path(rest).expanduser()
-    if not path.is_absolute() and data_dir:
-        path = Path(data_dir).expanduser() / path
+    path = Path(resolve_path(rest, data_dir))
     if not path.is_dir():
         return {"train": path}
     ext = f".{kind}"
