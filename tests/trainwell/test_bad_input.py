@@ -111,7 +111,7 @@ CASES = [
     ("transformer NaN LR", _train(T, "peak_lr=nan"), "Received: peak_lr='nan'"),
     # -- config files
     ("Latin-1 config", ["train", R, "--config", "{latin1_yaml}"], "is not UTF-8 text (byte 0xe9 at offset 12)"),
-    ("3000-deep YAML", ["train", R, "--config", "{deep_yaml}"], "nesting depth (line 1, column 1011)"),
+    ("3000-deep YAML", ["train", R, "--config", "{deep_yaml}"], "exceeded maximum nesting depth (line 1, column 1008)"),
     ("duplicate YAML key", ["train", R, "--config", "{dup_yaml}"], "duplicate key 'epochs' (first given on line 1)"),
 ]
 
