@@ -39,6 +39,11 @@ def _fail(key: str, value: Any, expected: str, hint: str = "") -> None:
 def close_matches(value: str, choices: typing.Iterable[str], n: int = 2) -> list[str]:
     """The (at most `n`) `choices` closest to `value` by difflib, exact case first, then ignoring case.
 
+    Args:
+        value: What the user wrote.
+        choices: The valid names.
+        n: Matches at most. Defaults to `2`.
+
     Example:
     >>> close_matches("rotten-tomatoes", ["rotten_tomatoes", "mnist5k"])
     ['rotten_tomatoes']
@@ -68,6 +73,9 @@ def did_you_mean(value: str, choices: typing.Iterable[str], n: int = 2) -> str:
 
 def suggest(options: typing.Iterable[str]) -> str:
     """`" Did you mean 'a' or 'b'?"` for `options`, or `""` when there are none.
+
+    Args:
+        options: The suggestions, as they should be quoted.
 
     Example:
     >>> suggest(["folder:/data"])
@@ -355,6 +363,11 @@ class BaseConfig:
 def check_positive(cfg: Any, name: str, allow_zero: bool = False) -> None:
     """Raises `ConfigError` unless `cfg.<name>` is a finite number > 0 (>= 0 with `allow_zero`).
 
+    Args:
+        cfg: The config.
+        name: The field.
+        allow_zero: Accept 0. Defaults to `False`.
+
     Example:
     >>> check_positive(BaseConfig(), "epochs")
     """
@@ -374,6 +387,10 @@ def check_seed(cfg: Any, name: str = "seed") -> None:
 
     `keras.utils.set_random_seed` seeds NumPy's legacy generator, which takes 32 bits.
 
+    Args:
+        cfg: The config.
+        name: The seed field. Defaults to `"seed"`.
+
     Example:
     >>> check_seed(BaseConfig(seed=7))
     """
@@ -386,6 +403,10 @@ def check_run_dir(run_dir: str | os.PathLike | None, name: str = "run_dir") -> N
     """Raises `ConfigError` when `run_dir` cannot be a directory (it, or a parent, is a file).
 
     Nothing is created; an existing directory is fine (that is how a run resumes).
+
+    Args:
+        run_dir: The directory, or `None` (a fresh one is named at run time).
+        name: The field named in the message. Defaults to `"run_dir"`.
 
     Example:
     >>> check_run_dir("runs/new-run")
@@ -442,6 +463,11 @@ def check_range(cfg: Any, name: str, lo: float, hi: float, lo_open: bool = False
 
 def check_choice(cfg: Any, name: str, choices: typing.Iterable[Any]) -> None:
     """Raises `ConfigError` unless `cfg.<name>` is one of `choices` (with "did you mean").
+
+    Args:
+        cfg: The config.
+        name: The field.
+        choices: The valid values.
 
     Example:
     >>> check_choice(BaseConfig(), "precision", ["auto", "float32"])

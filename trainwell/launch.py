@@ -104,6 +104,9 @@ class PrivateNetwork:
     inside it. The namespace lives until `close()` (or the launcher's death closes
     the holder's stdin) and its last member exits.
 
+    Args:
+        timeout_s: Seconds to wait for the namespace to be ready. Defaults to `30.0`.
+
     Raises:
         OSError: namespaces are not available here; the message says why.
 

@@ -74,6 +74,10 @@ def _expected(forms: Iterable[str]) -> str:
 def resolve_path(path: str, data_dir: str | None = None) -> str:
     """`path` with `~` expanded, under `data_dir` when relative (a string: `gs://` paths stay intact).
 
+    Args:
+        path: A path or URL as the user wrote it.
+        data_dir: Base of a relative path. Defaults to `None`.
+
     Example:
     >>> resolve_path("train.csv", "/data")
     '/data/train.csv'
@@ -186,20 +190,41 @@ def _check_tfrecord_glob(pattern: str, data_dir: str | None, field: str, source:
 
 
 def list_images(class_dir: str | os.PathLike, limit: int | None = None) -> tuple[list[str], bool]:
-    """Up to `limit` image paths under `class_dir` (sorted walk), and whether that was all of them.
+    """Image paths under `class_dir`, and whether that was all of them.
+
+    Without `limit`, every image, in sorted order (the pipelines' listing). With
+    `limit`, the first `limit` found in directory order, reading no more of the
+    directories than that needs (a config check on a folder of a million images
+    stays quick).
+
+    Args:
+        class_dir: The folder, walked with symbolic links followed.
+        limit: Paths at most. Defaults to `None` (all, sorted).
 
     Example:
     >>> list_images("/nonexistent")
     ([], True)
     """
     out: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(class_dir, followlinks=True):
-        dirnames.sort()
-        for f in sorted(filenames):
-            if f.lower().endswith(IMAGE_EXTENSIONS):
-                if limit is not None and len(out) >= limit:
-                    return out, False
-                out.append(os.path.join(dirpath, f))
+    if limit is None:
+        for dirpath, dirnames, filenames in os.walk(class_dir, followlinks=True):
+            dirnames.sort()
+            out.extend(os.path.join(dirpath, f) for f in sorted(filenames) if f.lower().endswith(IMAGE_EXTENSIONS))
+        return out, True
+    pending = [os.fspath(class_dir)]
+    while pending:
+        try:
+            entries = os.scandir(pending.pop())
+        except OSError:
+            continue
+        with entries:
+            for e in entries:
+                if e.name.lower().endswith(IMAGE_EXTENSIONS) and not e.is_dir():
+                    if len(out) >= limit:
+                        return out, False
+                    out.append(e.path)
+                elif e.is_dir():
+                    pending.append(e.path)
     return out, True
 
 
@@ -209,6 +234,9 @@ def image_problem(path: str | os.PathLike) -> str | None:
     The same structural check the image pipelines run in-graph before decoding (a known
     signature; for JPEG and PNG the end marker in the last KiB), on the first and last
     bytes of the file only.
+
+    Args:
+        path: The file.
 
     Example:
     >>> image_problem("/nonexistent.jpg")
@@ -242,6 +270,9 @@ def check_image_folder(root: str | os.PathLike) -> None:
     readable the folder is refused with the counts: a folder where every image is
     corrupt would train on nothing. Corrupt images among readable ones are skipped and
     counted by the pipeline, as documented in `trainwell.data.images`.
+
+    Args:
+        root: The folder.
 
     Raises:
         DataNotFoundError: the folder does not exist.
@@ -306,6 +337,12 @@ def check_tfds_name(name: str, data_dir: str | None = None, field: str = "datase
 
     Nothing is read or downloaded; whether it is prepared is `check_data_ready`'s.
 
+    Args:
+        name: The name after `tfds:`.
+        data_dir: The TFDS data directory. Defaults to `None` (TFDS's default).
+        field: The config field named in the message. Defaults to `"dataset"`.
+        source: The source as written, for the message. Defaults to `None` (`tfds:NAME`).
+
     Example:
     >>> check_tfds_name("mnist")  # doctest: +SKIP
     """
@@ -332,6 +369,10 @@ def check_data_ready(source: str, data_dir: str | None = None) -> None:
     What `Config.validate()` leaves out because every config must construct (the
     published ImageNet default included); `trainwell train` and `--dry-run` call it
     before anything runs. Other sources need nothing more.
+
+    Args:
+        source: The config's `dataset`.
+        data_dir: The TFDS data directory. Defaults to `None` (TFDS's default).
 
     Example:
     >>> check_data_ready("mnist5k")
@@ -408,6 +449,10 @@ def check_preset(preset: str, field: str = "preset") -> None:
     A directory must hold the preset's `config.json`; a name must be one of
     `keras_hub.models.TextClassifier.presets` ("did you mean" otherwise); a handle with a
     scheme (`kaggle://`, `hf://`) is left to keras-hub. Nothing is downloaded.
+
+    Args:
+        preset: The config's `preset`.
+        field: The config field named in the message. Defaults to `"preset"`.
 
     Example:
     >>> check_preset("minilm")
