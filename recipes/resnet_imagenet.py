@@ -92,6 +92,8 @@ class Config(BaseConfig):
 
     def validate(self) -> None:
         super().validate()
+        from trainwell.config import check_warmup
+        from trainwell.data.sources import AUGMENTATIONS, check_image_source
         from trainwell.models.resnet import RESNET_DEPTHS
 
         names = [f"resnet{d}" for d in RESNET_DEPTHS]
@@ -104,11 +106,12 @@ class Config(BaseConfig):
         check_range(self, "momentum", 0.0, 1.0, hi_open=True)
         check_positive(self, "weight_decay", allow_zero=True)
         check_positive(self, "warmup_epochs", allow_zero=True)
-        if self.warmup_epochs >= self.epochs and self.epochs > 1:
-            _fail("warmup_epochs", self.warmup_epochs, f"fewer than epochs={self.epochs}")
+        check_warmup(self, "warmup_epochs", self.epochs, "epochs")
         if list(self.step_boundaries) != sorted(set(self.step_boundaries)) or any(b <= 0 for b in self.step_boundaries):
             _fail("step_boundaries", list(self.step_boundaries), "increasing positive epochs")
         check_positive(self, "min_lr", allow_zero=True)
+        if self.min_lr > self.peak_lr:
+            _fail("min_lr", self.min_lr, f"at most the peak LR {self.peak_lr:g} (base_lr x batch_size / lr_base_batch)")
         check_range(self, "label_smoothing", 0.0, 1.0, hi_open=True)
         check_range(self, "ema_momentum", 0.0, 1.0, lo_open=True, hi_open=True)
         check_positive(self, "mixup_alpha", allow_zero=True)
@@ -116,6 +119,9 @@ class Config(BaseConfig):
         check_range(self, "val_fraction", 0.0, 1.0, hi_open=True)
         check_positive(self, "crop_padding", allow_zero=True)
         check_reliability_fields(self)
+        if self.augment is not None:
+            check_choice(self, "augment", AUGMENTATIONS)
+        check_image_source(self.dataset, self.data_dir)  # names, paths, the folder's classes
 
     @property
     def depth(self) -> int:

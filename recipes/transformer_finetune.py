@@ -162,6 +162,10 @@ class Config(BaseConfig):
             _fail("gradient_accumulation_steps", self.gradient_accumulation_steps, "null or an integer >= 2")
         check_reliability_fields(self)
         check_choice(self, "verbose", ("auto", "0", "1", "2"))
+        from trainwell.data.sources import check_preset, check_text_source
+
+        check_preset(self.preset)
+        check_text_source(self.dataset, self.data_dir, self.text_field, self.label_field)  # CSV/JSONL: parsed
 
 
 def _cfg(cfg: Config | None, overrides: dict) -> Config:

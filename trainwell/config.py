@@ -12,7 +12,9 @@ checkpoint is ever unpickled or executed.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import math
 import os
 import types
 import typing
@@ -30,8 +32,57 @@ class ConfigError(ValueError):
     """
 
 
-def _fail(key: str, value: Any, expected: str) -> None:
-    raise ConfigError(f"Invalid value for `{key}`: expected {expected}. Received: {key}={value!r}")
+def _fail(key: str, value: Any, expected: str, hint: str = "") -> None:
+    raise ConfigError(f"Invalid value for `{key}`: expected {expected}.{hint} Received: {key}={value!r}")
+
+
+def close_matches(value: str, choices: typing.Iterable[str], n: int = 2) -> list[str]:
+    """The (at most `n`) `choices` closest to `value` by difflib, exact case first, then ignoring case.
+
+    Args:
+        value: What the user wrote.
+        choices: The valid names.
+        n: Matches at most. Defaults to `2`.
+
+    Example:
+    >>> close_matches("rotten-tomatoes", ["rotten_tomatoes", "mnist5k"])
+    ['rotten_tomatoes']
+    """
+    choices = list(dict.fromkeys(str(c) for c in choices))
+    close = difflib.get_close_matches(str(value), choices, n=n, cutoff=0.6)
+    if not close:
+        lowered = {c.lower(): c for c in choices}
+        close = [lowered[c] for c in difflib.get_close_matches(str(value).lower(), list(lowered), n=n, cutoff=0.6)]
+    return close
+
+
+def did_you_mean(value: str, choices: typing.Iterable[str], n: int = 2) -> str:
+    """`" Did you mean 'x'?"` for the `choices` closest to `value` (`close_matches`), or `""`.
+
+    Args:
+        value: What the user wrote.
+        choices: The valid names (or whole suggestions).
+        n: Suggestions at most. Defaults to `2`.
+
+    Example:
+    >>> did_you_mean("mnist", ["mnist5k", "digits"])
+    " Did you mean 'mnist5k'?"
+    """
+    return suggest(close_matches(value, choices, n))
+
+
+def suggest(options: typing.Iterable[str]) -> str:
+    """`" Did you mean 'a' or 'b'?"` for `options`, or `""` when there are none.
+
+    Args:
+        options: The suggestions, as they should be quoted.
+
+    Example:
+    >>> suggest(["folder:/data"])
+    " Did you mean 'folder:/data'?"
+    """
+    options = list(options)
+    return f" Did you mean {' or '.join(repr(o) for o in options)}?" if options else ""
 
 
 def _type_name(tp: Any) -> str:
@@ -147,14 +198,22 @@ def coerce(key: str, value: Any, tp: Any, from_string: bool = False) -> Any:
     if tp is float:
         if isinstance(value, bool):
             _fail(key, value, expected)
+        number = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
             try:
-                return float(value.strip())
+                number = float(value)
+            except OverflowError:  # an int beyond the float range
+                _fail(key, value, "a finite number")
+        elif isinstance(value, str):
+            try:
+                number = float(value.strip())
             except ValueError:
                 pass
-        _fail(key, value, expected)
+        if number is None:
+            _fail(key, value, expected)
+        if not math.isfinite(number):  # nan, inf: no field of a recipe means them
+            _fail(key, value, "a finite number")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -211,14 +270,14 @@ class BaseConfig:
             _fail("dataset", self.dataset, "a non-empty dataset name")
         check_positive(self, "epochs")
         check_positive(self, "batch_size")
-        if self.precision not in PRECISION_SPECS:
-            _fail("precision", self.precision, "one of " + ", ".join(repr(p) for p in PRECISION_SPECS))
+        check_choice(self, "precision", PRECISION_SPECS)
         try:
             validate_strategy_spec(self.strategy)
         except ValueError:
-            _fail("strategy", self.strategy, "one of " + ", ".join(repr(p) for p in STRATEGY_SPECS))
-        if self.seed < 0:
-            _fail("seed", self.seed, "an integer >= 0")
+            _fail("strategy", self.strategy, "one of " + ", ".join(repr(p) for p in STRATEGY_SPECS),
+                  did_you_mean(self.strategy, STRATEGY_SPECS[:-1]))
+        check_seed(self, "seed")
+        check_run_dir(self.run_dir)
 
     # ------------------------------------------------------------------ I/O
     def to_dict(self) -> dict:
@@ -302,12 +361,94 @@ class BaseConfig:
 
 
 def check_positive(cfg: Any, name: str, allow_zero: bool = False) -> None:
-    """Raises `ConfigError` unless `cfg.<name>` is > 0 (>= 0 with `allow_zero`)."""
+    """Raises `ConfigError` unless `cfg.<name>` is a finite number > 0 (>= 0 with `allow_zero`).
+
+    Args:
+        cfg: The config.
+        name: The field.
+        allow_zero: Accept 0. Defaults to `False`.
+
+    Example:
+    >>> check_positive(BaseConfig(), "epochs")
+    """
     v = getattr(cfg, name)
     if v is None:
         return
-    if v < 0 or (v == 0 and not allow_zero):
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
         _fail(name, v, "a number >= 0" if allow_zero else "a number > 0")
+
+
+#: Seeds go to `random`, NumPy and TensorFlow; NumPy's legacy seed takes 32 bits.
+MAX_SEED = 2**32 - 1
+
+
+def check_seed(cfg: Any, name: str = "seed") -> None:
+    """Raises `ConfigError` unless `cfg.<name>` is an integer in [0, 2**32 - 1].
+
+    `keras.utils.set_random_seed` seeds NumPy's legacy generator, which takes 32 bits.
+
+    Args:
+        cfg: The config.
+        name: The seed field. Defaults to `"seed"`.
+
+    Example:
+    >>> check_seed(BaseConfig(seed=7))
+    """
+    v = getattr(cfg, name)
+    if v is not None and not 0 <= v <= MAX_SEED:
+        _fail(name, v, f"an integer in [0, {MAX_SEED}] (2**32 - 1)")
+
+
+def check_run_dir(run_dir: str | os.PathLike | None, name: str = "run_dir") -> None:
+    """Raises `ConfigError` when `run_dir` cannot be a directory (it, or a parent, is a file).
+
+    Nothing is created; an existing directory is fine (that is how a run resumes).
+
+    Args:
+        run_dir: The directory, or `None` (a fresh one is named at run time).
+        name: The field named in the message. Defaults to `"run_dir"`.
+
+    Example:
+    >>> check_run_dir("runs/new-run")
+    """
+    if run_dir is None:
+        return
+    path = Path(run_dir).expanduser()
+    if not str(run_dir).strip():
+        _fail(name, run_dir, "null or a directory path")
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "is a file" if p == path else f"is inside {str(p)!r}, which is a file"
+                raise ConfigError(
+                    f"Invalid value for `{name}`: {str(path)!r} {what}; expected a directory. Received: {name}={str(run_dir)!r}"
+                )
+            return
+
+
+def check_warmup(cfg: Any, name: str, run: float, run_name: str) -> None:
+    """Raises `ConfigError` when an explicitly set warmup is not shorter than the run.
+
+    A warmup the user left at its default (the field's dataclass default, or `None`)
+    is the recipe's to fit to the run length and is not checked here; only a value
+    the user chose is refused, e.g. `warmup_epochs=2` with `epochs=2`.
+
+    Args:
+        cfg: The config.
+        name: The warmup field, e.g. `"warmup_epochs"`.
+        run: The run length in the same unit, e.g. `cfg.epochs`.
+        run_name: How the run length is named in the message, e.g. `"epochs"`.
+
+    Example:
+    >>> from trainwell.recipes.resnet_imagenet import Config
+    >>> check_warmup(Config(epochs=10, warmup_epochs=2), "warmup_epochs", 10, "epochs")
+    """
+    v = getattr(cfg, name)
+    default = {f.name: f.default for f in dataclasses.fields(cfg)}.get(name, dataclasses.MISSING)
+    if v is None or v == default:
+        return
+    if v >= run:
+        _fail(name, v, f"fewer than {run_name}={run} (a warmup as long as the run never reaches the peak LR)")
 
 
 def check_range(cfg: Any, name: str, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) -> None:
@@ -315,17 +456,27 @@ def check_range(cfg: Any, name: str, lo: float, hi: float, lo_open: bool = False
     v = getattr(cfg, name)
     if v is None:
         return
-    ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
     if not ok:
         _fail(name, v, f"a number in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}")
 
 
 def check_choice(cfg: Any, name: str, choices: typing.Iterable[Any]) -> None:
-    """Raises `ConfigError` unless `cfg.<name>` is one of `choices`."""
+    """Raises `ConfigError` unless `cfg.<name>` is one of `choices` (with "did you mean").
+
+    Args:
+        cfg: The config.
+        name: The field.
+        choices: The valid values.
+
+    Example:
+    >>> check_choice(BaseConfig(), "precision", ["auto", "float32"])
+    """
     choices = tuple(choices)
     v = getattr(cfg, name)
     if v not in choices:
-        _fail(name, v, "one of " + ", ".join(repr(c) for c in choices))
+        hint = did_you_mean(v, [c for c in choices if isinstance(c, str)]) if isinstance(v, str) else ""
+        _fail(name, v, "one of " + ", ".join(repr(c) for c in choices), hint)
 
 
 def check_reliability_fields(cfg: Any) -> None:
@@ -346,10 +497,8 @@ def check_reliability_fields(cfg: Any) -> None:
 
 
 def _unknown_key_message(cls, key: str) -> str:
-    import difflib
-
     names = cls.field_names()
-    close = difflib.get_close_matches(key, names, n=1)
+    close = difflib.get_close_matches(str(key), names, n=1)
     hint = f" Did you mean `{close[0]}`?" if close else ""
     return f"Unknown config key `{key}` for {cls.__qualname__}.{hint} Expected one of: {', '.join(names)}."
 
@@ -370,8 +519,46 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
     return out
 
 
+class _UniqueKeySafeLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+    """PyYAML's safe loader (LibYAML's parser where installed: fast, and it stops at 1,000 levels
+    of nesting) that refuses a key given twice in one mapping (YAML says keys are unique;
+    PyYAML would silently keep the last one)."""
+
+
+def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    loader.flatten_mapping(node)
+    first_line: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            seen = key in first_line
+        except TypeError:  # an unhashable key: construct_mapping reports it
+            continue
+        if seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first given on line {first_line[key] + 1})", key_node.start_mark
+            )
+        first_line[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeySafeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
+def _yaml_error_line(e: yaml.YAMLError) -> str:
+    problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+    if problem and mark is not None:
+        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def read_config_file(path: str | os.PathLike) -> dict:
     """Reads a YAML or JSON config file into a dict (safe loader only).
+
+    The file must be UTF-8 text (a byte-order mark is allowed); a key given twice in one
+    mapping is an error rather than PyYAML's silent last-one-wins. Every problem is a
+    one-line `ConfigError` naming the file.
 
     Example:
     >>> read_config_file("missing.yaml")  # doctest: +SKIP
@@ -381,17 +568,28 @@ def read_config_file(path: str | os.PathLike) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"Config file not found: {str(p)!r}")
-    text = p.read_text(encoding="utf-8")
+    suffix = p.suffix.lower()
+    if suffix not in (".json", ".yaml", ".yml"):
+        raise ConfigError(f"Unsupported config file type {p.suffix!r}: expected .yaml, .yml or .json. Received: {str(p)!r}")
+    raw = p.read_bytes()
     try:
-        if p.suffix.lower() == ".json":
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"Config file {str(p)!r} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+            "save it as UTF-8."
+        ) from None
+    try:
+        if suffix == ".json":
             data = json.loads(text) if text.strip() else {}
-        elif p.suffix.lower() in (".yaml", ".yml"):
-            data = yaml.safe_load(text) or {}
         else:
-            raise ConfigError(f"Unsupported config file type {p.suffix!r}: expected .yaml, .yml or .json. Received: {str(p)!r}")
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"Cannot parse config file {str(p)!r}: {first}") from None
+            data = yaml.load(text, Loader=_UniqueKeySafeLoader) or {}
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"Cannot parse config file {str(p)!r}: {e.msg} (line {e.lineno}, column {e.colno})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"Cannot parse config file {str(p)!r}: {_yaml_error_line(e)}") from None
+    except RecursionError:
+        raise ConfigError(f"Cannot parse config file {str(p)!r}: nested too deeply for a config") from None
     if not isinstance(data, dict):
         raise ConfigError(f"Config file {str(p)!r} must hold a mapping of field names to values. Received: {type(data).__name__}")
     return data

@@ -7,11 +7,29 @@ and testing multi-worker training on one machine; on a real cluster every host
 starts one worker with its own `TF_CONFIG` (see the README's "Distributed
 training" section).
 
+Network exposure. Every worker runs a TensorFlow gRPC server (collectives and the
+coordination service) that takes commands from anyone who can connect, without
+authentication, and TensorFlow binds it to all interfaces: `GrpcServer::Init`
+listens on `"0.0.0.0:" + port` whatever host `TF_CONFIG` names, and has no option
+for another bind address. So on Linux the launcher runs its workers in a private
+network namespace whose only interface is loopback (`unshare --user --net`, joined
+with `nsenter`; no privileges needed where unprivileged user namespaces are allowed):
+the workers reach each other on 127.0.0.1 and nothing outside the namespace can
+reach their ports. Inside it the workers have no other network either (no remote
+data such as `gs://` paths); set `TRAINWELL_ISOLATE_WORKERS=0` (or pass
+`isolate_network=False`) to run them in the machine's namespace instead, where
+their ports are open on every interface. Where namespaces are unavailable (not
+Linux, or user namespaces disabled) the workers run without isolation and the
+launcher says so on stderr. On a real cluster the addresses come from each host's
+`TF_CONFIG` and the servers listen on all of that host's interfaces: put the
+workers on a private network that only they (and you) can reach.
+
 What the launcher does:
 
 - Picks N free TCP ports on 127.0.0.1 and starts every worker with
   `TF_CONFIG={"cluster": {"worker": [...]}, "task": {"type": "worker", "index": i}}`
-  and `TRAINWELL_LAUNCHED=1` (so a worker never launches workers itself).
+  and `TRAINWELL_LAUNCHED=1` (so a worker never launches workers itself), inside
+  the private network namespace (see above).
 - Streams the chief's (worker 0's) stdout and stderr to its own; the other
   workers write to `worker-<i>.log` in `log_dir` (a temporary directory by
   default, removed after a successful run and kept, with its path printed, after
@@ -42,6 +60,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import select
 import shutil
 import signal
 import socket
@@ -59,6 +78,75 @@ EXIT_TIMEOUT = 124
 EXIT_PREEMPTED = 143
 #: Environment variable set in every launched worker.
 LAUNCHED_ENV = "TRAINWELL_LAUNCHED"
+#: Environment variable: `0` runs local workers in the machine's network namespace.
+ISOLATE_ENV = "TRAINWELL_ISOLATE_WORKERS"
+
+# Runs inside the new network namespace: brings its loopback interface up (a new
+# namespace starts with `lo` down), says so, and holds the namespace open until the
+# launcher closes its stdin (or dies).
+_NAMESPACE_HOLDER = """
+import fcntl, socket, struct, sys
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+flags = struct.unpack("16sh", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sh", b"lo", 0)))[1]
+fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | IFF_UP))
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+class PrivateNetwork:
+    """A network namespace with only a loopback interface, for local workers (Linux).
+
+    A small holder process is started with `unshare --user --map-root-user --net`
+    (util-linux; no privileges needed where unprivileged user namespaces are allowed)
+    and brings `lo` up; `prefix` is the `nsenter` command line that runs a program
+    inside it. The namespace lives until `close()` (or the launcher's death closes
+    the holder's stdin) and its last member exits.
+
+    Args:
+        timeout_s: Seconds to wait for the namespace to be ready. Defaults to `30.0`.
+
+    Raises:
+        OSError: namespaces are not available here; the message says why.
+
+    Example:
+    >>> with PrivateNetwork() as net:  # doctest: +SKIP
+    ...     subprocess.run(net.prefix + ["python", "-c", "print('isolated')"])
+    """
+
+    def __init__(self, timeout_s: float = 30.0):
+        unshare, nsenter = shutil.which("unshare"), shutil.which("nsenter")
+        if not sys.platform.startswith("linux") or not (unshare and nsenter):
+            raise OSError("needs Linux with util-linux's `unshare` and `nsenter`")
+        self._proc = subprocess.Popen(
+            [unshare, "--user", "--map-root-user", "--net", "--", sys.executable, "-c", _NAMESPACE_HOLDER],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        )
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
+        line = self._proc.stdout.readline() if ready else b""
+        if line.strip() != b"ready":
+            self.close()
+            err = self._proc.stderr.read().decode("utf-8", "replace").strip().splitlines()
+            raise OSError(err[-1] if err else "the namespace holder did not start")
+        self.pid = self._proc.pid
+        self.prefix = [nsenter, f"--target={self.pid}", "--user", "--net", "--preserve-credentials", "--"]
+
+    def close(self) -> None:
+        """Ends the holder process (the namespace goes once its workers have exited too)."""
+        if self._proc.poll() is None:
+            try:
+                self._proc.stdin.close()
+                self._proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+
+    def __enter__(self) -> "PrivateNetwork":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -151,6 +239,7 @@ def launch(
     stream_chief: bool = True,
     poll_s: float = 0.2,
     on_start: Callable[[list[subprocess.Popen]], None] | None = None,
+    isolate_network: bool | None = None,
 ) -> int:
     """Runs `command` as `workers` local worker processes and returns the job's exit status.
 
@@ -175,6 +264,11 @@ def launch(
         on_start: Called with the list of worker `Popen`s (index = task index)
             once all are started, e.g. to watch or signal one worker. Defaults to
             `None`.
+        isolate_network: Run the workers in a private network namespace with only
+            loopback (`PrivateNetwork`), so their unauthenticated gRPC ports cannot be
+            reached from outside. `True` requires it, `False` turns it off, `None`
+            uses it where available (else a warning on stderr) unless the
+            environment sets `TRAINWELL_ISOLATE_WORKERS=0`. Defaults to `None`.
 
     Returns:
         The job's exit status; see the module docstring.
@@ -198,6 +292,22 @@ def launch(
         raise ValueError(
             f"Invalid value for argument `timeout_s`. Expected None or a number > 0. Received: timeout_s={timeout_s!r}"
         )
+    required = isolate_network is True
+    if isolate_network is None:
+        isolate_network = os.environ.get(ISOLATE_ENV, "1").strip() != "0"
+    network = None
+    if isolate_network:
+        try:
+            network = PrivateNetwork()
+        except OSError as e:
+            if required:
+                raise
+            print(
+                f"trainwell launch: cannot isolate the workers' network ({e}); their TensorFlow gRPC ports "
+                "listen on every interface of this machine, without authentication.",
+                file=sys.stderr,
+            )
+    prefix = network.prefix if network is not None else []
     own_logs = log_dir is None
     logs = Path(tempfile.mkdtemp(prefix="trainwell-workers-")) if own_logs else Path(log_dir)
     logs.mkdir(parents=True, exist_ok=True)
@@ -236,7 +346,7 @@ def launch(
             # Own process group: a Ctrl-C in the terminal reaches the workers once
             # (forwarded), not twice.
             procs.append(
-                subprocess.Popen(list(command), env=worker_env, cwd=cwd, stdout=out, stderr=err,
+                subprocess.Popen(prefix + list(command), env=worker_env, cwd=cwd, stdout=out, stderr=err,
                                  start_new_session=True)
             )
         # One waiter per worker records the order in which the workers end: when a
@@ -283,6 +393,8 @@ def launch(
         return status
     finally:
         _kill(procs)
+        if network is not None:
+            network.close()
         for f in files:
             f.close()
         if main_thread:

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from trainwell.config import MAX_SEED
 from trainwell.io import atomic_write_json, atomic_write_text
 
 STRATEGY_SPECS = ("auto", "mirrored", "multiworker", "tpu", "one_device", "cpu:N")
@@ -287,6 +288,30 @@ def any_across_workers(strategy, flags, flags_fn=None):
     return [bool(x > 0) for x in np.asarray(total).reshape(-1)]
 
 
+def sync_workers(strategy) -> None:
+    """Returns once every worker of `strategy` has called it: a barrier (one small all-reduce).
+
+    A no-op with a single worker. Multi-worker runs call it last (the `trainwell`
+    command does, after printing the result): a worker that exits while the chief
+    still evaluates, plots or exports looks like a crash to TensorFlow's coordination
+    service, which the chief hosts. A barrier that fails (a peer is gone or a
+    collective timed out, see `TRAINWELL_COLLECTIVE_TIMEOUT_S`) is ignored: the run
+    itself is done.
+
+    Args:
+        strategy: The run's `tf.distribute.Strategy`, or `None`.
+
+    Example:
+    >>> sync_workers(None)
+    """
+    if num_workers(strategy) <= 1:
+        return
+    try:
+        any_across_workers(strategy, [False])
+    except Exception:  # noqa: BLE001 - a failed barrier at the very end changes nothing
+        pass
+
+
 def num_replicas(strategy) -> int:
     """Number of replicas in sync of `strategy` (1 for the default strategy).
 
@@ -373,14 +398,17 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
     same hardware bit-identical at some cost in speed.
 
     Args:
-        seed: Non-negative integer.
+        seed: An integer in [0, 2**32 - 1] (NumPy's legacy seed takes 32 bits).
         deterministic: Whether to enable op determinism. Defaults to `False`.
 
     Example:
     >>> seed_everything(42)
     """
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"Invalid value for argument `seed`. Expected an int >= 0. Received: seed={seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(
+            f"Invalid value for argument `seed`. Expected an int in [0, 2**32 - 1] (NumPy's seed range). "
+            f"Received: seed={seed!r}"
+        )
     import keras
 
     os.environ.setdefault("PYTHONHASHSEED", str(seed))

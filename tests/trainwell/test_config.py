@@ -4,7 +4,7 @@ from typing import Literal, Optional
 
 import pytest
 
-from trainwell.config import BaseConfig, ConfigError, check_range, coerce, parse_overrides
+from trainwell.config import BaseConfig, ConfigError, check_range, coerce, parse_overrides, read_config_file
 
 
 @dataclasses.dataclass
@@ -126,3 +126,95 @@ def test_literal_of_ints_accepts_their_strings():
     assert V.load(overrides=["verbose=2"]).verbose == 2
     with pytest.raises(ConfigError, match="Received: verbose=3"):
         V(verbose=3)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN", "1e999"])
+def test_non_finite_numbers_are_refused(value):
+    with pytest.raises(ConfigError, match=rf"`lr`: expected a finite number\. Received: lr='{value}'"):
+        DemoConfig.load(overrides=[f"lr={value}"])
+    with pytest.raises(ConfigError, match="expected a finite number"):
+        DemoConfig(lr=float(value))
+    with pytest.raises(ConfigError, match="expected a finite number"):
+        DemoConfig(lr=10**400)  # an int beyond the float range
+
+
+def test_check_positive_and_range_refuse_nan_directly():
+    # A value that bypassed coercion (a dataclass field typed Any, a subclass) is still checked.
+    from trainwell.config import check_positive
+
+    with pytest.raises(ConfigError, match="expected a number > 0"):
+        check_positive(type("C", (), {"x": float("nan")})(), "x")
+    with pytest.raises(ConfigError, match=r"expected a number in \[0.0, 1.0\]"):
+        check_range(type("C", (), {"x": float("nan")})(), "x", 0.0, 1.0)
+
+
+def test_seed_must_fit_numpys_32_bits():
+    assert DemoConfig(seed=2**32 - 1).seed == 2**32 - 1
+    with pytest.raises(ConfigError, match=r"`seed`: expected an integer in \[0, 4294967295\]"):
+        DemoConfig.load(overrides=[f"seed={2**70}"])
+    with pytest.raises(ConfigError, match="Received: seed=-1"):
+        DemoConfig(seed=-1)
+
+
+def test_run_dir_that_cannot_be_a_directory(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert DemoConfig(run_dir=str(tmp_path / "new" / "run")).run_dir  # not created, just allowed
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(ConfigError, match="is a file; expected a directory"):
+        DemoConfig(run_dir=str(f))
+    with pytest.raises(ConfigError, match="which is a file"):
+        DemoConfig(run_dir=str(f / "run"))
+
+
+def test_config_file_encoding_depth_and_duplicate_keys(tmp_path):
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("dataset: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text \(byte 0xe9 at offset 12\); save it as UTF-8"):
+        DemoConfig.load(latin)
+    bom = tmp_path / "bom.yaml"
+    bom.write_bytes("\ufeffepochs: 4\n".encode("utf-8"))
+    assert DemoConfig.load(bom).epochs == 4  # a UTF-8 byte-order mark is fine
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("boundaries: " + "[" * 3000 + "]" * 3000 + "\n")
+    with pytest.raises(ConfigError, match="nested too deeply|exceeded maximum nesting depth"):
+        DemoConfig.load(deep)
+    deep_json = tmp_path / "deep.json"
+    deep_json.write_text('{"boundaries": ' + "[" * 3000 + "]" * 3000 + "}")
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        DemoConfig.load(deep_json)
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("epochs: 3\nlr: 0.1\nepochs: 5\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'epochs' \(first given on line 1\) \(line 3, column 1\)"):
+        DemoConfig.load(dup)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("a: {x: 1, x: 2}\n")
+    with pytest.raises(ConfigError, match="duplicate key 'x'"):
+        read_config_file(nested)
+    merge = tmp_path / "merge.yaml"  # YAML merge keys are not duplicates
+    merge.write_text("base: &b {x: 1}\nother:\n  <<: *b\n  y: 2\n")
+    assert read_config_file(merge)["other"] == {"x": 1, "y": 2}
+
+
+def test_did_you_mean_for_choices_and_strategy():
+    with pytest.raises(ConfigError, match=r"Did you mean 'mirrored'\? Received: strategy='mirored'"):
+        DemoConfig(strategy="mirored")
+    with pytest.raises(ConfigError, match=r"Did you mean 'mixed_float16' or 'mixed_bfloat16'\? Received: precision='mixed_foat16'"):
+        DemoConfig(precision="mixed_foat16")
+    with pytest.raises(ConfigError, match=r"Unknown config key `1` for DemoConfig\."):
+        DemoConfig.from_dict({1: 2})
+
+
+def test_check_warmup_refuses_only_an_explicit_warmup_as_long_as_the_run():
+    from trainwell.config import check_warmup
+
+    @dataclasses.dataclass
+    class W(BaseConfig):
+        warmup_epochs: Optional[float] = 5.0
+
+    check_warmup(W(epochs=1), "warmup_epochs", 1, "epochs")  # the default: the recipe fits it to the run
+    check_warmup(W(epochs=1, warmup_epochs=None), "warmup_epochs", 1, "epochs")
+    check_warmup(W(epochs=3, warmup_epochs=2), "warmup_epochs", 3, "epochs")
+    for epochs, warmup in ((1, 1), (3, 3), (3, 4.5)):
+        with pytest.raises(ConfigError, match=rf"`warmup_epochs`: expected fewer than epochs={epochs}"):
+            check_warmup(W(epochs=epochs, warmup_epochs=warmup), "warmup_epochs", epochs, "epochs")

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -152,23 +154,173 @@ def test_sigterm_is_forwarded_and_a_preempted_job_exits_143(tmp_path):
             p.wait()
 
 
+def _listening(net_dir: str) -> set[tuple[str, int]]:
+    """`(address, port)` of the TCP sockets in LISTEN state in `/proc/.../net/tcp{,6}`."""
+    out = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = open(os.path.join(net_dir, name)).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A":  # LISTEN
+                addr, port = local.split(":")
+                out.add((addr, int(port, 16)))
+    return out
+
+
+def _interfaces(pid: int) -> set[str]:
+    return {line.split(":")[0].strip() for line in open(f"/proc/{pid}/net/dev").read().splitlines()[2:]}
+
+
+def _isolation_available() -> bool:
+    try:
+        launch.PrivateNetwork().close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _isolation_available(), reason="no network namespaces here (not Linux / user namespaces off)")
+def test_local_workers_listen_only_inside_a_private_loopback_network(tmp_path):
+    # Worker 0 listens as TensorFlow's gRPC server does (on 0.0.0.0:PORT, PORT from TF_CONFIG);
+    # worker 1 reaches it over 127.0.0.1. From outside the workers' network the port must not
+    # be open: not in this (the machine's) namespace's socket table, not connectable.
+    ready, checked = tmp_path / "ready", tmp_path / "checked"
+    seen = {}
+
+    def check(procs):
+        def run():
+            try:
+                deadline = time.monotonic() + 60
+                while not ready.exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                port = int(ready.read_text())
+                seen["worker 0 listens on"] = {a for a, p in _listening(f"/proc/{procs[0].pid}/net") if p == port}
+                seen["worker 0 interfaces"] = _interfaces(procs[0].pid)
+                seen["here"] = {a for a, p in _listening("/proc/self/net") if p == port}
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+                    seen["connect from here"] = "connected"
+                except OSError as e:
+                    seen["connect from here"] = type(e).__name__
+            finally:
+                checked.touch()
+
+        threading.Thread(target=run, daemon=True).start()
+
+    code = launch.launch(_py(f"""
+        import json, os, socket, time
+        cfg = json.loads(os.environ["TF_CONFIG"])
+        port = int(cfg["cluster"]["worker"][0].rsplit(":", 1)[1])
+        if cfg["task"]["index"] == 0:
+            s = socket.socket(); s.bind(("0.0.0.0", port)); s.listen()
+            open({str(ready)!r} + ".tmp", "w").write(str(port)); os.rename({str(ready)!r} + ".tmp", {str(ready)!r})
+            s.accept()
+            while not os.path.exists({str(checked)!r}):
+                time.sleep(0.05)
+        else:
+            while not os.path.exists({str(checked)!r}):
+                time.sleep(0.05)
+            socket.create_connection(("127.0.0.1", port), timeout=10).close()
+    """), 2, timeout_s=90, on_start=check, isolate_network=True)
+    assert code == 0  # worker 1 reached worker 0 over loopback
+    assert seen == {
+        "worker 0 listens on": {"00000000"},  # 0.0.0.0 ...
+        "worker 0 interfaces": {"lo"},  # ... of a network whose only interface is loopback
+        "here": set(),
+        "connect from here": "ConnectionRefusedError",
+    }
+
+
 def test_cli_rejects_a_bad_worker_count():
     trainwell = str(Path(PY).with_name("trainwell"))
     r = subprocess.run([trainwell, "train", "resnet-imagenet", "--workers", "0"], capture_output=True, text=True,
                        timeout=120)
-    assert r.returncode == 2 and "Received: workers='0'" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "--workers: expected an integer >= 1. Received: '0'" in r.stderr and "Traceback" not in r.stderr
+
+
+# Imported by every worker (PYTHONPATH): the chief spends 20 s after training before it
+# returns, longer than TensorFlow's 10 s heartbeat timeout. A worker that exits meanwhile is
+# taken for a crash by the coordination service the chief hosts ("The tasks have crashed").
+_SLOW_CHIEF = """
+import json, os, time
+if json.loads(os.environ.get("TF_CONFIG") or "{}").get("task", {}).get("index") == 0:
+    import trainwell.recipe as recipe
+    finish = recipe.finish_run
+    def slow_finish(*args, **kwargs):
+        out = finish(*args, **kwargs)
+        time.sleep(20)
+        return out
+    recipe.finish_run = slow_finish
+"""
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d))
+    return out
+
+
+def _worker_ports(pid: int) -> dict[int, int]:
+    """`{worker pid: its TF_CONFIG port}` of the launched workers under process `pid`."""
+    out = {}
+    for child in _children(pid):
+        try:
+            env = dict(kv.split("=", 1) for kv in open(f"/proc/{child}/environ").read().split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if "TF_CONFIG" in env:
+            cfg = json.loads(env["TF_CONFIG"])
+            out[child] = int(cfg["cluster"]["worker"][cfg["task"]["index"]].rsplit(":", 1)[1])
+    return out
 
 
 @pytest.mark.slow
 def test_cli_train_with_two_workers(tmp_path):
+    # One run, three checks: it trains; the workers' gRPC servers cannot be reached from this
+    # machine's network (observed in /proc while they run); the output has no TensorFlow
+    # start-up noise and no "The tasks have crashed" (the chief is made slow to finish).
     trainwell = str(Path(PY).with_name("trainwell"))
     sets = ["dataset=digits", "image_size=8", "model=resnet18", "width=4", "epochs=1", "batch_size=64",
             "warmup_epochs=0", "verbose=0", "doctor=false"]
     cmd = [trainwell, "train", "resnet-imagenet", "--workers", "2"] + [a for s in sets for a in ("--set", s)]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "Run finished." in r.stdout and r.stdout.count("Run finished.") == 1  # the chief's output only
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_SLOW_CHIEF)
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TRAINWELL_TF_LOGS")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(tmp_path / "site"))
+    isolated = _isolation_available()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
+    listening = {}  # worker pid -> addresses it listens on, in its own network
+    try:
+        while p.poll() is None and len(listening) < 2:
+            for pid, port in _worker_ports(p.pid).items():
+                addrs = {a for a, q in _listening(f"/proc/{pid}/net") if q == port}
+                if addrs:
+                    listening[pid] = (addrs, _interfaces(pid), {a for a, q in _listening("/proc/self/net") if q == port})
+            time.sleep(0.2)
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, err[-3000:]
+    assert "Run finished." in out and out.count("Run finished.") == 1  # the chief's output only
+    assert len(listening) == 2
+    for addrs, interfaces, here in listening.values():
+        assert addrs  # TF binds every interface (0.0.0.0 / ::) ...
+        if isolated:
+            assert interfaces == {"lo"} and here == set()  # ... of a network with only loopback, not ours
+    assert "The tasks have crashed" not in err and "unhealthy" not in err, err[-3000:]
+    assert "cuInit" not in err and "absl::InitializeLog" not in err, err[-3000:]
     (run_dir,) = list((tmp_path / "runs").iterdir())  # one shared run directory
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["strategy"] in ("MultiWorkerMirroredStrategy", "CollectiveAllReduceStrategy")

@@ -117,6 +117,9 @@ def test_seed_everything_reproducible():
     assert np.allclose(a[0], b[0]) and a[1] == b[1] and a[2] == b[2]
     with pytest.raises(ValueError, match="Received: seed=-1"):
         runtime.seed_everything(-1)
+    runtime.seed_everything(2**32 - 1)  # NumPy's largest seed
+    with pytest.raises(ValueError, match=r"Expected an int in \[0, 2\*\*32 - 1\].*Received: seed=4294967296"):
+        runtime.seed_everything(2**32)  # NumPy would raise deep inside keras.utils.set_random_seed
 
 
 def test_run_dir_and_manifest(tmp_path):

@@ -14,8 +14,11 @@ from trainwell.data.embedded import (
     minilm_preset_dir,
     stratified_split,
 )
+from trainwell.data.sources import DataError, DataNotFoundError
 
 __all__ = [
+    "DataError",
+    "DataNotFoundError",
     "EMBEDDED_DATASETS",
     "EMBEDDED_MODELS",
     "MissingDataError",

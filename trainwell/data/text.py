@@ -16,11 +16,13 @@ Two steps, kept apart so each can be tested and reused:
    - plain Python: `(texts, labels)` or `{"train": (texts, labels), "val": ..., "test": ...}`.
 
    `text_field` and `label_field` name the columns (keys); the text field defaults to
-   the first of `text`, `sentence`, `review`, `content` that exists. Labels that are
-   all integers are used as ids; otherwise (strings) they are mapped to ids in sorted
-   order, and that mapping (`class_names`) is what `save_label_map` writes next to the
-   exported model. A label in validation/test data that training never saw, a
-   missing column, an empty file: a `ValueError` naming the field or file.
+   the first of `text`, `sentence`, `review`, `content` that exists. The distinct
+   training labels are sorted (numerically when all are integers, else as strings) and
+   numbered 0..K-1 (labels {0, 7} are 2 classes named "0" and "7"), and that mapping
+   (`class_names`) is what `save_label_map` writes next to the exported model. A label
+   that is not one value (a JSON list), a label in validation/test data that training
+   never saw, a single class, a missing column, an empty file, a file that is not
+   UTF-8: a one-line `trainwell.data.sources.DataError` naming the field, file and line.
    Validation (and test, when missing) are carved from train with
    `trainwell.data.embedded.stratified_split`: deterministic and stratified.
 
@@ -58,6 +60,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+
+from trainwell.data.sources import DataError, DataNotFoundError, resolve_path
 
 TEXT_FIELD_CANDIDATES = ("text", "sentence", "review", "content")
 LABEL_MAP_FILE = "labels.json"
@@ -115,9 +119,14 @@ def _as_texts(values: Iterable[Any], where: str) -> np.ndarray:
         if isinstance(v, bytes):
             v = v.decode("utf-8", errors="replace")
         if v is None or not isinstance(v, str):
-            raise ValueError(f"Text #{i} of {where} is not a string. Received: {v!r}")
+            raise DataError(f"Text #{i} of {where} is not a string. Received: {_short(v)}")
         out.append(v)
     return np.array(out, dtype=object)
+
+
+def _short(v: Any, n: int = 80) -> str:
+    r = repr(v)
+    return r if len(r) <= n else r[: n - 3] + "..."
 
 
 def _is_int_label(v: Any) -> bool:
@@ -133,158 +142,263 @@ def _is_int_label(v: Any) -> bool:
     return False
 
 
+def _is_scalar_label(v: Any) -> bool:
+    if isinstance(v, np.ndarray):
+        return v.ndim == 0
+    return isinstance(v, (str, bytes, int, float, np.generic))
+
+
 def _encode_labels(
     raw: dict[str, list], class_names: Sequence[str] | None, where: dict[str, str]
 ) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Maps raw labels of each split to ids; the training labels define the mapping."""
-    train = raw["train"]
+    """Maps raw labels of each split to ids; the training labels define the mapping.
+
+    Without `class_names`, the distinct training labels are sorted (numerically when
+    they are all integers, else as strings) and numbered 0..K-1: labels {0, 7} are two
+    classes named "0" and "7", not eight. A label must be one value (a string or a
+    number, not a list), and the training data must hold at least two classes.
+    """
     for split, labels in raw.items():
-        for v in labels:
+        for i, v in enumerate(labels):
             if v is None or (isinstance(v, str) and not v.strip()):
-                raise ValueError(f"Empty label in {where[split]}.")
+                raise DataError(f"Empty label in row {i + 1} of {where[split]}.")
+            if not _is_scalar_label(v):
+                raise DataError(
+                    f"The label in row {i + 1} of {where[split]} is not a single value: {_short(v)}. "
+                    "Expected one string or number per example."
+                )
+    train = raw["train"]
+    int_index: dict[int, int] | None = None
     if class_names is not None:
         names = [str(c) for c in class_names]
         index = {n: i for i, n in enumerate(names)}
-        as_int = all(_is_int_label(v) for vs in raw.values() for v in vs) and not all(
+        as_ids = all(_is_int_label(v) for vs in raw.values() for v in vs) and not all(
             str(v).strip() in index for vs in raw.values() for v in vs
         )
     else:
-        as_int = all(_is_int_label(v) for vs in raw.values() for v in vs)
-        if as_int:
-            ids = [int(float(v)) for v in train]
-            if min(ids) < 0:
-                raise ValueError(
-                    f"Negative label {min(ids)} in {where['train']}: integer labels must be class ids >= 0."
-                )
-            names = [str(i) for i in range(max(ids) + 1)]
+        as_ids = False
+        if all(_is_int_label(v) for vs in raw.values() for v in vs):
+            distinct = sorted({int(float(v)) for v in train})
+            names = [str(d) for d in distinct]
+            int_index = {d: i for i, d in enumerate(distinct)}
         else:
             names = sorted({str(v).strip() for v in train})
         index = {n: i for i, n in enumerate(names)}
     out: dict[str, np.ndarray] = {}
-    train_seen: set[int] = set()
     for split in ("train", *[s for s in raw if s != "train"]):
         ids = []
         for v in raw[split]:
-            if as_int:
+            if as_ids:  # integer labels with given class names: the labels are the ids
                 k = int(float(v))
                 if not 0 <= k < len(names):
-                    raise ValueError(
+                    raise DataError(
                         f"Label {k} in {where[split]} is out of range: expected a class id in [0, {len(names)})."
+                    )
+            elif int_index is not None:
+                k = int_index.get(int(float(v)), -1)
+                if k < 0:
+                    raise DataError(
+                        f"Label {int(float(v))} in {where[split]} never occurs in the training data "
+                        f"({where['train']}); known labels: {_short(names, 200)}."
                     )
             else:
                 key = str(v).strip()
                 if key not in index:
                     if class_names is None:
-                        raise ValueError(
+                        raise DataError(
                             f"Label {key!r} in {where[split]} never occurs in the training data "
-                            f"({where['train']}); known labels: {names}."
+                            f"({where['train']}); known labels: {_short(names, 200)}."
                         )
-                    raise ValueError(f"Label {key!r} in {where[split]} is not one of class_names={names}.")
+                    raise DataError(f"Label {key!r} in {where[split]} is not one of class_names={names}.")
                 k = index[key]
             ids.append(k)
-        arr = np.array(ids, dtype=np.int64)
-        if split == "train":
-            train_seen = set(arr.tolist())
-        elif as_int and class_names is None:
-            unseen = sorted(set(arr.tolist()) - train_seen)
-            if unseen:
-                raise ValueError(
-                    f"Label {unseen[0]} in {where[split]} never occurs in the training data ({where['train']})."
-                )
-        out[split] = arr
+        out[split] = np.array(ids, dtype=np.int64)
+    seen = np.unique(out["train"])
+    if len(seen) < 2:
+        only = names[int(seen[0])] if len(seen) else None
+        raise DataError(
+            f"The training data ({where['train']}) has only one class ({only!r}, {len(out['train'])} examples): "
+            "a classifier needs at least 2."
+        )
     return out, names
 
 
 def _pick_text_field(fields: Sequence[str], text_field: str | None, where: str) -> str:
     if text_field is not None:
         if text_field not in fields:
-            raise ValueError(
+            raise DataError(
                 f"Text field {text_field!r} not found in {where}; fields: {list(fields)}. Set `text_field`."
             )
         return text_field
     for c in TEXT_FIELD_CANDIDATES:
         if c in fields:
             return c
-    raise ValueError(
+    raise DataError(
         f"No text field in {where}: none of {list(TEXT_FIELD_CANDIDATES)} among its fields {list(fields)}. "
         "Set `text_field`."
     )
 
 
+#: Longest CSV field read: Python's `csv` stops at 128 KiB, shorter than some documents.
+CSV_FIELD_LIMIT = 1 << 30
+
+
+def _not_utf8(path: Path) -> DataError:
+    """The one-line error for a file that is not UTF-8, naming the line and the byte."""
+    raw = path.read_bytes()
+    try:
+        raw.decode("utf-8")
+        start = 0
+    except UnicodeDecodeError as e:
+        start = e.start
+    line = raw.count(b"\n", 0, start) + 1
+    byte = f"byte 0x{raw[start]:02x} " if start < len(raw) else ""
+    return DataError(f"{str(path)!r} is not UTF-8 text ({byte}on line {line}); save it as UTF-8.")
+
+
 def _read_csv(path: Path) -> tuple[list[str], list[dict]]:
-    with path.open(newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        fields = [c for c in (reader.fieldnames or [])]
-        rows = [r for r in reader if any((v or "").strip() for v in r.values() if isinstance(v, str))]
+    old_limit = csv.field_size_limit(CSV_FIELD_LIMIT)
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as f:
+            reader = csv.DictReader(f)
+            try:
+                fields = [c for c in (reader.fieldnames or [])]
+                rows = [r for r in reader if any((v or "").strip() for v in r.values() if isinstance(v, str))]
+            except csv.Error as e:
+                raise DataError(f"Cannot read {str(path)!r} as CSV (line {reader.line_num}): {e}.") from None
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
+    finally:
+        csv.field_size_limit(old_limit)
     return fields, rows
 
 
 def _read_jsonl(path: Path) -> tuple[list[str], list[dict]]:
     rows: list[dict] = []
     fields: list[str] = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"Invalid JSON on line {n} of {str(path)!r}: {e.msg}.") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"Line {n} of {str(path)!r} is not a JSON object. Received: {line.strip()[:80]!r}")
-            for k in row:
-                if k not in fields:
-                    fields.append(k)
-            rows.append(row)
+    try:
+        with path.open(encoding="utf-8-sig") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except (json.JSONDecodeError, RecursionError) as e:
+                    msg = getattr(e, "msg", "nested too deeply")
+                    raise DataError(f"Invalid JSON on line {n} of {str(path)!r}: {msg}.") from None
+                if not isinstance(row, dict):
+                    raise DataError(
+                        f"Line {n} of {str(path)!r} is not a JSON object. Received: {_short(line.strip())}"
+                    )
+                for k in row:
+                    if k not in fields:
+                        fields.append(k)
+                rows.append(row)
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
     return fields, rows
 
 
 def _read_table(path: Path, kind: str, text_field: str | None, label_field: str) -> tuple[list, list]:
     if not path.is_file():
-        raise FileNotFoundError(f"Data file not found: {str(path)!r}")
+        raise DataNotFoundError(f"Data file not found: {str(path)!r}")
     if path.stat().st_size == 0:
-        raise ValueError(f"Empty file: {str(path)!r} has no rows.")
+        raise DataError(f"Empty file: {str(path)!r} has no rows.")
     fields, rows = _read_csv(path) if kind == "csv" else _read_jsonl(path)
     if not rows:
-        raise ValueError(f"Empty file: {str(path)!r} has no rows.")
+        raise DataError(f"Empty file: {str(path)!r} has no rows.")
     where = repr(str(path))
     tf_name = _pick_text_field(fields, text_field, where)
     if label_field not in fields:
-        raise ValueError(f"Label field {label_field!r} not found in {where}; fields: {fields}. Set `label_field`.")
+        raise DataError(f"Label field {label_field!r} not found in {where}; fields: {fields}. Set `label_field`.")
     texts, labels = [], []
     for i, r in enumerate(rows):
         if r.get(tf_name) is None:
-            raise ValueError(f"Row {i + 1} of {where} has no value for the text field {tf_name!r}.")
+            raise DataError(f"Row {i + 1} of {where} has no value for the text field {tf_name!r}.")
         if r.get(label_field) is None:
-            raise ValueError(f"Row {i + 1} of {where} has no value for the label field {label_field!r}.")
+            raise DataError(f"Row {i + 1} of {where} has no value for the label field {label_field!r}.")
         texts.append(r[tf_name])
         labels.append(r[label_field])
     return texts, labels
 
 
-def _file_source(kind: str, rest: str, data_dir: str | None, text_field, label_field) -> tuple[dict, dict]:
-    path = Path(rest).expanduser()
-    if not path.is_absolute() and data_dir:
-        path = Path(data_dir) / path
-    files: dict[str, Path] = {}
-    if path.is_dir():
-        ext = f".{kind}"
-        train = path / f"train{ext}"
-        if not train.is_file():
-            raise FileNotFoundError(f"No training file in {str(path)!r}: expected {train.name}.")
-        files["train"] = train
-        for name in _VAL_NAMES:
-            if (path / f"{name}{ext}").is_file():
-                files["val"] = path / f"{name}{ext}"
-                break
-        if (path / f"test{ext}").is_file():
-            files["test"] = path / f"test{ext}"
-    else:
-        files["train"] = path
-    raw, where = {}, {}
+def _source_files(kind: str, rest: str, data_dir: str | None) -> dict[str, Path]:
+    path = Path(resolve_path(rest, data_dir))
+    if not path.is_dir():
+        return {"train": path}
+    ext = f".{kind}"
+    files = {"train": path / f"train{ext}"}
+    if not files["train"].is_file():
+        raise DataNotFoundError(f"No training file in {str(path)!r}: expected {files['train'].name}.")
+    for name in _VAL_NAMES:
+        if (path / f"{name}{ext}").is_file():
+            files["val"] = path / f"{name}{ext}"
+            break
+    if (path / f"test{ext}").is_file():
+        files["test"] = path / f"test{ext}"
+    return files
+
+
+# The last CSV/JSONL sources read, by file identity: building a config checks the file
+# (`trainwell.data.sources.check_text_source`), and the run that follows reuses the parse.
+_FILE_CACHE: dict[tuple, tuple[dict, dict]] = {}
+_FILE_CACHE_SIZE = 2
+
+
+def read_file_source(
+    kind: str,
+    rest: str,
+    data_dir: str | None = None,
+    text_field: str | None = None,
+    label_field: str = "label",
+    check_labels: bool = False,
+) -> tuple[dict[str, tuple[list, list]], dict[str, str]]:
+    """Reads a `csv:`/`jsonl:` source into `({split: (texts, labels)}, {split: "'file'"})`.
+
+    A file is train only; a directory holds `train.EXT` and optionally
+    `val`/`validation`/`dev.EXT` and `test.EXT`. The parse of the last sources read is
+    cached by file path, size and modification time, so checking a config and then
+    training reads each file once.
+
+    Args:
+        kind: `"csv"` or `"jsonl"`.
+        rest: The path after `kind:`.
+        data_dir: Base of a relative path. Defaults to `None`.
+        text_field: The text column. Defaults to `None` (the first of the usual names).
+        label_field: The label column. Defaults to `"label"`.
+        check_labels: Also check the texts and labels (strings; one value per label; at
+            least two classes; no validation/test label unseen in training).
+            Defaults to `False`.
+
+    Raises:
+        DataError: a missing file (`DataNotFoundError`), a file that is not UTF-8 or not
+            CSV/JSONL, an empty file, a missing field or value, bad labels. One line
+            naming the file (and the line or row).
+
+    Example:
+    >>> raw, where = read_file_source("csv", "reviews.csv")  # doctest: +SKIP
+    """
+    files = _source_files(kind, rest, data_dir)
+    stats = []
     for split, p in files.items():
-        raw[split] = _read_table(p, kind, text_field, label_field)
-        where[split] = repr(str(p))
+        try:
+            st = p.stat()
+        except OSError:
+            raise DataNotFoundError(f"Data file not found: {str(p)!r}") from None
+        stats.append((split, str(p), st.st_size, st.st_mtime_ns))
+    key = (kind, text_field, label_field, tuple(stats))
+    hit = _FILE_CACHE.get(key)
+    if hit is None:
+        raw = {split: _read_table(p, kind, text_field, label_field) for split, p in files.items()}
+        hit = (raw, {split: repr(str(p)) for split, p in files.items()})
+        while len(_FILE_CACHE) >= _FILE_CACHE_SIZE:
+            _FILE_CACHE.pop(next(iter(_FILE_CACHE)))
+        _FILE_CACHE[key] = hit
+    raw, where = dict(hit[0]), dict(hit[1])
+    if check_labels:
+        for split, (texts, _) in raw.items():
+            _as_texts(texts, where[split])
+        _encode_labels({k: v[1] for k, v in raw.items()}, None, where)
     return raw, where
 
 
@@ -294,13 +408,14 @@ def _tfds_source(name: str, data_dir: str | None, text_field, label_field) -> tu
     try:
         builder = tfds.builder(name, data_dir=data_dir)
     except Exception as e:  # DatasetNotFoundError and friends
-        raise ValueError(f"Unknown TFDS dataset {name!r} (source 'tfds:{name}'): {e}") from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"Unknown TFDS dataset {name!r} (source 'tfds:{name}'): {first}") from None
     info = builder.info
     features = dict(info.features.items())
     text_keys = [k for k, f in features.items() if isinstance(f, tfds.features.Text)]
     tf_name = _pick_text_field(text_keys or list(features), text_field, f"TFDS dataset {name!r}")
     if label_field not in features:
-        raise ValueError(
+        raise DataError(
             f"Label field {label_field!r} not found in TFDS dataset {name!r}; fields: {list(features)}. "
             "Set `label_field`."
         )
@@ -309,7 +424,7 @@ def _tfds_source(name: str, data_dir: str | None, text_field, label_field) -> tu
     known = dict(info.splits.items()) if info.splits else {}
     available = list(known) if known else list(_TFDS_KNOWN_SPLITS.get(name.split("/")[0].split(":")[0], ("train", "test")))
     if "train" not in available:
-        raise ValueError(f"TFDS dataset {name!r} has no 'train' split. Splits: {sorted(available)}.")
+        raise DataError(f"TFDS dataset {name!r} has no 'train' split. Splits: {sorted(available)}.")
     raw, where = {}, {}
     for tfds_split, split in (("train", "train"), ("validation", "val"), ("test", "test")):
         if tfds_split not in available:
@@ -317,7 +432,7 @@ def _tfds_source(name: str, data_dir: str | None, text_field, label_field) -> tu
         try:
             ds = builder.as_dataset(split=tfds_split, shuffle_files=False)
         except (AssertionError, FileNotFoundError) as e:
-            raise FileNotFoundError(
+            raise DataNotFoundError(
                 f"TFDS dataset {name!r} is not prepared in data_dir {str(builder.data_dir)!r}: "
                 f"{str(e).strip().rstrip('.')}. Prepare it first (e.g. `tfds build {name} --data_dir DIR`)."
             ) from None
@@ -330,7 +445,7 @@ def _tfds_source(name: str, data_dir: str | None, text_field, label_field) -> tu
         raw[split] = (texts, labels)
         where[split] = f"the {tfds_split!r} split of TFDS dataset {name!r}"
     if "train" not in raw:
-        raise ValueError(f"The 'train' split of TFDS dataset {name!r} is empty.")
+        raise DataError(f"The 'train' split of TFDS dataset {name!r} is empty.")
     if "test" not in raw and "val" in raw:  # GLUE: validation is the held-out test
         raw["test"], where["test"] = raw.pop("val"), where.pop("val")
     return raw, where, names
@@ -398,9 +513,12 @@ def load_text_splits(
         A `TextSplits`.
 
     Raises:
-        FileNotFoundError: a file, directory or TFDS dataset that is missing or not prepared.
-        ValueError: a missing text/label field, an empty file, a label unseen in
-            training, a bad argument; the message names the field or file.
+        DataNotFoundError: a file, directory or TFDS dataset that is missing or not
+            prepared (also a `FileNotFoundError`).
+        DataError: a missing text/label field, an empty file, a file that is not UTF-8,
+            a label that is not one value, a label unseen in training, a single class;
+            the message names the field or file.
+        ValueError: a bad argument.
 
     Example:
     >>> s = load_text_splits("rotten_tomatoes")
@@ -432,7 +550,7 @@ def load_text_splits(
             )
             return _truncate(out, max_train_examples)
         if kind in ("csv", "jsonl") and rest:
-            raw, where = _file_source(kind, rest, data_dir, text_field, label_field)
+            raw, where = read_file_source(kind, rest, data_dir, text_field, label_field)
         elif kind == "tfds" and rest:
             raw, where, names_from_source = _tfds_source(rest, data_dir, text_field, label_field)
         else:
@@ -445,7 +563,7 @@ def load_text_splits(
     texts = {k: _as_texts(v[0], where[k]) for k, v in raw.items()}
     for k, t in texts.items():
         if len(t) == 0:
-            raise ValueError(f"No examples in {where[k]}.")
+            raise DataError(f"No examples in {where[k]}.")
     names_arg = class_names if class_names is not None else names_from_source
     labels, names = _encode_labels({k: v[1] for k, v in raw.items()}, names_arg, where)
 
@@ -460,7 +578,7 @@ def load_text_splits(
         parts = {"train": (x, y)}
     train = parts["train"]
     if len(train[1]) == 0:
-        raise ValueError(f"No training examples left in {where['train']} after carving validation/test.")
+        raise DataError(f"No training examples left in {where['train']} after carving validation/test.")
     val = (texts["val"], labels["val"]) if has_val else (parts["val"] if carve_val else None)
     test = (texts["test"], labels["test"]) if has_test else (parts["test"] if carve_test else None)
     out = TextSplits(name=name, train=train, val=val, test=test, class_names=list(names))
@@ -649,7 +767,7 @@ def build_text_datasets(
     x, y = splits.train
     n = len(y)
     if n < global_batch_size:
-        raise ValueError(
+        raise DataError(
             f"The training split of {splits.name!r} has {n} examples, fewer than one batch of "
             f"global_batch_size={global_batch_size}."
         )
@@ -661,7 +779,7 @@ def build_text_datasets(
     bucket_ids = np.searchsorted(np.asarray(bounds), lengths, side="left")
     steps_train = int(sum(c // global_batch_size for c in np.bincount(bucket_ids, minlength=len(bounds))))
     if steps_train < 1:
-        raise ValueError(f"Too few training examples in {splits.name!r} for one full batch per length bucket.")
+        raise DataError(f"Too few training examples in {splits.name!r} for one full batch per length bucket.")
     bounds_t = tf.constant(bounds, tf.int64)
 
     def key(inputs, label, length):

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from trainwell.data import DataError
 from trainwell.data import images as im
 from trainwell.data.images import GRAY_MEAN, GRAY_STD, IMAGENET_MEAN, IMAGENET_STD, build_image_datasets
+from trainwell.data.sources import check_image_folder, image_problem
 
 CLASSES = ("ant", "bee", "cat")
 
@@ -25,6 +27,7 @@ def _write(path, data):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as f:
         f.write(data)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +351,7 @@ def test_invalid_arguments(kwargs, match):
         build_image_datasets(**args)
 
 
-def test_structural_check_catches_truncated_and_non_images():
+def test_structural_check_catches_truncated_and_non_images(tmp_path):
     rng = np.random.default_rng(4)
     img = rng.integers(0, 256, (20, 30, 3), dtype=np.uint8)
     jpeg, png = tf.io.encode_jpeg(img).numpy(), tf.io.encode_png(img).numpy()
@@ -361,6 +364,42 @@ def test_structural_check_catches_truncated_and_non_images():
     check = tf.function(im._valid_image)
     got = {k: bool(check(tf.constant(v))) for k, (v, _) in cases.items()}
     assert got == {k: want for k, (_, want) in cases.items()}
+    # The Python mirror that checks folders when a config is built agrees with the in-graph check.
+    files = {}
+    for k, (v, _) in cases.items():
+        files[k] = _write(str(tmp_path / k.replace(" ", "_")), v)
+    assert {k: image_problem(f) is None for k, f in files.items()} == got
+
+
+def test_one_class_and_all_corrupt_folders_are_refused_with_the_counts(tmp_path):
+    rng = np.random.default_rng(6)
+    one = tmp_path / "one"
+    for i in range(3):
+        _write(str(one / "cat" / f"{i}.jpg"), _jpeg(rng))
+    (one / "dog").mkdir()  # no images: not a class
+    with pytest.raises(DataError, match=r"has images of only 1 class \('cat', 3 images\): a classifier needs at least 2"):
+        build_image_datasets(f"folder:{one}", 16, 2)
+    bad = tmp_path / "bad"
+    for c in ("cat", "dog"):
+        _write(str(bad / c / "a.jpg"), _jpeg(rng)[:-100])  # truncated
+        _write(str(bad / c / "b.png"), b"<html>Not Found</html>")
+    with pytest.raises(DataError, match=r"Nothing to train on: all 4 images of the image folder '.*bad' are corrupt"):
+        build_image_datasets(f"folder:{bad}", 16, 2)
+    _write(str(bad / "dog" / "c.jpg"), _jpeg(rng))  # one readable image is enough to go on (the rest is skipped)
+    check_image_folder(bad)
+
+
+def test_a_file_name_that_is_not_utf8_is_read(tmp_path):
+    rng = np.random.default_rng(7)
+    for c in ("a", "b"):
+        for i in range(2):
+            _write(str(tmp_path / c / f"{i}.jpg"), _jpeg(rng))
+    latin1_name = os.path.join(os.fsencode(tmp_path / "a"), b"caf\xe9.jpg")  # not valid UTF-8
+    with open(latin1_name, "wb") as f:
+        f.write(_jpeg(rng))
+    data = build_image_datasets(f"folder:{tmp_path}", 16, 1, val_fraction=0.0, test_fraction=0.0)
+    x, _ = _epoch(data.train)
+    assert data.counts["train"] == 5 and len(x) == 5 and data.skipped["train"] == 0
 
 
 def test_undecodable_image_passing_the_check_is_dropped_not_fatal(tmp_path):

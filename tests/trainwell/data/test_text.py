@@ -183,3 +183,66 @@ def test_pipeline_tokenises_buckets_and_reshuffles(preprocessor):
     # evaluation keeps the order and covers every example once
     got = np.concatenate([y.numpy() for _, y in data.test])
     assert np.array_equal(got, s.test[1]) and data.steps["test"] == 1
+
+
+def test_integer_labels_are_the_distinct_values_sorted_not_a_range():
+    s = text.load_text_splits((["a", "b", "c", "d"], [7, 0, 7, 0]), val_fraction=0.0, test_fraction=0.0)
+    assert s.class_names == ["0", "7"] and s.train[1].tolist() == [1, 0, 1, 0]  # 2 classes, not 8
+    big = text.load_text_splits((["a", "b"] * 2, [0, 300_000_000] * 2), val_fraction=0.0, test_fraction=0.0)
+    assert big.class_names == ["0", "300000000"]  # no range(300000001) of names
+    num = text.load_text_splits((["a", "b", "c"] * 2, ["10", "2", "-1"] * 2), val_fraction=0.0, test_fraction=0.0)
+    assert num.class_names == ["-1", "2", "10"]  # numeric order, negatives allowed
+    with pytest.raises(text.DataError, match=r"Label 5 in the 'test' data never occurs in the training data"):
+        text.load_text_splits({"train": (["a", "b"], [0, 7]), "test": (["c"], [5])})
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ('{"text": "a", "label": [0]}\n{"text": "b", "label": [1]}\n',
+         r"The label in row 1 of '.*x\.jsonl' is not a single value: \[0\]\. Expected one string or number"),
+        ('{"text": "a", "label": {"y": 1}}\n{"text": "b", "label": 0}\n', r"is not a single value: \{'y': 1\}"),
+        ('{"text": ["a"], "label": 0}\n{"text": "b", "label": 1}\n', r"Text #0 of '.*x\.jsonl' is not a string"),
+        ('{"text": "a", "label": 0}\n{"text": "b", "label": 1\n', r"Invalid JSON on line 2 of '.*x\.jsonl'"),
+        ('{"text": "a", "label": "pos"}\n{"text": "b", "label": "pos"}\n',
+         r"The training data \('.*x\.jsonl'\) has only one class \('pos', 2 examples\): a classifier needs at least 2"),
+    ],
+    ids=["list label", "dict label", "list text", "bad line", "one class"],
+)
+def test_bad_jsonl_is_a_one_line_data_error(tmp_path, content, match):
+    p = tmp_path / "x.jsonl"
+    p.write_text(content)
+    with pytest.raises(text.DataError, match=match) as e:
+        text.load_text_splits(f"jsonl:{p}", val_fraction=0.0, test_fraction=0.0)
+    assert "\n" not in str(e.value)
+
+
+def test_file_encoding_and_long_fields(tmp_path):
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes("text,label\nfine,pos\ncaf\xe9 cr\xe8me,neg\n".encode("latin-1"))
+    with pytest.raises(text.DataError, match=r"'.*latin\.csv' is not UTF-8 text \(byte 0xe9 on line 3\); save it as"):
+        text.load_text_splits(f"csv:{latin}")
+    long_text = "word " * 40_000  # 200 KB: over Python csv's default field limit of 128 KiB
+    big = write_csv(tmp_path / "big.csv", [(long_text, "pos"), ("short", "neg")] * 3)
+    s = text.load_text_splits(f"csv:{big}", val_fraction=0.0, test_fraction=0.0)
+    assert max(len(t) for t in s.train[0]) == len(long_text)
+    assert csv.field_size_limit() == 131072  # the process-wide limit is left as it was
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes("\ufefftext,label\na,pos\nb,neg\n".encode("utf-8"))  # Excel's UTF-8 CSV
+    assert text.load_text_splits(f"csv:{bom}", val_fraction=0.0, test_fraction=0.0).sizes()["train"] == 2
+
+
+def test_checking_a_config_and_loading_read_the_file_once(tmp_path, monkeypatch):
+    from trainwell.data.sources import check_text_source
+
+    texts, labels = make_texts(40)
+    f = write_csv(tmp_path / "r.csv", zip(texts, labels))
+    reads = []
+    real = text._read_table
+    monkeypatch.setattr(text, "_read_table", lambda *a: reads.append(a[0]) or real(*a))
+    check_text_source(f"csv:{f}")
+    s = text.load_text_splits(f"csv:{f}")
+    assert len(reads) == 1 and s.sizes()["train"] == 28
+    f.write_text("text,label\n" + "".join(f"t{i},{i % 2}\n" for i in range(10)))  # a new file is read again
+    assert text.load_text_splits(f"csv:{f}", val_fraction=0.0, test_fraction=0.0).class_names == ["0", "1"]
+    assert len(reads) == 2

@@ -1,0 +1,144 @@
+"""The command line's bad-input table: each bad input is one line on stderr, exit status 2, no run directory.
+
+Most cases fail when the config is built, so `--dry-run` catches them and no TensorFlow op
+runs; they go through `cli.main` in this process. `test_cli.py` checks a few of them
+through the console script (exit status and the whole of stderr).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from trainwell import cli
+
+R, T = "resnet-imagenet", "transformer-finetune"
+# A PNG signature and end chunk: what the folder check reads (it does not decode).
+PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 32 + b"IEND\xaeB`\x82"
+
+
+def _write(path, data: bytes | str) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory):
+    """Bad inputs on disk, by name."""
+    d = tmp_path_factory.mktemp("bad")
+    rows = "".join(f"review {i},{'pos' if i % 2 else 'neg'}\n" for i in range(20))
+    f = {
+        "a_file": _write(d / "a_file", "not a directory"),
+        "empty_csv": _write(d / "empty.csv", ""),
+        "header_only_csv": _write(d / "header.csv", "text,label\n"),
+        "no_label_csv": _write(d / "nolabel.csv", "text,stars\n" + rows),
+        "one_class_csv": _write(d / "oneclass.csv", "text,label\n" + "".join(f"r {i},pos\n" for i in range(20))),
+        "latin1_csv": _write(d / "latin1.csv", ("text,label\n" + rows + "caf\xe9 cr\xe8me,pos\n").encode("latin-1")),
+        "bad_jsonl": _write(d / "bad.jsonl", '{"text": "a", "label": 0}\n{"text": "b", "label": \n'),
+        "list_label_jsonl": _write(d / "list.jsonl", "".join(
+            json.dumps({"text": f"t{i}", "label": [i % 2]}) + "\n" for i in range(10))),
+        "latin1_yaml": _write(d / "latin1.yaml", "dataset: caf\xe9\n".encode("latin-1")),
+        "deep_yaml": _write(d / "deep.yaml", "epochs: " + "[" * 3000 + "]" * 3000 + "\n"),
+        "dup_yaml": _write(d / "dup.yaml", "epochs: 3\nbatch_size: 8\nepochs: 5\n"),
+        "preset_no_config": str(d / "preset_dir"),
+    }
+    os.makedirs(f["preset_no_config"])
+    one = d / "one_class"
+    for i in range(3):
+        _write(one / "cat" / f"{i}.png", PNG)
+    (one / "dog").mkdir()  # a class folder without images is no class
+    f["one_class_folder"] = str(one)
+    corrupt = d / "all_corrupt"
+    for c in ("cat", "dog"):
+        _write(corrupt / c / "0.jpg", b"<html>404</html>")
+        _write(corrupt / c / "1.png", PNG[:20])  # truncated: no IEND
+    f["corrupt_folder"] = str(corrupt)
+    f["empty_folder"] = str(d / "empty_folder")
+    os.makedirs(f["empty_folder"])
+    return f
+
+
+def _train(recipe, *sets):
+    return ["train", recipe, "--dry-run", *[a for s in sets for a in ("--set", s)]]
+
+
+# (id, argv builder, what the one line must say). `{name}` is a path from the `bad` fixture.
+CASES = [
+    # -- names, with "did you mean"
+    ("unknown recipe", ["train", "resnet-imagnet"], "Did you mean 'resnet-imagenet'?"),
+    ("unknown dataset", _train(R, "dataset=nosuch"), "Received: dataset='nosuch'"),
+    ("dataset typo", _train(R, "dataset=mnist"), "Did you mean 'mnist5k' or 'tfds:mnist'?"),
+    ("text dataset typo", _train(T, "dataset=rotten-tomatoes"), "Did you mean 'rotten_tomatoes'?"),
+    ("source kind typo", _train(R, "dataset=foldr:/data"), "Did you mean 'folder:/data'?"),
+    ("unknown TFDS name", _train(R, "dataset=tfds:mnsit"), "Did you mean 'tfds:mnist'"),
+    ("TFDS not prepared", _train(R, "dataset=tfds:mnist", "data_dir={empty_folder}"), "is not prepared"),
+    ("preset typo", _train(T, "preset=minilmm"), "Did you mean 'minilm'?"),
+    ("augment typo", _train(R, "dataset=digits", "augment=bogus"), "Received: augment='bogus'"),
+    ("strategy typo", _train(R, "dataset=digits", "strategy=mirored"), "Did you mean 'mirrored'?"),
+    ("unknown key", _train(R, "dataset=digits", "epoch=3"), "Did you mean `epochs`?"),
+    # -- paths
+    ("missing folder", _train(R, "dataset=folder:/nonexistent/images"), "Image folder '/nonexistent/images' not found"),
+    ("missing TFRecords", _train(R, "dataset=tfrecord:/nonexistent/train-*"), "no directory '/nonexistent'"),
+    ("missing CSV", _train(T, "dataset=csv:/nonexistent/reviews.csv"), "no file or directory"),
+    ("missing preset dir", _train(T, "preset=/nonexistent/preset"), "preset directory '/nonexistent/preset' not found"),
+    ("not a preset dir", _train(T, "preset={preset_no_config}"), "no config.json"),
+    ("run_dir is a file", _train(R, "dataset=digits", "run_dir={a_file}"), "is a file; expected a directory"),
+    ("run_dir under a file", _train(R, "dataset=digits", "run_dir={a_file}/run"), "which is a file"),
+    ("missing config file", ["train", R, "--config", "/nonexistent.yaml"], "Config file not found"),
+    # -- data that cannot be trained on
+    ("empty CSV", _train(T, "dataset=csv:{empty_csv}"), "Empty file"),
+    ("header-only CSV", _train(T, "dataset=csv:{header_only_csv}"), "has no rows"),
+    ("missing label column", _train(T, "dataset=csv:{no_label_csv}"), "Label field 'label' not found"),
+    ("one-class CSV", _train(T, "dataset=csv:{one_class_csv}"), "only one class ('pos', 20 examples)"),
+    ("Latin-1 CSV", _train(T, "dataset=csv:{latin1_csv}"), "is not UTF-8 text (byte 0xe9 on line 22)"),
+    ("bad JSONL line", _train(T, "dataset=jsonl:{bad_jsonl}"), "Invalid JSON on line 2"),
+    ("list labels", _train(T, "dataset=jsonl:{list_label_jsonl}"), "is not a single value: [0]"),
+    ("empty image folder", _train(R, "dataset=folder:{empty_folder}"), "no class subfolders with"),
+    ("one-class folder", _train(R, "dataset=folder:{one_class_folder}"), "only 1 class ('cat', 3 images)"),
+    ("all images corrupt", _train(R, "dataset=folder:{corrupt_folder}"), "all 4 images"),
+    # -- numbers
+    ("NaN base_lr", _train(R, "dataset=digits", "base_lr=nan"), "expected a finite number"),
+    ("inf warmup", _train(R, "dataset=digits", "warmup_epochs=inf"), "expected a finite number"),
+    ("NaN min_lr", _train(R, "dataset=digits", "min_lr=nan"), "Received: min_lr='nan'"),
+    ("inf weight decay", _train(R, "dataset=digits", "weight_decay=inf"), "Received: weight_decay='inf'"),
+    ("seed 2**70", _train(R, "dataset=digits", f"seed={2**70}"), "expected an integer in [0, 4294967295]"),
+    ("min_lr above peak", _train(R, "dataset=digits", "batch_size=256", "min_lr=0.5"), "at most the peak LR 0.1"),
+    ("warmup = the run", _train(R, "dataset=digits", "epochs=1", "warmup_epochs=1"), "fewer than epochs=1"),
+    ("transformer NaN LR", _train(T, "peak_lr=nan"), "Received: peak_lr='nan'"),
+    # -- config files
+    ("Latin-1 config", ["train", R, "--config", "{latin1_yaml}"], "is not UTF-8 text (byte 0xe9 at offset 12)"),
+    ("3000-deep YAML", ["train", R, "--config", "{deep_yaml}"], "exceeded maximum nesting depth (line 1, column 1008)"),
+    ("duplicate YAML key", ["train", R, "--config", "{dup_yaml}"], "duplicate key 'epochs' (first given on line 1)"),
+]
+
+
+def _fill(argv, files):
+    return [a.format(**files) for a in argv]
+
+
+@pytest.mark.parametrize("argv, says", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_no_run_directory(argv, says, bad, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(_fill(argv, bad)) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("trainwell: error: ") and err.count("\n") == 1, err
+    assert says in err, err
+    assert out == "" and list(tmp_path.iterdir()) == []  # nothing printed, nothing made
+
+
+def test_the_good_twins_of_the_bad_inputs_pass(bad, tmp_path, monkeypatch, capsys):
+    # The checks reject what is wrong, not everything near it: a default (not explicit)
+    # warmup longer than a 1-epoch run is the recipe's to fit, a min_lr at the peak is fine.
+    monkeypatch.chdir(tmp_path)
+    ok = [
+        _train(R, "dataset=digits", "epochs=1"),
+        _train(R, "dataset=digits", "batch_size=256", "min_lr=0.1", f"seed={2**32 - 1}"),
+        _train(T, "dataset=rotten_tomatoes", "preset=minilm"),
+    ]
+    for argv in ok:
+        assert cli.main(argv) == 0, capsys.readouterr().err
+    capsys.readouterr()
