@@ -582,9 +582,9 @@ def _seal(meta: dict) -> str:
     return json.dumps(meta, indent=1, sort_keys=True)
 
 
-def _zip_crcs(path: Path) -> dict[str, int]:
-    with zipfile.ZipFile(path) as zf:
-        return {i.filename: int(i.CRC) for i in zf.infolist()}
+def _zip_crcs(zf: zipfile.ZipFile) -> dict[str, int]:
+    """CRC-32 of every member, from the zip's central directory (no data read)."""
+    return {i.filename: int(i.CRC) for i in zf.infolist()}
 
 
 _POSITION_KEYS = ("epoch", "step_in_epoch", "global_step")
@@ -615,7 +615,7 @@ def _read_state(path: Path) -> dict:
 def _check_zip(zf: zipfile.ZipFile, meta: dict) -> None:
     """The members of arrays.npz against the CRCs recorded at commit, and against the manifest."""
     recorded = meta.get("arrays_crc32")
-    if recorded is not None and {i.filename: int(i.CRC) for i in zf.infolist()} != recorded:
+    if recorded is not None and _zip_crcs(zf) != recorded:
         raise CheckpointCorruptError("arrays.npz does not match the checksums in state.json")
     names = {n[:-4] if n.endswith(".npy") else n for n in zf.namelist()}
     missing = sorted(set(meta["arrays"]) - names)
@@ -1011,7 +1011,7 @@ class Checkpoint(StatefulCallback):
                 "Invalid value for argument `warm_start_warmup_steps`. Expected an int >= 0. "
                 f"Received: warm_start_warmup_steps={warm_start_warmup_steps!r}"
             )
-        if not (isinstance(verbose, bool) or (_is_int(verbose) and verbose >= 0)):
+        if not (isinstance(verbose, bool) or (_is_int(verbose) and verbose in (0, 1))):
             raise ValueError(
                 f"Invalid value for argument `verbose`. Expected 0 or 1. Received: verbose={verbose!r}"
             )
@@ -1492,7 +1492,7 @@ class Checkpoint(StatefulCallback):
         self._iterator_continues = continues
         want = c["consumed"] if continues else 0
         if want != c["data_position"]:
-            self._submit(self._amend_state, c["name"], {"data_position": want})
+            self._submit(self._amend_state, c["name"], {"data_position": want, "iterator_continues": continues})
 
     def _agree_on_preemption(self) -> bool:
         """Whether any worker got a SIGTERM, the same answer on every worker at this step.
@@ -1709,7 +1709,8 @@ class Checkpoint(StatefulCallback):
             current = tmp / ARRAYS_FILE
             _write_npz(current, encoded)
             del encoded
-            meta["arrays_crc32"] = _zip_crcs(current)  # computed by zipfile while writing; read back from its directory
+            with zipfile.ZipFile(current) as zf:
+                meta["arrays_crc32"] = _zip_crcs(zf)  # computed by zipfile while it wrote them
             current = tmp / STATE_FILE
             _write_text(current, _seal(meta))
             current = tmp
@@ -1743,9 +1744,9 @@ class Checkpoint(StatefulCallback):
     def _amend_state(self, name: str, updates: dict) -> None:
         """Rewrites state.json of the checkpoint `name` just committed (writer thread or inline).
 
-        `updates` may hold `callbacks` (the other callbacks' states), `stopped` and
-        `data_position`. The file is replaced atomically and resealed; the arrays
-        are untouched.
+        `updates` may hold `callbacks` (the other callbacks' states), `stopped`,
+        `data_position` and `iterator_continues`. The file is replaced atomically
+        and resealed; the arrays are untouched.
         """
         last = self._last_written
         if not self._is_chief or last is None or last[0] != name:
@@ -1755,6 +1756,8 @@ class Checkpoint(StatefulCallback):
             meta["callbacks"] = updates["callbacks"]
         if "data_position" in updates:
             meta["position"]["data_position"] = int(updates["data_position"])
+        if "iterator_continues" in updates and isinstance(meta.get("checkpoint"), dict):
+            meta["checkpoint"]["iterator_continues"] = bool(updates["iterator_continues"])
         if "stopped" in updates:
             meta["entry"]["stopped"] = bool(updates["stopped"])
         path = Path(self.directory) / name / STATE_FILE

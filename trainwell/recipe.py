@@ -118,7 +118,6 @@ def _holds_results(run_dir: str | os.PathLike) -> bool:
     The files written before training (manifest, config, lock, schedule plot,
     label map), empty files and TensorBoard event files with no event are not
     results.
-
     """
     for root, _, files in os.walk(run_dir):
         for name in files:
@@ -144,8 +143,10 @@ def _end_run(run_dir: Path, fresh: str | None, lock) -> None:
                 shutil.rmtree(run_dir, ignore_errors=True)
             else:  # it existed, empty: empty it again
                 for child in run_dir.iterdir():
-                    if child.name != runtime.LOCK_FILE:
-                        shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+                    if child.is_dir():
+                        shutil.rmtree(child, ignore_errors=True)
+                    elif child.name != runtime.LOCK_FILE:  # released (and deleted) below
+                        child.unlink(missing_ok=True)
     finally:
         if lock is not None:
             lock.release()

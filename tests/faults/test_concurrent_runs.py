@@ -6,7 +6,6 @@ in-process. The holder imports only `trainwell.runtime` (no TensorFlow), so it s
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -14,7 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
-from typing import Optional
+import types
 
 import pytest
 
@@ -36,13 +35,9 @@ def _holder(run_dir):
     return proc
 
 
-@dataclasses.dataclass
-class Cfg:
-    run_dir: Optional[str] = None
-    strategy: str = "auto"
-    precision: str = "float32"
-    seed: int = 0
-    verbose: int = 0
+def _cfg(run_dir):
+    """What `setup_run` reads of a recipe config before it writes the manifest."""
+    return types.SimpleNamespace(run_dir=str(run_dir), strategy="auto", precision="float32", seed=0, verbose=0)
 
 
 def test_second_process_fails_in_one_line_naming_the_holder_until_the_holder_dies(tmp_path):
@@ -51,7 +46,7 @@ def test_second_process_fails_in_one_line_naming_the_holder_until_the_holder_die
     proc = _holder(run_dir)
     try:
         with pytest.raises(RunDirInUseError) as exc:
-            recipe.setup_run(Cfg(run_dir=str(run_dir)), "resnet-imagenet")  # the recipes' entry point
+            recipe.setup_run(_cfg(run_dir), "resnet-imagenet")  # the recipes' entry point
         msg = str(exc.value)
         assert "\n" not in msg and f"process {proc.pid} on host {socket.gethostname()}" in msg
         assert not (run_dir / "manifest.json").exists()  # nothing of the holder's run was touched
@@ -96,5 +91,5 @@ def test_without_flock_the_recorded_pid_and_host_decide(tmp_path, monkeypatch):
 
 def test_only_the_chief_locks_the_run_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(runtime, "is_chief", lambda strategy=None: False)
-    ctx = recipe.setup_run(Cfg(run_dir=str(tmp_path)), "resnet-imagenet")
+    ctx = recipe.setup_run(_cfg(tmp_path), "resnet-imagenet")
     assert not ctx.is_chief and not (tmp_path / LOCK_FILE).exists() and not (tmp_path / "manifest.json").exists()

@@ -117,8 +117,8 @@ def test_damaged_newest_checkpoint_falls_back_and_resumes_bit_identically(crashe
     d = _copy(crashed, tmp_path)
     DAMAGE[damage](d / "ckpt-15")
     with pytest.warns(UserWarning, match=r"ckpt-15.* is damaged"):
-        chosen = resume_checkpoint(d)
-    assert chosen["name"] == "ckpt-10" and resume_epoch(d) == 2  # the data follows the checkpoint really loaded
+        chosen, epoch = resume_checkpoint(d), resume_epoch(d)
+    assert chosen["name"] == "ckpt-10" and epoch == 2  # the data follows the checkpoint really loaded
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = _run(d)
