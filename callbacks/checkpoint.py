@@ -1838,9 +1838,9 @@ class Checkpoint(StatefulCallback):
 
     def _alert(self, msg: str) -> None:
         """One line on stderr, always, on a line of its own even mid progress bar."""
-        bar = (self.params or {}).get("verbose", 0) in (1, "auto")
+        bar = (self.params or {}).get("verbose", 0) in (1, "auto")  # Keras's bar ends its line with "\r" only
         sys.stdout.flush()
-        print(f"{chr(10) if bar else ''}Checkpoint: {msg}", file=sys.stderr, flush=True)
+        print(("\n" if bar else "") + f"Checkpoint: {msg}", file=sys.stderr, flush=True)
 
     def _resume_command(self) -> str:
         """How to continue this run: `trainwell resume RUN_DIR` for a recipe's run directory."""
@@ -1931,8 +1931,8 @@ class Checkpoint(StatefulCallback):
             more = self._resume_command()
             more = f"{more} --set epochs=N" if more.startswith("trainwell") else more.replace("fit()", "fit(epochs=N)")
             self._say(
-                f"the run in {str(Path(path).parent)!r} is already complete ({how}, {done} steps); nothing to "
-                f"train. To train longer: {more} with N > {epochs}."
+                f"the run is already complete ({how}, {done} steps; {path}): nothing to train. "
+                f"To train longer: {more} with N > {epochs}."
             )
             return
         total = f"/{epochs}" if epochs is not None else ""
