@@ -14,6 +14,10 @@ Measured in one run, medians over `--repeats`:
   background write holds the snapshot (TensorFlow's copy-on-write of the
   updated buffers), against the same update without a pending write;
 - restore: `load_checkpoint(..., include_optimizer=True)` (read, check, assign);
+- checksums: what a save spends on them (read the CRC-32s zipfile computed from
+  the zip's directory, SHA-256 of state.json), and what a resume spends verifying
+  a checkpoint before it picks it (`resume_checkpoint`: a full CRC-32 pass over
+  arrays.npz, done once per resume);
 - baseline: `model.save_weights(...weights.h5)` / `model.load_weights` (what
   `BackupAndRestore` does: in place, not fsynced, same variables incl. optimizer);
 - sizes on disk.
@@ -33,6 +37,8 @@ import shutil
 import statistics
 import tempfile
 import time
+import zipfile
+from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -136,6 +142,22 @@ def main() -> None:
             load_checkpoint(ckpt_path, model, include_optimizer=True)
             times.append(time.perf_counter() - t)
         res["ours_restore_s"] = statistics.median(times)
+
+        # --- checksums: the part of a save they cost, and a resume's verification
+        state = json.loads((Path(ckpt_path) / ckpt_mod.STATE_FILE).read_text())
+        seal_t, verify_t = [], []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            with zipfile.ZipFile(Path(ckpt_path) / ckpt_mod.ARRAYS_FILE) as zf:
+                state["arrays_crc32"] = ckpt_mod._zip_crcs(zf)
+            ckpt_mod._seal(state)
+            seal_t.append(time.perf_counter() - t)
+            ckpt_mod._VERIFIED.clear()
+            t = time.perf_counter()
+            ckpt_mod.resume_checkpoint(os.path.join(root, "sync"))
+            verify_t.append(time.perf_counter() - t)
+        res["ours_checksum_on_save_s"] = statistics.median(seal_t)
+        res["ours_verify_on_resume_s"] = statistics.median(verify_t)
 
         # --- baseline: Keras .weights.h5 (in place, no fsync)
         h5 = os.path.join(root, "baseline.weights.h5")

@@ -14,7 +14,9 @@ directory are fsynced, and the directory is committed with one `os.rename` to
 atomically. A loader therefore never sees a half-written checkpoint: a
 `.tmp-ckpt-*` directory is ignored (and removed when the next run starts), and a
 committed checkpoint that is missing from the index (a crash between the rename
-and the index write) is found on disk and used.
+and the index write) is found on disk and used. state.json records checksums
+(its own SHA-256, the CRC-32 of each array in arrays.npz) that every load checks;
+a resume skips a damaged checkpoint for the next older one (`resume_checkpoint`).
 
 Example:
 >>> import tempfile, keras
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno as _errno
+import hashlib
 import json
 import logging
 import math
@@ -36,10 +39,12 @@ import random
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +52,7 @@ import keras
 import numpy as np
 
 from trainwell.callbacks.base import StatefulCallback, stateful_callbacks
-from trainwell.io import atomic_write_json, fsync_dir
+from trainwell.io import atomic_write_json, atomic_write_text, fsync_dir, remove_stale_temporaries
 
 logger = logging.getLogger("trainwell.checkpoint")
 
@@ -75,6 +80,14 @@ class CheckpointMismatchError(ValueError):
     """The arrays of a checkpoint do not match the variables of the model."""
 
 
+class CheckpointCorruptError(ValueError):
+    """A checkpoint is damaged (truncated, altered, incomplete), or no checkpoint is usable.
+
+    A resume skips a damaged checkpoint with a warning and loads the next older
+    one; this is raised when none is left.
+    """
+
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -98,16 +111,23 @@ def _encode_array(arr: np.ndarray) -> tuple[np.ndarray, str]:
     return arr, name
 
 
-def _decode_array(arr: np.ndarray, dtype_name: str) -> np.ndarray:
-    if arr.dtype.name == dtype_name:
-        return arr
+def _dtype_from_name(dtype_name: str) -> np.dtype:
+    """The dtype a checkpoint's manifest names; never an object (pointer) dtype."""
     try:
         dtype = np.dtype(dtype_name)
     except TypeError:
         import ml_dtypes
 
-        dtype = np.dtype(getattr(ml_dtypes, dtype_name))
-    return arr.view(dtype)
+        dtype = np.dtype(getattr(ml_dtypes, str(dtype_name), None) or "O")
+    if dtype.hasobject or (dtype.kind == "V" and dtype.isbuiltin != 2):  # only ml_dtypes' types are kind V
+        raise CheckpointCorruptError(f"unsupported dtype {dtype_name!r} in the array manifest")
+    return dtype
+
+
+def _decode_array(arr: np.ndarray, dtype_name: str) -> np.ndarray:
+    if arr.dtype.name == dtype_name:
+        return arr
+    return arr.view(_dtype_from_name(dtype_name))
 
 
 def _dedup(key: str, used: dict[str, int]) -> str:
@@ -427,8 +447,14 @@ def _json_safe(obj):
 
 
 def _finite_or_none(x):
+    """`x` as a finite float, or None. Accepts size-1 arrays and tensors.
+
+    A binary `keras.metrics.F1Score` logs a 1-element array, which `float()`
+    refuses; such a value still ranks checkpoints.
+    """
     try:
-        x = float(x)
+        arr = _to_numpy(x)
+        x = float(arr.reshape(-1)[0]) if arr.size == 1 else float(x)
     except (TypeError, ValueError):
         return None
     return x if math.isfinite(x) else None
@@ -450,12 +476,32 @@ def _read_index(directory: Path) -> list[dict]:
         return []
 
 
+def _checkpoint_path(directory: Path, name) -> Path | None:
+    """`directory/name` if `name` is one trainwell writes (`ckpt-<int>`) and stays inside `directory`.
+
+    Index entries are data read from disk: a tampered name such as `../../x`
+    must never reach `shutil.rmtree` (rotation) or a loader.
+    """
+    if not isinstance(name, str) or not _CKPT_RE.match(name):
+        return None
+    path = directory / name
+    try:
+        if path.resolve().parent != directory.resolve():  # e.g. a symlink pointing elsewhere
+            return None
+    except OSError:
+        return None
+    return path
+
+
 def list_checkpoints(directory: str | os.PathLike) -> list[dict]:
     """Committed checkpoints in `directory`, oldest first.
 
     Merges the index with the `ckpt-*` directories on disk (a checkpoint renamed
     into place just before a crash is not lost); entries whose directory is gone
-    are dropped and `.tmp-ckpt-*` directories are ignored.
+    are dropped, `.tmp-ckpt-*` directories are ignored, and an index entry whose
+    name is not one `Checkpoint` writes (`ckpt-<int>`, inside `directory`) is
+    ignored with a warning. Listed checkpoints are not verified; see
+    `resume_checkpoint`.
 
     Args:
         directory: A `Checkpoint` directory.
@@ -474,10 +520,17 @@ def list_checkpoints(directory: str | os.PathLike) -> list[dict]:
         return []
     by_name = {}
     for e in _read_index(directory):
-        if (directory / e["name"] / STATE_FILE).is_file():
+        path = _checkpoint_path(directory, e["name"])
+        if path is None:
+            warnings.warn(
+                f"Ignoring the entry {e['name']!r} of {str(directory / INDEX_FILE)!r}: not a checkpoint name "
+                "trainwell writes (ckpt-<step>) inside that directory."
+            )
+            continue
+        if path.is_dir():  # kept even if damaged: `resume_checkpoint` names it and falls back
             by_name[e["name"]] = dict(e)
     for child in directory.iterdir():
-        if child.name in by_name or not _CKPT_RE.match(child.name):
+        if child.name in by_name or _checkpoint_path(directory, child.name) is None:
             continue
         try:
             meta = json.loads((child / STATE_FILE).read_text(encoding="utf-8"))
@@ -489,12 +542,16 @@ def list_checkpoints(directory: str | os.PathLike) -> list[dict]:
         e["name"] = name
         e["path"] = str(directory / name)
         out.append(e)
-    out.sort(key=lambda e: (e.get("seq", 0), e.get("global_step", 0)))
+    out.sort(key=lambda e: (_int_or(e.get("seq"), 0), _int_or(e.get("global_step"), 0)))
     return out
 
 
+def _int_or(x, default: int) -> int:
+    return int(x) if _is_int(x) else default
+
+
 def latest_checkpoint(directory: str | os.PathLike) -> str | None:
-    """Path of the newest committed checkpoint in `directory`, or None.
+    """Path of the newest committed checkpoint in `directory`, or None (not verified).
 
     Example:
     >>> import tempfile
@@ -505,32 +562,192 @@ def latest_checkpoint(directory: str | os.PathLike) -> str | None:
     return entries[-1]["path"] if entries else None
 
 
-def _read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict]:
-    path = Path(path)
+# ---- verification: written at commit (`_seal`), checked at load (`_read_state`, `_check_zip`).
+# state.json carries `state_sha256`, the SHA-256 of its own canonical JSON without that key and
+# without `entry` (the index record, which tools annotate: `trainwell.tuning` marks copied
+# checkpoints), and `arrays_crc32`, the CRC-32 of every member of arrays.npz. zipfile computes
+# those CRCs while writing and checks each member against its CRC while reading it, so the arrays
+# are verified at no extra pass over the data; recording them in the (hashed) state also ties the
+# arrays file to its state file. Checkpoints written before this carry neither and still load.
+
+
+def _canonical_state(meta: dict) -> bytes:
+    body = {k: v for k, v in meta.items() if k not in ("entry", "state_sha256")}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True).encode("utf-8")
+
+
+def _seal(meta: dict) -> str:
+    """Sets `meta["state_sha256"]` (of the JSON as a loader parses it) and returns state.json's text."""
+    meta["state_sha256"] = hashlib.sha256(_canonical_state(json.loads(json.dumps(meta)))).hexdigest()
+    return json.dumps(meta, indent=1, sort_keys=True)
+
+
+def _zip_crcs(zf: zipfile.ZipFile) -> dict[str, int]:
+    """CRC-32 of every member, from the zip's central directory (no data read)."""
+    return {i.filename: int(i.CRC) for i in zf.infolist()}
+
+
+_POSITION_KEYS = ("epoch", "step_in_epoch", "global_step")
+
+
+def _read_state(path: Path) -> dict:
+    """state.json of a checkpoint, parsed and verified; raises on any damage."""
     meta = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    if not isinstance(meta, dict):
+        raise CheckpointCorruptError("state.json does not hold a JSON object")
     if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"Unsupported checkpoint format {meta.get('format')!r} in {str(path)!r}")
-    manifest = meta.get("arrays", {})
-    arrays = {}
-    with np.load(path / ARRAYS_FILE, allow_pickle=False) as z:
-        for k in z.files:
-            arr = z[k]
-            dtype = manifest.get(k, {}).get("dtype")
-            arrays[k] = _decode_array(arr, dtype) if dtype else arr
-    missing = sorted(set(manifest) - set(arrays))
+        raise ValueError(f"unsupported checkpoint format {meta.get('format')!r}")
+    claimed = meta.get("state_sha256")
+    if claimed is not None and hashlib.sha256(_canonical_state(meta)).hexdigest() != claimed:
+        raise CheckpointCorruptError("state.json does not match its checksum")
+    pos, manifest = meta.get("position"), meta.get("arrays")
+    if not (isinstance(pos, dict) and all(_is_int(pos.get(k)) for k in _POSITION_KEYS)):
+        raise CheckpointCorruptError("state.json has no valid position")
+    if not isinstance(manifest, dict) or not all(isinstance(v, dict) for v in manifest.values()):
+        raise CheckpointCorruptError("state.json has no valid array manifest")
+    if not isinstance(meta.get("entry", {}), dict):
+        raise CheckpointCorruptError("state.json has no valid entry")
+    for v in manifest.values():
+        _dtype_from_name(v.get("dtype", "float32"))
+    return meta
+
+
+def _check_zip(zf: zipfile.ZipFile, meta: dict) -> None:
+    """The members of arrays.npz against the CRCs recorded at commit, and against the manifest."""
+    recorded = meta.get("arrays_crc32")
+    if recorded is not None and _zip_crcs(zf) != recorded:
+        raise CheckpointCorruptError("arrays.npz does not match the checksums in state.json")
+    names = {n[:-4] if n.endswith(".npy") else n for n in zf.namelist()}
+    missing = sorted(set(meta["arrays"]) - names)
     if missing:
-        raise ValueError(f"Checkpoint {str(path)!r} is incomplete: arrays {missing[:5]} are missing")
+        raise CheckpointCorruptError(f"arrays {missing[:5]} are missing from arrays.npz")
+
+
+def _verify(path: Path) -> dict:
+    """Verifies a whole checkpoint (every array byte against its CRC); returns its state."""
+    meta = _read_state(path)
+    with zipfile.ZipFile(path / ARRAYS_FILE) as zf:
+        _check_zip(zf, meta)
+        bad = zf.testzip()
+        if bad is not None:
+            raise CheckpointCorruptError(f"arrays.npz member {bad!r} fails its CRC-32 check")
+    return meta
+
+
+#: Verification results by checkpoint path and file identities, so the recipe (which
+#: positions its data pipeline) and `Checkpoint` (which loads) decide once, alike.
+_VERIFIED: dict[str, tuple[tuple, dict | str]] = {}
+
+
+def _file_ids(path: Path) -> tuple:
+    out = []
+    for name in (STATE_FILE, ARRAYS_FILE):
+        try:
+            st = (path / name).stat()
+            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+def _verified_state(path: Path) -> dict:
+    """`_verify(path)`, remembered while the files stay the same; raises CheckpointCorruptError."""
+    key, ids = str(path), _file_ids(path)
+    hit = _VERIFIED.get(key)
+    if hit is None or hit[0] != ids:
+        try:
+            result: dict | str = _verify(path)
+        except Exception as e:  # noqa: BLE001 - any failure to read a checkpoint means damage
+            result = _damage(e)
+        if len(_VERIFIED) > 64:
+            _VERIFIED.clear()
+        hit = _VERIFIED[key] = (ids, result)
+    if isinstance(hit[1], str):
+        raise CheckpointCorruptError(hit[1])
+    return hit[1]
+
+
+def resume_checkpoint(directory: str | os.PathLike) -> dict | None:
+    """The checkpoint a resume from `directory` loads: the newest one that verifies.
+
+    Each checkpoint is verified against the checksums written when it was
+    committed (state.json's own SHA-256, the CRC-32 of every array); one that
+    fails (truncated, altered, a file missing, an unsupported dtype) is skipped
+    with a warning naming it, and the next older one is tried. `Checkpoint`
+    resumes from this checkpoint and `trainwell.recipe.resume_epoch` positions
+    the data pipeline from it, so the two always agree.
+
+    Args:
+        directory: A `Checkpoint` directory.
+
+    Returns:
+        The index entry of that checkpoint, with `position` (`epoch`,
+        `step_in_epoch`, `global_step`, ... as stored in it), or None when
+        `directory` holds no checkpoint.
+
+    Raises:
+        CheckpointCorruptError: Checkpoints exist but none is usable.
+
+    Example:
+    >>> import tempfile
+    >>> resume_checkpoint(tempfile.mkdtemp()) is None
+    True
+    """
+    directory = Path(directory)
+    damaged = []
+    for entry in reversed(list_checkpoints(directory)):
+        try:
+            meta = _verified_state(Path(entry["path"]))
+        except CheckpointCorruptError as e:
+            damaged.append(f"{entry['name']} ({e})")
+            warnings.warn(f"Checkpoint {entry['path']!r} is damaged ({e}); trying the next older one.")
+            continue
+        out = dict(entry)
+        out["position"] = dict(meta["position"])
+        return out
+    if damaged:
+        raise CheckpointCorruptError(
+            f"No usable checkpoint in {str(directory)!r}: {'; '.join(damaged)}. Restore the directory from a "
+            "backup, or move it away to start the run from scratch."
+        )
+    return None
+
+
+def _damage(e: BaseException) -> str:
+    """What is wrong with a checkpoint, from the error reading it raised."""
+    if isinstance(e, FileNotFoundError):
+        return f"{Path(e.filename or '').name or 'a file'} is missing"
+    if isinstance(e, CheckpointCorruptError):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
+
+
+def _read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict]:
+    """(state, arrays) of one checkpoint, verified; raises CheckpointCorruptError naming it."""
+    path = Path(path)
+    try:
+        meta = _read_state(path)
+        manifest = meta["arrays"]
+        arrays = {}
+        with np.load(path / ARRAYS_FILE, allow_pickle=False) as z:
+            _check_zip(z.zip, meta)
+            for k in z.files:
+                arr = z[k]  # zipfile checks the member's CRC-32 while reading it
+                dtype = manifest.get(k, {}).get("dtype")
+                arrays[k] = _decode_array(arr, dtype) if dtype else arr
+    except Exception as e:  # noqa: BLE001 - any failure to read a checkpoint means damage
+        raise CheckpointCorruptError(f"Checkpoint {str(path)!r} is damaged or unreadable ({_damage(e)})") from e
     return meta, arrays
 
 
 def _resolve_checkpoint_path(path: str | os.PathLike) -> Path:
     path = Path(path)
-    if (path / STATE_FILE).is_file():
+    if (path / STATE_FILE).is_file() or (path / ARRAYS_FILE).is_file():
         return path
-    latest = latest_checkpoint(path)
-    if latest is None:
+    chosen = resume_checkpoint(path)
+    if chosen is None:
         raise FileNotFoundError(f"No committed checkpoint found in {str(path)!r}")
-    return Path(latest)
+    return Path(chosen["path"])
 
 
 def load_checkpoint(path: str | os.PathLike, model, include_optimizer: bool = False) -> dict:
@@ -538,7 +755,7 @@ def load_checkpoint(path: str | os.PathLike, model, include_optimizer: bool = Fa
 
     Args:
         path: A checkpoint (`.../ckpt-123`) or a `Checkpoint` directory, whose
-            newest committed checkpoint is used.
+            newest usable checkpoint is used (see `resume_checkpoint`).
         model: A built Keras model with the same architecture.
         include_optimizer: Also restore the optimizer variables (building the
             optimizer if needed). Defaults to `False`.
@@ -548,6 +765,8 @@ def load_checkpoint(path: str | os.PathLike, model, include_optimizer: bool = Fa
 
     Raises:
         FileNotFoundError: No checkpoint at `path`.
+        CheckpointCorruptError: The checkpoint (or, for a directory, every
+            checkpoint in it) is damaged.
         CheckpointMismatchError: The arrays do not match the model's variables;
             the message names the keys.
 
@@ -601,14 +820,21 @@ class Checkpoint(StatefulCallback):
     never by position alone; a mismatch raises `CheckpointMismatchError`
     naming the keys.
 
-    **When.** Saves happen at a step boundary: just before a training step runs,
-    inside a thin wrapper around `model.train_function` (so after every callback
-    has handled the previous batch end and this step's batch begin, whatever
-    their order in `callbacks=[...]`). `save_every="epoch"` saves before the
-    first step of the next epoch (and at `on_train_end` for the last epoch,
-    from a copy of the state taken at `on_epoch_end`); an int N saves every N
-    steps (with `steps_per_execution=k` batch callbacks fire every k steps, so
-    saves land on the first multiple of k at or past N).
+    **When.** `save_every="epoch"` commits each finished epoch in this
+    callback's `on_epoch_end` (as `BackupAndRestore` does), so a callback that
+    raises later in the same `on_epoch_end` round does not cost the epoch. What
+    the other `StatefulCallback`s listed after this one do in their
+    `on_epoch_end` (early-stopping counters, `stop_training`) is amended into
+    that checkpoint right after them (state.json rewritten atomically), and
+    `stop_training` set by any callback at `on_train_end`: the checkpoint is
+    durable at once and complete when the round is. Put file loggers
+    (`CSVLogger`) before `Checkpoint`. An int N saves every N steps, at a step
+    boundary: just before a training step runs, inside a thin wrapper around
+    `model.train_function` (after every callback has handled the previous batch
+    end and this step's batch begin, whatever their order); with
+    `steps_per_execution=k` batch callbacks fire every k steps, so saves land on
+    the first multiple of k at or past N. The last epoch is committed at its
+    end either way.
 
     **Resume (exact).** At `on_train_begin` the newest committed checkpoint is
     loaded, `model._initial_epoch` is set (as `BackupAndRestore` does) and the
@@ -629,11 +855,23 @@ class Checkpoint(StatefulCallback):
     but cannot reproduce the interrupted epoch's order. During that replay the
     `on_epoch_begin`/`on_train_batch_begin`/`on_train_batch_end` hooks of the
     other `StatefulCallback`s are muted (their restored state already reflects
-    those batches); plain Keras callbacks (progress bar) see them.
+    those batches); plain Keras callbacks see them with empty logs (the
+    progress bar counts them without metric values), and one line says how
+    many batches are skipped.
+
+    **Damaged checkpoints.** Every checkpoint carries checksums (state.json's
+    own SHA-256, the CRC-32 of every array) checked at load. A resume takes the
+    newest checkpoint that verifies (`resume_checkpoint`), warning about each
+    damaged one it skips; if none verifies it raises `CheckpointCorruptError`.
+    Index entries that are not `ckpt-<step>` names inside `directory` are
+    ignored with a warning, so a tampered index never makes rotation delete
+    anything else. A run whose checkpoint says it is complete trains nothing
+    and says so.
 
     **Durability.** Files go to `directory/.tmp-ckpt-XXXX`, are fsynced with the
     directory, then renamed to `directory/ckpt-<global step>`; the index
-    `checkpoint.json` is written with `trainwell.io.atomic_write_json`. The last
+    `checkpoint.json` is written with `trainwell.io.atomic_write_json`.
+    Temporaries a kill leaves behind are removed when the next fit starts. The last
     `keep_last` and the best `keep_best` (by `monitor`) are kept. A failed write
     (no space, no permission) removes the temporary directory, leaves the
     previous checkpoints intact and raises `CheckpointSaveError` (an `OSError`)
@@ -644,7 +882,9 @@ class Checkpoint(StatefulCallback):
     **Preemption.** A SIGTERM handler (installed only in the main thread,
     restored at `on_train_end`) makes the next step boundary write a checkpoint
     and raise `SystemExit(Checkpoint.PREEMPTED_EXIT_CODE)` (143 = 128 + SIGTERM,
-    what a shell reports for a SIGTERM-killed process). A previous Python
+    what a shell reports for a SIGTERM-killed process). Both events get a line
+    of their own on stderr, the last one ending with the command that resumes
+    (`trainwell resume RUN_DIR` for a recipe's run). A previous Python
     handler is called after the save; a second SIGTERM before the save falls
     through to the previous handler (default: terminate), and so does the
     first one if no step boundary comes within `PREEMPTION_GRACE_S` seconds.
@@ -701,6 +941,11 @@ class Checkpoint(StatefulCallback):
             `on_train_begin`. Defaults to `True`.
         warm_start_warmup_steps: LR warmup steps applied after resuming from a
             weights-only checkpoint (>= 0). Defaults to `0`.
+        verbose: `1` prints one line when the callback acts on a run: where it
+            resumes, the batches it skips, a run that is already complete; `0` is
+            silent. (Keras's `ModelCheckpoint` defaults to `0`; these lines are
+            rare and say what would otherwise look like a bug.) Preemption and
+            damaged checkpoints are reported either way. Defaults to `1`.
 
     Example:
     >>> ckpt = Checkpoint("runs/exp1/checkpoints", save_every=500, keep_last=2)
@@ -728,6 +973,7 @@ class Checkpoint(StatefulCallback):
         config=None,
         resume=True,
         warm_start_warmup_steps=0,
+        verbose=1,
     ):
         if directory is None or (isinstance(directory, str) and not directory.strip()):
             raise ValueError(
@@ -765,7 +1011,12 @@ class Checkpoint(StatefulCallback):
                 "Invalid value for argument `warm_start_warmup_steps`. Expected an int >= 0. "
                 f"Received: warm_start_warmup_steps={warm_start_warmup_steps!r}"
             )
+        if not (isinstance(verbose, bool) or (_is_int(verbose) and verbose in (0, 1))):
+            raise ValueError(
+                f"Invalid value for argument `verbose`. Expected 0 or 1. Received: verbose={verbose!r}"
+            )
         self.directory = os.fspath(directory)
+        self.verbose = int(verbose)
         self.save_every = save_every if save_every == "epoch" else int(save_every)
         self.keep_last = int(keep_last)
         self.keep_best = int(keep_best)
@@ -804,6 +1055,7 @@ class Checkpoint(StatefulCallback):
             "config": self.config,
             "resume": self.resume,
             "warm_start_warmup_steps": self.warm_start_warmup_steps,
+            "verbose": self.verbose,
         }
 
     def reset_state(self) -> None:
@@ -813,6 +1065,7 @@ class Checkpoint(StatefulCallback):
         self.last_save_step = -1
         self._entries: list[dict] = []
         self._warmup: dict | None = None
+        self._iterator_continues: bool | None = None  # learned at the first epoch boundary
 
     def get_state(self) -> dict[str, Any]:
         with self._lock:
@@ -825,6 +1078,7 @@ class Checkpoint(StatefulCallback):
             "checkpoints": [{k: v for k, v in e.items() if k != "path"} for e in entries],
             "best": [e["name"] for e in self._best_entries(entries)],
             "warmup": dict(self._warmup) if self._warmup else None,
+            "iterator_continues": self._iterator_continues,
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -836,6 +1090,7 @@ class Checkpoint(StatefulCallback):
         with self._lock:
             self._entries = [dict(e) for e in state.get("checkpoints", [])]
         self._warmup = dict(state["warmup"]) if state.get("warmup") else None
+        self._iterator_continues = state.get("iterator_continues")
 
     # ------------------------------------------------------------ public helpers
     @property
@@ -931,6 +1186,9 @@ class Checkpoint(StatefulCallback):
         self._pending_metrics: dict | None = None
         self._replay: dict | None = None
         self._muted: list = []
+        self._watched: list = []
+        self._epoch_commit: dict | None = None
+        self._last_written: tuple | None = None
         self._prev_initial_epoch = None
         self._orig_train_function = None
         self._is_chief = True
@@ -960,6 +1218,7 @@ class Checkpoint(StatefulCallback):
         self._prev_initial_epoch = getattr(self.model, "_initial_epoch", None)
         self._install_sigterm()
         self._wrap_train_function()
+        self._watch_late_epoch_ends()
         if self.resume:
             try:
                 self._resume_from_disk()
@@ -971,6 +1230,7 @@ class Checkpoint(StatefulCallback):
         """Cleanup when fit dies without on_train_end (an error in a step or in the restore)."""
         self._in_fit = False
         self._end_replay()
+        self._unwatch_late_epoch_ends()
         self._unwrap_train_function()
         self._uninstall_sigterm()
         try:
@@ -1003,39 +1263,123 @@ class Checkpoint(StatefulCallback):
             self._last_batch_logs = logs
 
     def on_epoch_end(self, epoch, logs=None) -> None:
-        steps = (self.params or {}).get("steps")
+        params = self.params or {}
+        steps = params.get("steps")
         complete = self._data_exhausted or (steps is not None and self.step_in_epoch >= steps)
         if not complete and not self.model.stop_training and steps is None:
             complete = True  # unknown length and not stopped early: the data ran out.
-        if not complete:
+        if not complete or self.global_step <= self.last_save_step:
             self._pending_epoch = None
             return
-        # A snapshot of the state as of this epoch end, used only if no step follows
-        # (last epoch or stop): later on_train_end work (best-weights restore,
-        # EMA finalisation) must not leak into the checkpoint.
-        self._pending_epoch = {
-            "epoch": int(epoch) + 1,
+        value = _finite_or_none((logs or {}).get(self.monitor))
+        epochs = params.get("epochs")
+        last = bool(self.model.stop_training) or (epochs is not None and int(epoch) + 1 >= int(epochs))
+        if self.save_every != "epoch" and not last:
+            # Saves every N steps: a snapshot of this epoch end, committed at on_train_end
+            # only if a callback after this one stops the run (no step follows).
+            self._pending_epoch = {
+                "epoch": int(epoch) + 1,
+                "completed_epoch": int(epoch),
+                "value": value,
+                "snapshot": self._capture_arrays(include_metrics=False),
+                "global_step": self.global_step,
+            }
+            return
+        # The finished epoch is committed here, in this callback's on_epoch_end, not at the
+        # next step: a callback after this one that raises in its on_epoch_end (or a kill
+        # before the next step) must not cost the epoch (Keras's BackupAndRestore also saves
+        # in on_epoch_end). Its position is the start of the next epoch with that epoch's
+        # hooks not yet run (on resume every callback's on_epoch_begin runs, as it would
+        # have). What callbacks listed AFTER this one do in their on_epoch_end belongs in
+        # the epoch's checkpoint too (EarlyStopping's counters, `stop_training`): their
+        # states are amended into it (state.json rewritten atomically, arrays untouched)
+        # right after each of their on_epoch_end calls (`_watch_late_epoch_ends`), and
+        # `stop_training` set by any callback is amended at on_train_end. So the epoch is
+        # durable as early as possible and exact once every callback has run; a callback
+        # that raises keeps the states of those that ran before it. Loggers that write
+        # files (CSVLogger) should come BEFORE Checkpoint (`standard_callbacks` puts it
+        # last): a row written then re-written after a crash is dropped by the reader,
+        # a row never written is lost.
+        self._pending_epoch = None
+        continues = bool(self._iterator_continues)
+        meta = self._save(
+            value=value, completed_epoch=int(epoch), hooks_done=False, epoch=int(epoch) + 1, step_in_epoch=0,
+            data_position=self._consumed if continues else 0,
+        )
+        self._epoch_commit = {
+            "name": meta["entry"]["name"],
             "completed_epoch": int(epoch),
-            "value": _finite_or_none((logs or {}).get(self.monitor)),
-            "snapshot": self._capture_arrays(include_metrics=False),
             "global_step": self.global_step,
+            "callbacks": meta.get("callbacks"),
+            "stopped": meta["entry"]["stopped"],
+            "consumed": self._consumed,
+            "data_position": meta["position"]["data_position"],
         }
+
+    def _amend_epoch_commit(self) -> None:
+        """Amends the epoch's checkpoint with what ran after this callback's on_epoch_end."""
+        c = self._epoch_commit
+        if c is None or c["global_step"] != self.global_step:
+            return
+        updates = {}
+        if c["callbacks"] is not None:
+            states = self._callback_states()
+            if states != c["callbacks"]:
+                updates["callbacks"] = c["callbacks"] = states
+        stopped = bool(self.model.stop_training)
+        if stopped != c["stopped"]:
+            updates["stopped"] = c["stopped"] = stopped
+        if updates:
+            self._submit(self._amend_state, c["name"], updates)
+
+    def _watch_late_epoch_ends(self) -> None:
+        """Wraps the other StatefulCallbacks' on_epoch_end to amend the epoch's checkpoint after them."""
+        ckpt = self
+        for cb in stateful_callbacks(self.model).values():
+            if cb is self:
+                continue
+            current = vars(cb).get("on_epoch_end")
+            if current is not None and hasattr(current, "_trainwell_checkpoint_watch"):
+                vars(cb).pop("on_epoch_end")  # left by a fit that died in a callback
+            elif current is not None:
+                continue  # the user's own instance attribute: leave it alone
+            orig = cb.on_epoch_end
+
+            def on_epoch_end(epoch, logs=None, _orig=orig):
+                _orig(epoch, logs)
+                c = ckpt._epoch_commit
+                if c is not None and c["completed_epoch"] == int(epoch):
+                    ckpt._amend_epoch_commit()
+
+            on_epoch_end._trainwell_checkpoint_watch = True
+            cb.on_epoch_end = on_epoch_end
+            self._watched.append(cb)
+
+    def _unwatch_late_epoch_ends(self) -> None:
+        for cb in self._watched:
+            current = vars(cb).get("on_epoch_end")
+            if current is not None and hasattr(current, "_trainwell_checkpoint_watch"):
+                vars(cb).pop("on_epoch_end")
+        self._watched = []
 
     def on_train_end(self, logs=None) -> None:
         try:
             if self._replay is not None:
                 self._end_replay()
+            self._amend_epoch_commit()  # e.g. `stop_training` set by a later (non-trainwell) callback
             if self._pending_epoch is not None:
                 self._save_pending_epoch()
             self.wait()
         finally:
             self._in_fit = False
+            self._unwatch_late_epoch_ends()
             self._stop_worker()
             self._unwrap_train_function()
             self._uninstall_sigterm()
             if self.model is not None:
                 self.model._initial_epoch = self._prev_initial_epoch
             self._pending_epoch = None
+            self._epoch_commit = None
             super().on_train_end(logs)
         if self._preempt_requested:
             self._exit_preempted()
@@ -1081,6 +1425,8 @@ class Checkpoint(StatefulCallback):
             raise
 
     def _train_step_inner(self, orig, iterator):
+        if self._epoch_commit is not None:
+            self._settle_epoch_commit(iterator)
         if iterator is not self._last_iterator:
             self._last_iterator = iterator  # keeps it alive, so identity is reliable
             self._consumed = 0
@@ -1101,14 +1447,20 @@ class Checkpoint(StatefulCallback):
                 next(iterator)
                 self._consumed += 1
             if self._batch_begin < replay["until"]:
+                if not replay.get("announced"):
+                    replay["announced"] = True
+                    self._say(
+                        f"skipping {replay['until']} batches already trained in epoch {self.epoch + 1} "
+                        "(resumed mid-epoch; they are read, not trained again)"
+                    )
                 for _ in range(spe):
                     next(iterator)
                     self._consumed += 1
                 self.step_in_epoch = self._batch_begin + spe
-                try:
-                    return self.model.get_metrics_result()
-                except Exception:  # pragma: no cover
-                    return {}
+                # No logs: nothing was trained. Keras's progress bar cannot start an epoch
+                # at step K, so it still counts these steps, but without metric values
+                # (the restored running means would look like training at constant loss).
+                return {}
             self._end_replay()
         self.step_in_epoch = self._batch_begin
         self._maybe_save()
@@ -1126,6 +1478,21 @@ class Checkpoint(StatefulCallback):
         self.global_step += done
         self.step_in_epoch = self._batch_begin + done
         return out
+
+    def _settle_epoch_commit(self, iterator) -> None:
+        """The first step after an epoch's commit: the commit is final; fix its data position.
+
+        Keras keeps one iterator across epochs (`steps_per_epoch` with a longer or
+        endless dataset) or makes a new one per epoch; which, shows only now. The
+        commit assumed what the previous epoch boundary showed (none yet: a new
+        iterator); if that was wrong, the position is amended before this step runs.
+        """
+        c, self._epoch_commit = self._epoch_commit, None
+        continues = iterator is self._last_iterator and self._last_iterator is not None
+        self._iterator_continues = continues
+        want = c["consumed"] if continues else 0
+        if want != c["data_position"]:
+            self._submit(self._amend_state, c["name"], {"data_position": want, "iterator_continues": continues})
 
     def _agree_on_preemption(self) -> bool:
         """Whether any worker got a SIGTERM, the same answer on every worker at this step.
@@ -1148,7 +1515,7 @@ class Checkpoint(StatefulCallback):
         if self.global_step <= self.last_save_step:
             return False
         if self.save_every == "epoch":
-            return self._pending_epoch is not None
+            return False  # committed in on_epoch_end
         return self.global_step - max(self.last_save_step, 0) >= self.save_every
 
     def _maybe_save(self) -> None:
@@ -1197,7 +1564,24 @@ class Checkpoint(StatefulCallback):
             self._plan_cache = (sig, _Plan(model, include_optimizer=not self.weights_only))
         return self._plan_cache[1]
 
-    def _save(self, *, value, completed_epoch, hooks_done, arrays=None, epoch=None, step_in_epoch=None) -> None:
+    def _callback_states(self) -> dict:
+        """JSON states of the other `StatefulCallback`s of this fit."""
+        out = {}
+        for key, cb in stateful_callbacks(self.model).items():
+            if cb is self:
+                continue
+            try:
+                out[key] = _json_safe(cb.get_state())
+            except (TypeError, ValueError) as e:
+                raise TypeError(
+                    f"The state of callback {key!r} ({type(cb).__name__}) is not JSON-serialisable: {e}"
+                ) from None
+        return out
+
+    def _save(
+        self, *, value, completed_epoch, hooks_done, arrays=None, epoch=None, step_in_epoch=None, data_position=None
+    ) -> dict:
+        """Writes a checkpoint (in the background with `async_save`); returns its state dict."""
         self.wait()  # never two writes at once; surfaces a previous async error
         model = self.model
         if epoch is None:
@@ -1206,9 +1590,11 @@ class Checkpoint(StatefulCallback):
             arrays, names, rng_meta = self._capture_arrays(include_metrics=step_in_epoch > 0)
         else:
             arrays, names, rng_meta = arrays
+        if data_position is None:
+            data_position = int(self._consumed) if hooks_done else 0
         step = int(self.global_step)
         with self._lock:
-            seq = max([e.get("seq", 0) for e in self._entries] + [0]) + 1
+            seq = max([_int_or(e.get("seq"), 0) for e in self._entries] + [0]) + 1
         entry = {
             "name": f"ckpt-{step}",
             "seq": seq,
@@ -1231,7 +1617,7 @@ class Checkpoint(StatefulCallback):
                 "epoch": int(epoch),
                 "step_in_epoch": int(step_in_epoch),
                 "global_step": step,
-                "data_position": int(self._consumed) if hooks_done else 0,
+                "data_position": int(data_position),
                 "hooks_done": bool(hooks_done),
             },
             "config": self.config,
@@ -1240,16 +1626,7 @@ class Checkpoint(StatefulCallback):
         }
         if not self.weights_only:
             meta["rng"] = rng_meta
-            meta["callbacks"] = {}
-            for key, cb in stateful_callbacks(model).items():
-                if cb is self:
-                    continue
-                try:
-                    meta["callbacks"][key] = _json_safe(cb.get_state())
-                except (TypeError, ValueError) as e:
-                    raise TypeError(
-                        f"The state of callback {key!r} ({type(cb).__name__}) is not JSON-serialisable: {e}"
-                    ) from None
+            meta["callbacks"] = self._callback_states()
             meta["checkpoint"] = self.get_state()
             sched = _schedules_module()
             if sched is not None and getattr(model, "optimizer", None) is not None:
@@ -1258,12 +1635,16 @@ class Checkpoint(StatefulCallback):
                 except Exception:
                     pass
         # Everything below (encoding, JSON, files) runs in the background with async_save.
-        job = (arrays, names, meta, entry)
+        self._submit(self._write, arrays, names, meta, entry)
+        return meta
+
+    def _submit(self, fn, *args) -> None:
+        """Runs a write now, or queues it for the writer thread (in order) with `async_save`."""
         if self.async_save:
             self._start_worker()
-            self._queue.put(job)  # no wait: a thread start would cost ~10 ms of GIL hand-over
+            self._queue.put((fn, args))  # no wait: a thread start would cost ~10 ms of GIL hand-over
         else:
-            self._write(*job)
+            fn(*args)
 
     def _start_worker(self) -> None:
         if self._worker is not None and self._worker.is_alive():
@@ -1286,11 +1667,26 @@ class Checkpoint(StatefulCallback):
             try:
                 if job is None:
                     return
-                self._write(*job)
+                fn, args = job
+                fn(*args)
             except BaseException as e:  # surfaced by the next save, wait() or on_train_end
                 self._async_error = e
             finally:
                 q.task_done()
+
+    def _save_error(self, name: str, current, e: BaseException) -> Exception:
+        directory = str(self.directory)
+        if isinstance(e, OSError):
+            return CheckpointSaveError(
+                e.errno if e.errno is not None else _errno.EIO,
+                f"Could not save checkpoint {name!r}: writing {str(current)!r} failed "
+                f"({e.strerror or e}). Previous checkpoints in {directory!r} are intact",
+                str(current),
+            )
+        return RuntimeError(
+            f"Could not save checkpoint {name!r}: writing {str(current)!r} failed ({e}). "
+            f"Previous checkpoints in {directory!r} are intact"
+        )
 
     def _write(self, arrays: dict, names: dict, meta: dict, entry: dict) -> None:
         directory = Path(self.directory)
@@ -1304,7 +1700,6 @@ class Checkpoint(StatefulCallback):
                 enc, dtype_name = _encode_array(np.asarray(a, order="C"))
                 encoded[k] = enc
                 meta["arrays"][k] = {"shape": list(a.shape), "dtype": dtype_name, "name": names.get(k, "")}
-            meta_text = json.dumps(meta, indent=1, sort_keys=True)
             if self._is_chief:
                 base = directory
             else:
@@ -1313,8 +1708,11 @@ class Checkpoint(StatefulCallback):
             tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=base))
             current = tmp / ARRAYS_FILE
             _write_npz(current, encoded)
+            del encoded
+            with zipfile.ZipFile(current) as zf:
+                meta["arrays_crc32"] = _zip_crcs(zf)  # computed by zipfile while it wrote them
             current = tmp / STATE_FILE
-            _write_text(current, meta_text)
+            _write_text(current, _seal(meta))
             current = tmp
             fsync_dir(tmp)
             if _BEFORE_COMMIT is not None:
@@ -1330,27 +1728,46 @@ class Checkpoint(StatefulCallback):
             os.rename(tmp, final)
             tmp = None
             fsync_dir(directory)
+            self._last_written = (entry["name"], meta)
             if old is not None:
                 shutil.rmtree(old.parent, ignore_errors=True)
             current = directory / INDEX_FILE
             self._commit_index(entry)
-        except OSError as e:
-            raise CheckpointSaveError(
-                e.errno if e.errno is not None else _errno.EIO,
-                f"Could not save checkpoint {entry['name']!r}: writing {str(current)!r} failed "
-                f"({e.strerror or e}). Previous checkpoints in {str(directory)!r} are intact",
-                str(current),
-            ) from e
         except Exception as e:
-            raise RuntimeError(
-                f"Could not save checkpoint {entry['name']!r}: writing {str(current)!r} failed ({e}). "
-                f"Previous checkpoints in {str(directory)!r} are intact"
-            ) from e
+            raise self._save_error(entry["name"], current, e) from e
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
             if not self._is_chief and base is not None:
                 shutil.rmtree(base, ignore_errors=True)
+
+    def _amend_state(self, name: str, updates: dict) -> None:
+        """Rewrites state.json of the checkpoint `name` just committed (writer thread or inline).
+
+        `updates` may hold `callbacks` (the other callbacks' states), `stopped`,
+        `data_position` and `iterator_continues`. The file is replaced atomically
+        and resealed; the arrays are untouched.
+        """
+        last = self._last_written
+        if not self._is_chief or last is None or last[0] != name:
+            return
+        meta = last[1]
+        if "callbacks" in updates:
+            meta["callbacks"] = updates["callbacks"]
+        if "data_position" in updates:
+            meta["position"]["data_position"] = int(updates["data_position"])
+        if "iterator_continues" in updates and isinstance(meta.get("checkpoint"), dict):
+            meta["checkpoint"]["iterator_continues"] = bool(updates["iterator_continues"])
+        if "stopped" in updates:
+            meta["entry"]["stopped"] = bool(updates["stopped"])
+        path = Path(self.directory) / name / STATE_FILE
+        try:
+            atomic_write_text(path, _seal(meta))
+            if "stopped" in updates:
+                path = Path(self.directory) / INDEX_FILE
+                self._commit_index(meta["entry"])
+        except Exception as e:
+            raise self._save_error(name, path, e) from e
 
     def _commit_index(self, entry: dict) -> None:
         directory = Path(self.directory)
@@ -1375,7 +1792,9 @@ class Checkpoint(StatefulCallback):
             )
             self._entries = kept
         for x in dropped:
-            shutil.rmtree(directory / x["name"], ignore_errors=True)
+            path = _checkpoint_path(directory, x["name"])  # never a name from disk that leaves the directory
+            if path is not None:
+                shutil.rmtree(path, ignore_errors=True)
 
     def _best_entries(self, entries: list[dict]) -> list[dict]:
         valued = [
@@ -1401,29 +1820,51 @@ class Checkpoint(StatefulCallback):
         return "min"
 
     def _clean_stale_temporaries(self) -> None:
-        for child in Path(self.directory).iterdir():
+        """Removes what a killed save left: `.tmp-ckpt-*` directories and atomic-write temporaries."""
+        directory = Path(self.directory)
+        for child in directory.iterdir():
             if child.name.startswith(_TMP_PREFIX):
                 shutil.rmtree(child, ignore_errors=True)
                 logger.info("Removed stale temporary checkpoint %s", child)
+            elif _checkpoint_path(directory, child.name) is not None and child.is_dir():
+                remove_stale_temporaries(child)  # an amended state.json's temporary
+        remove_stale_temporaries(directory)  # the index's (`.checkpoint.json.*.tmp`)
+
+    # ------------------------------------------------------------ messages
+    def _say(self, msg: str) -> None:
+        """One line on stdout (the progress bar's stream), when `verbose`."""
+        if self.verbose:
+            print(f"Checkpoint: {msg}", flush=True)
+
+    def _alert(self, msg: str) -> None:
+        """One line on stderr, always, on a line of its own even mid progress bar."""
+        bar = (self.params or {}).get("verbose", 0) in (1, "auto")  # Keras's bar ends its line with "\r" only
+        sys.stdout.flush()
+        print(("\n" if bar else "") + f"Checkpoint: {msg}", file=sys.stderr, flush=True)
+
+    def _resume_command(self) -> str:
+        """How to continue this run: `trainwell resume RUN_DIR` for a recipe's run directory."""
+        run_dir = Path(self.directory).parent
+        try:
+            recipe = json.loads((run_dir / "manifest.json").read_text(encoding="utf-8")).get("recipe")
+        except (OSError, ValueError, AttributeError):
+            recipe = None
+        if recipe:
+            return f"trainwell resume {run_dir}"
+        return f"run the same fit() again with Checkpoint({self.directory!r})"
 
     # ------------------------------------------------------------ resuming
     def _resume_from_disk(self) -> None:
-        with self._lock:
-            candidates = list(reversed(self._entries))
-        for entry in candidates:
-            try:
-                meta, arrays = _read_checkpoint(entry["path"])
-            except (OSError, ValueError, KeyError) as e:
-                warnings.warn(f"Skipping unreadable checkpoint {entry['path']!r}: {e}")
-                continue
-            self._restore(meta, arrays, entry["path"])
+        chosen = resume_checkpoint(self.directory)  # the same decision the recipe positions its data by
+        if chosen is None:
             return
+        meta, arrays = _read_checkpoint(chosen["path"])
+        self._restore(meta, arrays, chosen["path"])
 
     def _restore(self, meta: dict, arrays: dict, path: str) -> None:
         model = self.model
         pos = meta["position"]
         weights_only = bool(meta.get("weights_only"))
-        logger.info("Resuming from %s (epoch %s, step %s)", path, pos["epoch"], pos["step_in_epoch"])
         if self.config is not None and meta.get("config") not in (None, self.config):
             warnings.warn(f"Resuming from {path!r}, which was written with a different run config.")
         own = meta.get("checkpoint")
@@ -1448,10 +1889,11 @@ class Checkpoint(StatefulCallback):
         entry = meta.get("entry", {})
         start_epoch = int(pos["epoch"])
         epochs = (self.params or {}).get("epochs")
-        if entry.get("stopped") and epochs is not None:
-            logger.info("The run in %s had stopped early at epoch %s; not training further.", path, start_epoch)
+        stopped = bool(entry.get("stopped"))
+        if stopped and epochs is not None:
             start_epoch = max(start_epoch, int(epochs))
         model._initial_epoch = start_epoch
+        self._announce_resume(path, pos, epochs, start_epoch, stopped)
         include_metrics = pos["step_in_epoch"] > 0
         if _model_built(model):
             self._apply_arrays(arrays, meta, path)
@@ -1481,6 +1923,21 @@ class Checkpoint(StatefulCallback):
             self._replay = {"until": until, "fast_forward": fast_forward}
             if pos.get("hooks_done"):
                 self._mute_stateful_hooks()
+
+    def _announce_resume(self, path: str, pos: dict, epochs, start_epoch: int, stopped: bool) -> None:
+        epoch, step, done = int(pos["epoch"]), int(pos["step_in_epoch"]), int(pos["global_step"])
+        if epochs is not None and start_epoch >= int(epochs):
+            how = f"it stopped early after epoch {epoch}" if stopped else f"{min(epoch, int(epochs))} of {epochs} epochs trained"
+            more = self._resume_command()
+            more = f"{more} --set epochs=N" if more.startswith("trainwell") else more.replace("fit()", "fit(epochs=N)")
+            self._say(
+                f"the run is already complete ({how}, {done} steps; {path}): nothing to train. "
+                f"To train longer: {more} with N > {epochs}."
+            )
+            return
+        total = f"/{epochs}" if epochs is not None else ""
+        where = f"at step {step} of epoch {epoch + 1}{total}" if step else f"at the start of epoch {epoch + 1}{total}"
+        self._say(f"resuming from {path} {where} ({done} steps trained)")
 
     def _apply_arrays(self, arrays: dict, meta: dict, path: str) -> None:
         model = self.model
@@ -1656,7 +2113,7 @@ class Checkpoint(StatefulCallback):
             else:
                 signal.raise_signal(signum)
             return
-        logger.warning("SIGTERM received: checkpointing at the next step, then exiting.")
+        self._alert("SIGTERM received: saving a checkpoint at the next step, then exiting.")
         self._preempt_requested = True
         timer = threading.Timer(self.PREEMPTION_GRACE_S, self._grace_expired)
         timer.daemon = True
@@ -1683,6 +2140,10 @@ class Checkpoint(StatefulCallback):
         self._exit_preempted()
 
     def _exit_preempted(self) -> None:
+        self._alert(
+            f"preempted: the training state is saved in {os.path.join(self.directory, f'ckpt-{self.last_save_step}')} "
+            f"(epoch {self.epoch + 1}, step {self.step_in_epoch}). To resume: {self._resume_command()}"
+        )
         prev = self._prev_sigterm
         self._uninstall_sigterm()
         self._preempt_requested = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -143,3 +144,41 @@ def _json_default(o: Any) -> Any:
     if isinstance(o, Path):
         return str(o)
     return repr(o)
+
+
+#: What `atomic_write_bytes` names its temporary files: `.<target name>.<random>.tmp`.
+_TEMP_RE = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
+
+
+def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
+    """Removes the temporary files a killed `atomic_write_bytes` left in `directory`.
+
+    A process killed between the temporary file's creation and its rename leaves
+    `.<name>.<random>.tmp` behind (the target itself is intact). Call this only
+    while no other process writes to `directory` (the run directory's lock, or the
+    chief's `Checkpoint` at the start of `fit`).
+
+    Args:
+        directory: The directory to clean (not recursive).
+
+    Returns:
+        The files removed.
+
+    Example:
+    >>> import tempfile
+    >>> remove_stale_temporaries(tempfile.mkdtemp())
+    []
+    """
+    removed = []
+    try:
+        children = list(Path(directory).iterdir())
+    except OSError:
+        return removed
+    for child in children:
+        if _TEMP_RE.match(child.name) and child.is_file():
+            try:
+                child.unlink()
+                removed.append(child)
+            except OSError:
+                pass
+    return removed

@@ -12,11 +12,15 @@ import csv
 import dataclasses
 import math
 import os
+import shutil
+import struct
+import weakref
 from pathlib import Path
 from typing import Any
 
 from trainwell import runtime
-from trainwell.io import atomic_write_json, save_figure
+from trainwell.config import ConfigError
+from trainwell.io import atomic_write_json, remove_stale_temporaries, save_figure
 
 
 @dataclasses.dataclass
@@ -48,6 +52,13 @@ class RunResult:
 class RunContext:
     """The runtime of one run: strategy, precision policy, run directory, chief flag.
 
+    The chief holds the run directory's lock (`trainwell.runtime.lock_run_dir`)
+    from `setup_run` until `close()`, which also removes a run directory that
+    this run created and left without any result (a run that failed before it
+    trained anything, so that no half-made run is left to resume). `close()` runs
+    by itself when the context is garbage-collected or the process exits; call it
+    (or use `with setup_run(...) as ctx:`) to end the run at a known point.
+
     Example:
     >>> ctx = setup_run(cfg, "resnet-imagenet")  # doctest: +SKIP
     >>> with ctx.strategy.scope():  # doctest: +SKIP
@@ -58,18 +69,116 @@ class RunContext:
     precision: str
     run_dir: Path
     is_chief: bool = True
+    _end: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def num_replicas(self) -> int:
         return runtime.num_replicas(self.strategy)
 
+    def close(self) -> None:
+        """Releases the run directory (see the class docstring); idempotent."""
+        if self._end is not None:
+            self._end()
+
+    def __enter__(self) -> "RunContext":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _verbose(cfg) -> bool:
+    return str(getattr(cfg, "verbose", 1)) != "0"
+
+
+#: Files a run writes before its first training step; a run directory holding only these
+#: (and empty files, and TensorBoard files with no event yet) holds no result of the run.
+_SETUP_FILES = {"manifest.json", "config.yaml", runtime.LOCK_FILE, "lr_schedule.png", "labels.json"}
+
+
+def _event_records(path: Path, limit: int = 2) -> int:
+    """How many records a TensorBoard event file holds (up to `limit`; 1 = the file header only)."""
+    n = 0
+    try:
+        with path.open("rb") as f:
+            while n < limit:
+                head = f.read(12)
+                if len(head) < 12:
+                    break
+                f.seek(struct.unpack("<Q", head[:8])[0] + 4, os.SEEK_CUR)
+                n += 1
+    except OSError:
+        return limit
+    return n
+
+
+def _holds_results(run_dir: str | os.PathLike) -> bool:
+    """Whether a run directory holds anything a run produced (checkpoints, history, logs, metrics).
+
+    The files written before training (manifest, config, lock, schedule plot,
+    label map), empty files and TensorBoard event files with no event are not
+    results.
+    """
+    for root, _, files in os.walk(run_dir):
+        for name in files:
+            path = Path(root) / name
+            if Path(root) == Path(run_dir) and name in _SETUP_FILES:
+                continue
+            try:
+                if path.stat().st_size == 0:
+                    continue
+            except OSError:
+                continue
+            if ".tfevents." in name and _event_records(path) <= 1:
+                continue
+            return True
+    return False
+
+
+def _end_run(run_dir: Path, fresh: str | None, lock) -> None:
+    """`RunContext.close()`: discard a fresh run directory without results, then unlock."""
+    try:
+        if fresh and run_dir.is_dir() and not _holds_results(run_dir):
+            if fresh == "created":
+                shutil.rmtree(run_dir, ignore_errors=True)
+            else:  # it existed, empty: empty it again
+                for child in run_dir.iterdir():
+                    if child.is_dir():
+                        shutil.rmtree(child, ignore_errors=True)
+                    elif child.name != runtime.LOCK_FILE:  # released (and deleted) below
+                        child.unlink(missing_ok=True)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _announce(cfg, run_dir: Path, fresh: str | None) -> None:
+    """The run's first lines: where it writes, and whether it resumes (one decision, see `resume_epoch`)."""
+    from trainwell.callbacks.checkpoint import CheckpointCorruptError, resume_checkpoint
+
+    try:
+        chosen = resume_checkpoint(run_dir / "checkpoints")
+    except CheckpointCorruptError as e:
+        raise ConfigError(str(e)) from None
+    if not _verbose(cfg):
+        return
+    if chosen is not None:
+        print(f"Run directory: {run_dir} (resuming: {chosen['name']})", flush=True)
+    elif fresh:
+        print(f"Run directory: {run_dir} (new run)", flush=True)
+    else:
+        print(f"Run directory: {run_dir} holds no checkpoint: starting the run from scratch.", flush=True)
+
 
 def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext:
-    """Strategy, precision, seeds, run directory and manifest for `cfg`.
+    """Strategy, precision, seeds, run directory, its lock and manifest for `cfg`.
 
     The strategy comes first: `"cpu:N"` must split the CPU before any TensorFlow op.
     Under multi-worker every worker gets the chief's run directory
-    (`runtime.shared_run_dir`) and only the chief writes the manifest.
+    (`runtime.shared_run_dir`); only the chief locks it and writes the manifest.
+    The first lines printed (unless `cfg.verbose` is 0) name the run directory and
+    whether the run is new or resumes; a run directory whose checkpoints are all
+    damaged is refused here, in one line.
 
     Args:
         cfg: A recipe config (`trainwell.config.BaseConfig` subclass).
@@ -79,7 +188,12 @@ def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext
             config has that field, else `False`.
 
     Returns:
-        A `RunContext`.
+        A `RunContext`; its `close()` releases the run directory.
+
+    Raises:
+        trainwell.runtime.RunDirInUseError: Another process is running in that
+            run directory (a `ConfigError`).
+        trainwell.config.ConfigError: No checkpoint in the run directory is usable.
 
     Example:
     >>> ctx = setup_run(Config(epochs=1), "resnet-imagenet")  # doctest: +SKIP
@@ -97,15 +211,28 @@ def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext
         from trainwell import keras_fixes
 
         keras_fixes.apply("symbolic_build")
+    given = Path(cfg.run_dir) if cfg.run_dir is not None else None
+    fresh = "created" if given is None or not given.exists() else None
+    if given is not None and given.is_dir() and not any(given.iterdir()):
+        fresh = "empty"  # e.g. named by `trainwell train --workers N` for its workers
     # Every worker must use the chief's run directory (not its own timestamp).
     run_dir = runtime.shared_run_dir(cfg.run_dir, strategy, prefix=recipe)
     if cfg.run_dir is None:
         cfg.run_dir = str(run_dir)
-    if chief:
-        runtime.write_manifest(
-            run_dir, cfg, strategy=strategy, precision=precision, seed=cfg.seed, recipe=recipe
-        )
-    return RunContext(strategy=strategy, precision=precision, run_dir=run_dir, is_chief=chief)
+    if not chief:
+        return RunContext(strategy=strategy, precision=precision, run_dir=run_dir, is_chief=False)
+    lock = None
+    try:
+        lock = runtime.lock_run_dir(run_dir)
+        remove_stale_temporaries(run_dir)
+        _announce(cfg, run_dir, fresh)
+        runtime.write_manifest(run_dir, cfg, strategy=strategy, precision=precision, seed=cfg.seed, recipe=recipe)
+    except BaseException:
+        _end_run(run_dir, fresh if lock is not None else None, lock)  # without the lock, touch nothing
+        raise
+    ctx = RunContext(strategy=strategy, precision=precision, run_dir=run_dir, is_chief=True)
+    ctx._end = weakref.finalize(ctx, _end_run, run_dir, fresh, lock)
+    return ctx
 
 
 def read_history_csv(path: str | os.PathLike) -> dict[str, list[float]]:
@@ -145,20 +272,23 @@ def read_history_csv(path: str | os.PathLike) -> dict[str, list[float]]:
 def resume_epoch(checkpoint_dir: str | os.PathLike) -> int:
     """The epoch a run in `checkpoint_dir` resumes in (0 for a fresh run).
 
+    It is the epoch of the checkpoint `Checkpoint` will load
+    (`trainwell.callbacks.checkpoint.resume_checkpoint`: the newest one that
+    verifies, not merely the newest listed), so the data pipeline is positioned
+    for the state actually restored, also after a fallback past a damaged one.
+
+    Raises:
+        trainwell.callbacks.checkpoint.CheckpointCorruptError: Checkpoints exist
+            but none is usable.
+
     Example:
     >>> resume_epoch("/nonexistent")
     0
     """
-    from trainwell.callbacks.checkpoint import list_checkpoints
+    from trainwell.callbacks.checkpoint import resume_checkpoint
 
-    try:
-        entries = list_checkpoints(checkpoint_dir)
-    except (OSError, ValueError):
-        return 0
-    if not entries:
-        return 0
-    newest = max(entries, key=lambda e: (int(e.get("global_step", 0)), int(e.get("seq", 0))))
-    return int(newest.get("epoch", 0))
+    chosen = resume_checkpoint(checkpoint_dir)
+    return 0 if chosen is None else int(chosen["position"]["epoch"])
 
 
 def advance_epochs(dataset, epochs: int):
@@ -250,11 +380,13 @@ def standard_callbacks(
 ) -> list:
     """trainwell's reliability stack plus Keras's loggers, in the order they must run.
 
-    Order matters only for logs: `WarmupCosine` (LR into the epoch logs) first,
-    `NaNRollback` before anything that reads the loss (it repairs the running mean
-    after a rollback), `CSVLogger` (`history.csv`, appended on resume) and
-    `TensorBoard` last. `Checkpoint` saves at step boundaries, so its place in the
-    list does not matter.
+    `WarmupCosine` (LR into the epoch logs) first, `NaNRollback` before anything
+    that reads the loss (it repairs the running mean after a rollback), then
+    `CSVLogger` (`history.csv`, appended on resume) and `TensorBoard`, and
+    `Checkpoint` last: it commits each epoch in its `on_epoch_end`, after the
+    loggers wrote that epoch (a row written twice after a crash is dropped by
+    `read_history_csv`; a row never written would be lost), and amends the
+    states the other callbacks change after it.
 
     Args:
         cfg: The recipe config (saved inside every checkpoint).
@@ -317,16 +449,16 @@ def standard_callbacks(
                 warmup_epochs=warmup_epochs, restore_best_weights=True,
             )
         )
+    if chief:
+        out.append(keras.callbacks.CSVLogger(str(run_dir / "history.csv"), append=True))
+        out.append(keras.callbacks.TensorBoard(log_dir=str(run_dir / "tensorboard"), write_graph=False))
     save_every = checkpoint_every if checkpoint_every == "epoch" else int(checkpoint_every)
     out.append(
         Checkpoint(
             run_dir / "checkpoints", save_every=save_every, keep_last=keep_last, keep_best=keep_best,
-            monitor=monitor, mode=mode, config=cfg,
+            monitor=monitor, mode=mode, config=cfg, verbose=int(chief and _verbose(cfg)),
         )
     )
-    if chief:
-        out.append(keras.callbacks.CSVLogger(str(run_dir / "history.csv"), append=True))
-        out.append(keras.callbacks.TensorBoard(log_dir=str(run_dir / "tensorboard"), write_graph=False))
     return out
 
 

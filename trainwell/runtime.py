@@ -9,8 +9,10 @@ manifest says exactly what ran.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime as _dt
+import errno
 import json
 import os
 import platform
@@ -23,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from trainwell.config import MAX_SEED
+from trainwell.config import MAX_SEED, ConfigError
 from trainwell.io import atomic_write_json, atomic_write_text
 
 STRATEGY_SPECS = ("auto", "mirrored", "multiworker", "tpu", "one_device", "cpu:N")
@@ -569,6 +571,200 @@ def shared_run_dir(
     path = Path(root) / name
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+#: The lock file in a run directory (see `lock_run_dir`).
+LOCK_FILE = ".trainwell.lock"
+
+
+class RunDirInUseError(ConfigError):
+    """Another live process holds the run directory's lock; the message names it."""
+
+
+class RunDirLock:
+    """The lock one process holds on a run directory (see `lock_run_dir`).
+
+    Example:
+    >>> import tempfile
+    >>> lock = lock_run_dir(tempfile.mkdtemp())
+    >>> lock.release()
+    """
+
+    def __init__(self, run_dir: Path, fd: int | None):
+        self.run_dir = run_dir
+        self.path = run_dir / LOCK_FILE
+        self._fd = fd
+        self._count = 1
+
+    @property
+    def held(self) -> bool:
+        """Whether this process still holds the lock."""
+        return self._count > 0
+
+    def release(self) -> None:
+        """Releases one hold; the last one deletes the lock file and unlocks it."""
+        if self._count <= 0:
+            return
+        self._count -= 1
+        if self._count:
+            return
+        _HELD.pop(_lock_key(self.run_dir), None)
+        try:
+            self.path.unlink()  # while still locked: a waiting process then finds no file or a new one
+        except OSError:
+            pass
+        if self._fd is not None:
+            try:
+                os.close(self._fd)  # drops the flock
+            except OSError:
+                pass
+            self._fd = None
+
+
+_HELD: dict[str, RunDirLock] = {}
+
+
+def _lock_key(run_dir: Path) -> str:
+    return os.path.realpath(run_dir)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # exists, owned by someone else (or cannot tell)
+    return True
+
+
+def _holder(path: Path) -> dict:
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+        return info if isinstance(info, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _in_use(run_dir: Path, info: dict) -> RunDirInUseError:
+    who = f"process {info.get('pid', '?')} on host {info.get('host', '?')}"
+    since = f" since {info['since']}" if info.get("since") else ""
+    cmd = f" ({' '.join(str(c) for c in info['command'])[:200]})" if info.get("command") else ""
+    return RunDirInUseError(
+        f"Run directory {str(run_dir)!r} is in use by {who}{since}{cmd}. Wait for that run to end, or use "
+        "another run_dir; if that process is gone, delete " + str(run_dir / LOCK_FILE) + "."
+    )
+
+
+def _holder_record() -> bytes:
+    return json.dumps({
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "since": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": [sys.executable] + sys.argv,
+    }).encode("utf-8")
+
+
+def lock_run_dir(run_dir: str | os.PathLike) -> RunDirLock:
+    """Takes the run directory's lock for this process, or fails naming the holder.
+
+    Two processes writing one run directory interleave their checkpoints, manifest
+    and `history.csv`. The lock is `fcntl.flock` on `RUN_DIR/.trainwell.lock`: the
+    kernel drops it when the holder exits or dies (SIGKILL included), so a crashed
+    run never blocks the next. The file records the holder (pid, host, start,
+    command) for the error message. Where `flock` is unavailable (Windows, some
+    network filesystems) the record itself is the lock: a record whose pid no
+    longer runs on this host is stale and taken over; one from another host is
+    refused (delete the file once that run is over). Within one process the lock
+    is re-entrant (a notebook that trains the same run again). Under multi-worker
+    only the chief takes it (the workers share the chief's run directory).
+
+    Args:
+        run_dir: An existing run directory.
+
+    Returns:
+        A `RunDirLock`; `release()` it when the run ends (it is also released
+        when the process exits).
+
+    Raises:
+        RunDirInUseError: Another live process holds the lock (a `ConfigError`:
+            one line).
+
+    Example:
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> lock = lock_run_dir(d)
+    >>> lock_run_dir(d) is lock  # re-entrant in one process
+    True
+    >>> lock.release(); lock.release()
+    """
+    run_dir = Path(run_dir)
+    held = _HELD.get(_lock_key(run_dir))
+    if held is not None and held.held:
+        held._count += 1
+        return held
+    path = run_dir / LOCK_FILE
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        fcntl = None
+    for _ in range(3):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644) if fcntl is not None else None
+        if fd is None:
+            return _lock_by_record(run_dir)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise _in_use(run_dir, _holder(path)) from None
+            return _lock_by_record(run_dir)  # ENOLCK, EOPNOTSUPP, ...: no flock on this filesystem
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except OSError:
+            same = False
+        if not same:  # the previous holder deleted the file after we opened it: lock the new one
+            os.close(fd)
+            continue
+        os.ftruncate(fd, 0)
+        os.write(fd, _holder_record())
+        return _register(RunDirLock(run_dir, fd))
+    raise _in_use(run_dir, _holder(path))
+
+
+def _lock_by_record(run_dir: Path) -> RunDirLock:
+    path = run_dir / LOCK_FILE
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            info = _holder(path)
+            pid = info.get("pid")
+            if info.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
+                try:
+                    path.unlink()  # stale: its process is gone
+                except OSError:
+                    pass
+                continue
+            raise _in_use(run_dir, info) from None
+        try:
+            os.write(fd, _holder_record())
+        finally:
+            os.close(fd)
+        return _register(RunDirLock(run_dir, None))
+    raise _in_use(run_dir, _holder(path))
+
+
+def _register(lock: RunDirLock) -> RunDirLock:
+    _HELD[_lock_key(lock.run_dir)] = lock
+    return lock
+
+
+@atexit.register
+def _release_all() -> None:
+    for lock in list(_HELD.values()):
+        lock._count = 1
+        lock.release()
 
 
 def is_chief(strategy=None) -> bool:

@@ -17,6 +17,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from trainwell.callbacks import checkpoint as ckpt_mod
 from trainwell.callbacks.base import StatefulCallback
@@ -236,8 +237,19 @@ def reference_spe2():
     return model, counter, hist.history
 
 
+class BatchLogs(keras.callbacks.Callback):
+    """Records the logs of every train batch end."""
+
+    def __init__(self):
+        super().__init__()
+        self.logs = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.logs.append(dict(logs or {}))
+
+
 @pytest.mark.parametrize("built", [True, False])
-def test_mid_epoch_resume_with_steps_per_execution(tmp_path, reference_spe2, built, crash_at):
+def test_mid_epoch_resume_with_steps_per_execution(tmp_path, reference_spe2, built, crash_at, capsys):
     ref_model, ref_counter, ref_hist = reference_spe2
     d = tmp_path / "ck"
     m1 = _model(spe=2, built=built)
@@ -249,9 +261,14 @@ def test_mid_epoch_resume_with_steps_per_execution(tmp_path, reference_spe2, bui
     assert (latest["epoch"], latest["step_in_epoch"]) == (1, 2)
 
     m2 = _model(seed=99, spe=2, built=built)  # different init: everything must come from the checkpoint
-    counter = Counter()
-    hist = _fit(m2, [counter, Checkpoint(d, save_every=3)], epochs=3, validate=True)
+    counter, batch_logs = Counter(), BatchLogs()
+    capsys.readouterr()
+    hist = _fit(m2, [counter, Checkpoint(d, save_every=3), batch_logs], epochs=3, validate=True)
     assert int(m2.optimizer.iterations.numpy()) == 30
+    # The 2 batches of epoch 2 trained before the crash are skipped, said once, with no (constant) metrics.
+    out = capsys.readouterr().out
+    assert "Checkpoint: skipping 2 batches already trained in epoch 2" in out and out.count("skipping") == 1
+    assert batch_logs.logs[0] == {} and "loss" in batch_logs.logs[1]
     assert _weights_close(m2, ref_model)
     # Epoch 1 resumed at its 3rd step: its logged loss (running mean) matches the reference.
     assert np.allclose(hist.history["loss"], ref_hist["loss"][1:], rtol=1e-5)
@@ -279,7 +296,7 @@ def test_resume_survives_train_function_rebuilt_by_later_callback(tmp_path, refe
     assert _weights_close(m2, ref_model)
 
 
-def test_sigterm_checkpoints_exits_143_and_resumes(tmp_path):
+def test_sigterm_checkpoints_exits_143_and_resumes(tmp_path, capfd):
     ref = _model()
     _fit(ref, [], epochs=2)
     d = tmp_path / "ck"
@@ -296,9 +313,19 @@ def test_sigterm_checkpoints_exits_143_and_resumes(tmp_path):
 
     before = signal.getsignal(signal.SIGTERM)
     m1 = _model()
-    with pytest.raises(SystemExit) as exc:
-        _fit(m1, [Checkpoint(d, save_every=100), SigtermAt()], epochs=2)
+    (tmp_path / "manifest.json").write_text(json.dumps({"recipe": "resnet-imagenet"}))  # d is a recipe's run
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exc:  # with Keras's progress bar (verbose=1) on stdout
+        m1.fit(X, Y, batch_size=4, epochs=2, shuffle=False, verbose=1,
+               callbacks=[Checkpoint(d, save_every=100), SigtermAt()])
     assert exc.value.code == Checkpoint.PREEMPTED_EXIT_CODE == 143
+    # Each message starts a line of its own (the bar's line is left with "\r", not ended), the last
+    # one ends with the command that resumes.
+    err = capfd.readouterr().err
+    assert "\nCheckpoint: SIGTERM received: saving a checkpoint at the next step, then exiting.\n" in err
+    last = err.rstrip("\n").split("\n")[-1]
+    assert last.startswith("Checkpoint: preempted: the training state is saved in") and "ckpt-7" in last
+    assert last.endswith(f"To resume: trainwell resume {tmp_path}")
     assert signal.getsignal(signal.SIGTERM) == before  # handler uninstalled
     entries = list_checkpoints(d)
     assert [(e["global_step"], e["epoch"], e["step_in_epoch"]) for e in entries] == [(7, 0, 7)]
@@ -307,6 +334,113 @@ def test_sigterm_checkpoints_exits_143_and_resumes(tmp_path):
     _fit(m2, [Checkpoint(d, save_every=100)], epochs=2)
     assert int(m2.optimizer.iterations.numpy()) == 20
     assert _weights_close(m2, ref)
+
+
+class EpochEnds(StatefulCallback):
+    """Counts epoch ends; listed after Checkpoint, its on_epoch_end runs after the epoch's commit."""
+
+    def reset_state(self):
+        self.n = 0
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.n += 1
+
+    def get_state(self):
+        return {"n": self.n}
+
+    def set_state(self, state):
+        super().set_state(state)
+        self.n = int(state["n"])
+
+
+class Boom(Exception):
+    pass
+
+
+class RaiseAtEpochEnd(keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise Boom(f"on_epoch_end({epoch})")
+
+
+def test_epoch_is_committed_at_its_end_with_later_callbacks_states(tmp_path, capsys):
+    ref = _model()
+    _fit(ref, [], epochs=2, batch_size=8)
+    d = tmp_path / "ck"
+    with pytest.raises(Boom):
+        _fit(_model(), [Checkpoint(d), EpochEnds(), RaiseAtEpochEnd(0)], epochs=2, batch_size=8)
+    # The first epoch is committed although a callback after Checkpoint raised in its on_epoch_end,
+    # and holds EpochEnds's count after that epoch (amended after it ran).
+    assert [(e["global_step"], e["epoch"]) for e in list_checkpoints(d)] == [(5, 1)]
+    m2, late, counter = _model(seed=9), EpochEnds(), Counter()
+    _fit(m2, [Checkpoint(d), late, counter], epochs=2, batch_size=8)
+    assert counter.batches == 5 and late.n == 2  # only the second epoch trained; each epoch end counted once
+    assert _weights_close(m2, ref)
+    # Rerunning the finished run trains nothing and says so.
+    capsys.readouterr()
+    _fit(m2, [Checkpoint(d)], epochs=2, batch_size=8)
+    assert int(m2.optimizer.iterations.numpy()) == 10
+    assert "already complete (2 of 2 epochs trained, 10 steps; " in capsys.readouterr().out
+
+
+class StopAfterEpoch(keras.callbacks.Callback):
+    """A plain Keras callback (not stateful) that stops the run after epoch `epoch` (0-based)."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            self.model.stop_training = True
+
+
+def test_stop_by_a_later_callback_is_committed_and_a_rerun_says_complete(tmp_path, capsys):
+    d = tmp_path / "ck"
+    _fit(_model(), [Checkpoint(d), StopAfterEpoch(1)], epochs=4, batch_size=8)
+    assert [(e["global_step"], e["stopped"]) for e in list_checkpoints(d)] == [(5, False), (10, True)]
+    m2 = _model(seed=3)
+    capsys.readouterr()
+    _fit(m2, [Checkpoint(d)], epochs=4, batch_size=8)
+    assert int(m2.optimizer.iterations.numpy()) == 10  # restored; nothing trained
+    assert "already complete (it stopped early after epoch 2, 10 steps; " in capsys.readouterr().out
+
+
+def test_epoch_commit_keeps_the_position_of_an_iterator_that_spans_epochs(tmp_path, crash_at):
+    # `steps_per_epoch` over an endless stream: Keras keeps one iterator for the whole run, so
+    # epoch 2 continues where epoch 1 stopped. The epoch-1 commit learns that at the next step.
+    def fit(model, callbacks):
+        tf.random.set_seed(0)  # the stream is the same in every "process" (the models' seeds differ)
+        ds = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(40, seed=1).repeat().batch(8)
+        model.fit(ds, epochs=2, steps_per_epoch=3, verbose=0, shuffle=False, callbacks=callbacks)
+
+    ref = _model()
+    fit(ref, [])
+    d = tmp_path / "ck"
+    with pytest.raises(crash_at.error):
+        fit(_model(), [Checkpoint(d), crash_at(5)])  # dies in epoch 2
+    (entry,) = list_checkpoints(d)
+    assert ckpt_mod._read_checkpoint(entry["path"])[0]["position"]["data_position"] == 3
+    m2 = _model(seed=4)
+    fit(m2, [Checkpoint(d)])
+    assert _weights_close(m2, ref)
+
+
+def test_binary_f1_score_ranks_checkpoints(tmp_path):
+    # keras.metrics.F1Score on one output logs a 1-element array, not a float.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, activation="sigmoid")])
+    model.compile(keras.optimizers.Adam(0.05), "binary_crossentropy", metrics=[keras.metrics.F1Score(threshold=0.5)])
+    yb = (Y > 0).astype("float32")
+    cb = Checkpoint(tmp_path / "ck", monitor="val_f1_score", keep_last=1, keep_best=1, verbose=0)
+    hist = model.fit(X, yb, validation_data=(X, yb), epochs=3, batch_size=40, verbose=0, callbacks=[cb])
+    scores = [float(np.ravel(v)[0]) for v in hist.history["val_f1_score"]]
+    assert np.shape(hist.history["val_f1_score"][0]) == (1,)
+    assert cb.best_checkpoint()["value"] == pytest.approx(max(scores))
 
 
 # --------------------------------------------------------------------------- durability
@@ -370,6 +504,8 @@ def test_stale_temporaries_ignored_and_cleaned(tmp_path):
     stale.mkdir()
     (stale / "state.json").write_text("{not json")
     (stale / "arrays.npz").write_bytes(b"garbage")
+    stale_index = d / ".checkpoint.json.k1ll3d42.tmp"  # a kill during the index's atomic write
+    stale_index.write_text("{")
     assert Path(latest_checkpoint(d)).name == "ckpt-10"
     # A checkpoint renamed into place but missing from the index is still found.
     index = json.loads((d / "checkpoint.json").read_text())
@@ -378,7 +514,7 @@ def test_stale_temporaries_ignored_and_cleaned(tmp_path):
     assert [e["name"] for e in list_checkpoints(d)] == ["ckpt-5", "ckpt-10"]
     m2 = _model(seed=4)
     _fit(m2, [Checkpoint(d, save_every=5)], epochs=2)
-    assert not stale.exists()
+    assert not stale.exists() and not stale_index.exists()
     assert int(m2.optimizer.iterations.numpy()) == 20  # resumed at step 10
 
 
@@ -679,15 +815,16 @@ def test_restore_latest_for_inference(tmp_path):
 
 def test_get_config_and_state_round_trip(tmp_path):
     cb = Checkpoint(tmp_path, save_every=7, keep_last=2, keep_best=0, monitor="loss", mode="min",
-                    weights_only=True, async_save=True, config={"a": 1}, resume=False, warm_start_warmup_steps=3)
+                    weights_only=True, async_save=True, config={"a": 1}, resume=False, warm_start_warmup_steps=3,
+                    verbose=0)
     cfg = cb.get_config()
     assert cfg == {"directory": str(tmp_path), "save_every": 7, "keep_last": 2, "keep_best": 0, "monitor": "loss",
                    "mode": "min", "weights_only": True, "async_save": True, "config": {"a": 1}, "resume": False,
-                   "warm_start_warmup_steps": 3}
+                   "warm_start_warmup_steps": 3, "verbose": 0}
     assert Checkpoint.from_config(cfg).get_config() == cfg
     state = {"global_step": 12, "epoch": 1, "step_in_epoch": 2, "last_save_step": 10,
              "checkpoints": [{"name": "ckpt-10", "seq": 1, "global_step": 10, "value": 0.5, "monitor": "loss"}],
-             "best": ["ckpt-10"], "warmup": None}
+             "best": ["ckpt-10"], "warmup": None, "iterator_continues": True}
     cb2 = Checkpoint(tmp_path, monitor="loss")
     cb2.set_state(state)
     assert cb2.get_state() == state
@@ -710,6 +847,7 @@ def test_get_config_and_state_round_trip(tmp_path):
         ({"warm_start_warmup_steps": -2}, "warm_start_warmup_steps"),
         ({"config": 3}, "config"),
         ({"directory": ""}, "directory"),
+        ({"verbose": -1}, "verbose"),
     ],
 )
 def test_argument_validation(tmp_path, kwargs, name):

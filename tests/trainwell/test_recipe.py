@@ -1,10 +1,13 @@
-"""trainwell.recipe: the pieces both recipes share (history, plots)."""
+"""trainwell.recipe: the pieces both recipes share (run setup, history, plots)."""
 
 import csv
+import dataclasses
 import subprocess
 import sys
 import textwrap
+from typing import Optional
 
+from trainwell import recipe
 from trainwell.recipe import plot_history, plot_schedule, read_history_csv
 
 
@@ -42,3 +45,51 @@ def test_read_history_csv_keeps_the_last_row_of_a_replayed_epoch(tmp_path):
         w.writerow(["epoch", "loss"])
         w.writerows([[0, 1.0], [1, 0.8], [1, 0.7], [2, 0.5]])  # epoch 1 replayed after a crash
     assert read_history_csv(path) == {"epoch": [0.0, 1.0, 2.0], "loss": [1.0, 0.7, 0.5]}
+
+
+@dataclasses.dataclass
+class Cfg:
+    run_dir: Optional[str] = None
+    strategy: str = "auto"
+    precision: str = "float32"
+    seed: int = 0
+    verbose: int = 1
+
+
+def _failed_run(run_dir, produce=None):
+    """setup_run, then (optionally) some output, then an error before training completes."""
+    def train():
+        ctx = recipe.setup_run(Cfg(run_dir=str(run_dir)), "resnet-imagenet")
+        if produce:
+            produce(ctx.run_dir)
+        raise RuntimeError("failed before its first step")
+
+    try:
+        train()
+    except RuntimeError:
+        pass  # leaving this block frees train()'s frame, and with it the run's context
+
+
+def test_a_run_that_fails_before_producing_anything_leaves_no_run_directory(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    _failed_run(run_dir, produce=lambda d: (d / "history.csv").touch())  # CSVLogger opens it at on_train_begin
+    assert f"Run directory: {run_dir} (new run)" in capsys.readouterr().out  # said at the start
+    assert not run_dir.exists()
+    # Something the run produced (here a history row) keeps the directory, lock released.
+    _failed_run(run_dir, produce=lambda d: (d / "history.csv").write_text("epoch,loss\n0,1.0\n"))
+    assert (run_dir / "history.csv").is_file() and (run_dir / "manifest.json").is_file()
+    assert not (run_dir / ".trainwell.lock").exists()
+
+
+def test_rerun_of_a_run_without_checkpoint_says_it_starts_from_scratch(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "manifest.json").write_text("{}")
+    stale = run_dir / ".metrics.json.a1b2c3d4.tmp"  # left by a kill during an atomic write
+    stale.write_text("{")
+    with recipe.setup_run(Cfg(run_dir=str(run_dir)), "resnet-imagenet") as ctx:
+        assert ctx.run_dir == run_dir and (run_dir / ".trainwell.lock").is_file()
+    out = capsys.readouterr().out
+    assert f"Run directory: {run_dir} holds no checkpoint: starting the run from scratch." in out
+    assert not stale.exists() and not (run_dir / ".trainwell.lock").exists()
+    assert (run_dir / "manifest.json").is_file()  # an existing run directory is never removed
