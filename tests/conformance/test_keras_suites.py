@@ -210,12 +210,6 @@ _OWN_MESSAGE = (
     "message ('Training diverged at step N (nonfinite_loss, ...)'), not Keras's 'NaN or Inf loss encountered ... "
     "batch N' that the test matches"
 )
-_EPOCH_AT_ITS_END = (
-    "defect being fixed (H2, callbacks/checkpoint.py): Checkpoint commits an epoch's state before the next step "
-    "or at on_train_end, so when a later callback raises in on_epoch_end the finished epoch is lost: after the "
-    "interruption the newest checkpoint holds epoch 1 where BackupAndRestore's holds epoch 2 "
-    "(`_current_epoch` 1 != 2)"
-)
 DEVIATIONS: dict[str, dict] = {
     # ---- deliberate differences (deselected)
     _BAR + "test_best_case_step": {"kind": "deviation", "reason": (
@@ -244,10 +238,6 @@ DEVIATIONS: dict[str, dict] = {
     _NAN + "test_terminate_on_nan_graceful_stop": {"kind": "deviation", "reason": _NO_QUIET_STOP},
     _NAN + "test_terminate_on_nan_raise_error_raises_error": {"kind": "deviation", "reason": _OWN_MESSAGE},
     _NAN + "test_raise_error_terminate_stops_on_later_batch": {"kind": "deviation", "reason": _OWN_MESSAGE},
-    # ---- defects being fixed (strict xfail)
-    _BAR + "test_best_case_epoch": {"kind": "defect", "reason": _EPOCH_AT_ITS_END},
-    _BAR + "test_backup_corrupted": {"kind": "defect", "reason": _EPOCH_AT_ITS_END + "; the previous checkpoint "
-                                     "(`_prev_weights_path`) is missing for the same reason"},
 }
 
 
