@@ -128,6 +128,17 @@ class _Probe:
         return tf.stack(vals)
 
 
+class _SnapshotBeforeApply:
+    """`optimizer.apply`, preceded by `NaNRollback`'s first snapshot (see `_hook_first_apply`)."""
+
+    def __init__(self, callback: "NaNRollback", apply) -> None:
+        self.callback, self.apply = callback, apply
+
+    def __call__(self, *args, **kwargs):
+        self.callback._snapshot_before_first_update()
+        return self.apply(*args, **kwargs)
+
+
 class NaNRollback(StatefulCallback):
     """Rolls training back to the last good state when it diverges, with a lower LR.
 
@@ -468,7 +479,8 @@ class NaNRollback(StatefulCallback):
         self._strategy = getattr(self.model, "distribute_strategy", None)
         sync = self.sync_across_workers
         self._sync = num_workers(self._strategy) > 1 if sync is None else sync
-        self._ready()  # builds the shadow copies; the first snapshot waits for the first batch
+        if not self._ready():  # builds the shadow copies; the first snapshot waits for the first batch
+            self._hook_first_apply()
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
         self._epoch = int(epoch)
@@ -483,10 +495,7 @@ class NaNRollback(StatefulCallback):
         if self._machinery is None:
             return
         if getattr(self, "_sync_tracker", False):
-            # A checkpoint resumed mid-epoch may have restored the loss accumulators.
-            vals = self._probe(False)
-            self._prev_total, self._prev_count = float(vals[0]), float(vals[1])
-            self._sync_tracker = False
+            self._read_tracker()
         if self.snapshot_step is None:
             # Taken here rather than in `on_train_begin`, so that it holds what a
             # checkpoint restored in another callback's `on_train_begin`.
@@ -558,7 +567,56 @@ class NaNRollback(StatefulCallback):
 
     def on_train_end(self, logs=None) -> None:
         super().on_train_end(logs)
+        self._unhook_first_apply()
         self._machinery = None  # free the shadow copies
+
+    # ------------------------------------------------------------------ a model built at its first step
+    def _hook_first_apply(self) -> None:
+        """Arranges the first snapshot of a model that `fit` builds in its first step.
+
+        Keras's TensorFlow trainer without a distribution strategy builds an
+        unbuilt model (no `keras.Input`) while it traces the train function, and
+        the same call applies the first update, so no callback hook sees the
+        state in between. The optimizer's `apply` (what `apply_gradients` and
+        Keras's `train_step` call) is wrapped until then: while the train
+        function is traced, it snapshots the freshly built state (eagerly), then
+        adds the update to the graph. tf.function traces twice when its first
+        trace creates variables; the snapshot waits for the second trace, in
+        which every variable holds its initial value.
+        """
+        opt = self.model.optimizer
+        if opt is None or "apply" in vars(opt):
+            return
+        opt.apply = _SnapshotBeforeApply(self, opt.apply)
+
+    def _unhook_first_apply(self) -> None:
+        opt = getattr(self.model, "optimizer", None)
+        if opt is not None and isinstance(vars(opt).get("apply"), _SnapshotBeforeApply):
+            del opt.apply
+
+    def _snapshot_before_first_update(self) -> None:
+        """Called while the train function is traced, before the first update exists."""
+        tf = _tf()
+        with tf.init_scope():  # run eagerly, outside the graph being traced
+            # `_ready` creates the shadow variables: a tf.function may create
+            # variables in its first trace only, while the model's are not yet
+            # initialised; the snapshot itself is taken in the second trace.
+            if self.snapshot_step is None and self._ready():
+                if not all(bool(_raw(v).is_initialized()) for v in self._state_variables()):
+                    return
+                self._take_snapshot()
+                self._read_tracker()
+            self._unhook_first_apply()
+
+    def _read_tracker(self) -> None:
+        """Takes the loss tracker's sums as the epoch's starting point.
+
+        Needed once per epoch before its first check: a checkpoint resumed
+        mid-epoch may have restored the loss accumulators.
+        """
+        vals = self._probe(False)
+        self._prev_total, self._prev_count = float(vals[0]), float(vals[1])
+        self._sync_tracker = False
 
     # ------------------------------------------------------------------ internals
     def _agree(self, loss_finite: bool, causes: list[str]) -> tuple[bool, list[str]]:
