@@ -647,9 +647,12 @@ class NaNRollback(StatefulCallback):
         which every variable holds its initial value.
         """
         opt = self.model.optimizer
-        if opt is None or "apply" in vars(opt):
+        if opt is None:
             return
-        opt.apply = _SnapshotBeforeApply(self, opt.apply)
+        if isinstance(vars(opt).get("apply"), _SnapshotBeforeApply):
+            del opt.apply  # left by a fit that raised before its first update
+        if "apply" not in vars(opt):
+            opt.apply = _SnapshotBeforeApply(self, opt.apply)
 
     def _unhook_first_apply(self) -> None:
         opt = getattr(self.model, "optimizer", None)

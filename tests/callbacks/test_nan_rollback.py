@@ -367,6 +367,19 @@ def test_model_built_at_its_first_step_is_snapshotted_before_it():
     for a, b in zip(*(m.weights for m in runs)):
         np.testing.assert_allclose(a.numpy(), b.numpy())
 
+    # A fit that stops before its first step leaves the wrapper behind
+    # (`on_train_end` does not run); the next fit's NaNRollback replaces it.
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            raise RuntimeError("stop")
+
+    model = build(with_input=False)
+    with pytest.raises(RuntimeError, match="stop"):
+        fit(model, callbacks=[NaNRollback(), Stop()], epochs=1)
+    cb = NaNRollback(snapshot_every=4)
+    fit(model, bad=[0], callbacks=[cb], epochs=1)
+    assert [(e["step"], e["restored_step"]) for e in cb.events] == [(1, 0)]
+
 
 # --------------------------------------------------------------------------- records, state
 def test_events_in_logs_state_file_and_stdout(tmp_path, capsys):
