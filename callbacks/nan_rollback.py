@@ -197,11 +197,12 @@ class NaNRollback(StatefulCallback):
       Detection starts after `SPIKE_MIN_HISTORY` (3) losses. The reference is
       the recent *maximum*, not the median, and the run's highest loss is a
       floor, because near the end of a run the loss is close to 0 and healthy
-      batches reach 10-30x the recent median. A spike whose update the
-      `LossScaleOptimizer` skipped (its scaled gradient overflowed: the scale
-      halved at that step) is not rolled back; it counts in
-      `loss_scale_skips`. Spikes never join the history; after a rollback the
-      history is the one the snapshot was taken with.
+      batches reached 25 x the median and 5.8 x the maximum of the last 50
+      (`bench/spike_rollback.py`), but never the run's early highs. A spike
+      whose update the `LossScaleOptimizer` skipped (its scaled gradient
+      overflowed: the scale halved at that step) is not rolled back; it counts
+      in `loss_scale_skips`. Spikes never join the history; after a rollback
+      the history is the one the snapshot was taken with.
 
     On divergence it restores the model weights and all optimizer variables
     (slots, `iterations`, the loss scale and its counter, EMA and gradient
@@ -287,20 +288,24 @@ class NaNRollback(StatefulCallback):
         spike_factor: Roll back when a batch loss exceeds this factor (> 1)
             times the largest of the last `spike_window` losses (and every
             earlier loss of the run); `None` disables spike detection. Chosen
-            with `bench/spike_rollback.py` (see `bench/README.md`): on healthy
-            runs with noisy losses (small batches, high LR, label noise, Adam
-            without warmup, losses near 0, mixed precision, the demo recipe, a
-            MiniLM fine-tune) a loss that was a new high of its run was at most
-            1.9 x the recent maximum, while single-batch spikes that moved
-            the final accuracy by more than 0.02 (inputs scaled x1e2 to x1e5)
-            were at least 9.3 x it, also in the first steps; 5 sits between
-            (the old rule, 10 x the median, raised 17 false rollbacks on the
-            same healthy runs). With `steps_per_execution=N` the loss checked is
-            the mean of N batches, so a one-batch spike is diluted N-fold.
-            Defaults to `5.0`.
+            with `bench/spike_rollback.py` (figures in `bench/README.md`): over
+            16 healthy runs with noisy losses (14,362 steps: small batches, high
+            LR, label noise, Adam without warmup, losses near 0, mixed
+            precision, `steps_per_execution=4`, the demo recipe, a MiniLM
+            fine-tune), a loss that was a new high of its run was at most 1.84 x
+            the recent maximum, while every single-batch spike (inputs x1e2 to
+            x1e5) that moved the final accuracy by more than 0.02 was at least
+            7.6 x it, also at step 6; 5 sits between, and rolled back all 22 of
+            them (the rule before, 10 x the median, raised 17 false rollbacks
+            on the healthy runs). Spikes of x30 moved the accuracy by 0.02-0.04
+            with losses only 2.3-2.8 x the recent maximum: below what a loss
+            rule can tell from noise. With `steps_per_execution=N` the loss
+            checked is the mean of N batches, so a one-batch spike is diluted
+            N-fold. Defaults to `5.0`.
         spike_window: Number of recent kept batch losses whose maximum is the
-            reference. Windows of 20 to 100 measured alike; shorter ones
-            follow a falling loss sooner. Defaults to `50`.
+            reference. Windows of 10 to 100 measured alike (at most 2.65 x on
+            the healthy runs at a new high); shorter ones follow a falling loss
+            sooner. Defaults to `50`.
         check_weights_every: Steps between weight checks (one compiled
             reduction and one device sync each); raise it for very large models.
             The weights are always checked before a snapshot. Defaults to `1`.
