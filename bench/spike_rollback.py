@@ -13,8 +13,8 @@ Two parts, in one JSON object:
   here). Each run also records its per-step losses and replays them through
   spike rules (`grid`): `ours` (`nan_rollback.spike_threshold`), `max` (factor x
   the recent max alone) and `median` (factor x the median of the window, the
-  rule before), for windows 10-100 and factors 3-50: alarms, and `max_ratio`,
-  the smallest factor that would have raised one.
+  rule before), for windows 10-100 and factors 3-50: alarms, and `max_ratio`
+  (every factor below it would have raised an alarm).
 - `spikes`: an MLP on mnist5k with SGD + momentum (as in the report that led to
   spike detection being on by default) whose data has one batch with its inputs
   scaled (`--scales`, default x1e2, x1e3, x1e5: a finite loss, a huge gradient),
@@ -63,14 +63,14 @@ TOLERANCE = 0.02  # accuracy change that counts as "moved" / "recovered"
 
 
 # --------------------------------------------------------------------------- the detection rule, offline
-def replay(losses: list[float], factor: float, window: int, rule: str = "ours") -> dict:
+def replay(losses: list[float], factor: float, window: int, rule: str = "ours", spe: int = 1) -> dict:
     """Replays a spike rule over a run's per-step losses (a spike is not added to the history).
 
     `"ours"`: `NaNRollback`'s rule (`nan_rollback.spike_threshold`): a loss above
     `factor` x the largest of the last `window` kept losses and above every kept
     loss of the run. `"max"`: the first condition alone. `"median"`: the rule
     before this benchmark (`factor` x the median of the window, from `window // 2`
-    losses on).
+    losses on). `spe`: batches per loss (`steps_per_execution`).
     """
     from trainwell.callbacks.nan_rollback import SPIKE_MIN_HISTORY, spike_threshold
 
@@ -80,15 +80,13 @@ def replay(losses: list[float], factor: float, window: int, rule: str = "ours") 
         recent = hist[-window:]
         if rule == "median":
             ref = statistics.median(recent) if len(hist) >= max(2, window // 2) else None
-            threshold = None if ref is None else factor * ref
         else:
-            ref = max(recent) if len(hist) >= SPIKE_MIN_HISTORY else None
-            threshold = spike_threshold(recent, max(hist, default=None), factor) if rule == "ours" else (
-                None if ref is None else factor * ref)
-        if threshold is not None:
-            # the smallest factor at which this loss would have been a spike
-            if rule != "ours" or loss > max(hist):
-                max_ratio = max(max_ratio, loss / ref)
+            ref = max(recent) if len(hist) * spe >= SPIKE_MIN_HISTORY else None
+        if ref is not None:
+            threshold = spike_threshold(recent, max(hist), factor, spe) if rule == "ours" else factor * ref
+            if rule != "ours" or loss > max(hist):  # a factor below this makes it an alarm
+                # ours: as a `spike_factor` (one batch at f x is (f + spe - 1) / spe x in the mean)
+                max_ratio = max(max_ratio, loss / ref * spe - spe + 1 if rule == "ours" else loss / ref)
             if loss > threshold:
                 alarms.append(i + 1)
                 continue
@@ -96,14 +94,14 @@ def replay(losses: list[float], factor: float, window: int, rule: str = "ours") 
     return {"alarms": len(alarms), "first_alarm_steps": alarms[:5], "max_ratio": max_ratio}
 
 
-def grid(losses: list[float]) -> dict:
-    """Alarms per (rule, window, factor), and the largest factor that would have raised one."""
+def grid(losses: list[float], spe: int = 1) -> dict:
+    """Alarms per (rule, window, factor); `max_ratio`: every factor below it raises an alarm."""
     out = {}
     for rule in ("ours", "max", "median"):
         for w in GRID_WINDOWS:
             row = {}
             for f in GRID_FACTORS:
-                r = replay(losses, f, w, rule)
+                r = replay(losses, f, w, rule, spe)
                 row[f"alarms_x{f:g}"] = r["alarms"]
                 row["max_ratio"] = rnd(r["max_ratio"], 2)
             out[f"{rule}_{w}"] = row
@@ -224,6 +222,7 @@ SMALL_RUNS = {
     "mlp_b8_mixed_float16": dict(data="mnist5k", net="mlp", batch=8, opt="sgd", lr=0.05, warmup=100, noise=0.3,
                                  precision="mixed_float16"),
     "mlp_b8_spe4": dict(data="mnist5k", net="mlp", batch=8, opt="sgd", lr=0.05, warmup=100, noise=0.3, spe=4),
+    "mlp_b4_adam_spe8": dict(data="mnist5k", net="mlp", batch=4, opt="adam", lr=3e-3, warmup=50, noise=0.1, spe=8),
 }
 
 
@@ -253,7 +252,7 @@ def small_healthy(name: str, spec: dict, seed: int, steps: int, args) -> dict:
         "run": name, "seed": seed, "steps": len(trace.losses) * spe, "checks": len(trace.losses),
         "test_accuracy": rnd(accuracy(model, xe, ye), 4), "wall_s": rnd(time.perf_counter() - t0, 1),
         "false_rollbacks": len(events_of(cbs)), "events": events_of(cbs),
-        "loss_scale_skips": cbs[0].loss_scale_skips, "grid": grid(trace.losses), "_losses": trace.losses,
+        "loss_scale_skips": cbs[0].loss_scale_skips, "grid": grid(trace.losses, spe), "_losses": trace.losses,
     }
 
 
@@ -324,7 +323,7 @@ def part_healthy(args) -> dict:
 
 
 # --------------------------------------------------------------------------- spikes
-def spike_run(precision: str, scale, spike_at, rollback, seed: int, args, strategy=None) -> dict:
+def spike_run(precision: str, scale, spike_at, rollback, seed: int, args, strategy=None, spe: int = 1) -> dict:
     import keras
 
     from trainwell.callbacks import NaNRollback
@@ -332,14 +331,13 @@ def spike_run(precision: str, scale, spike_at, rollback, seed: int, args, strate
     keras.mixed_precision.set_global_policy(precision)
     keras.utils.set_random_seed(seed)
     xt, yt, xe, ye = digits("mnist5k", seed)
-    scope = strategy.scope() if strategy is not None else _null()
-    with scope:
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
         model = mlp(xt.shape[1:], width=64)
         model.compile(keras.optimizers.SGD(args.spike_lr, momentum=0.9),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True), steps_per_execution=args.spike_spe)
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True), steps_per_execution=spe)
     trace = loss_trace()
     cbs = [NaNRollback(**rollback), trace]
-    per_epoch = len(xt) // 32 // args.spike_spe * args.spike_spe
+    per_epoch = len(xt) // 32 // spe * spe
     model.fit(dataset(xt, yt, 32, seed, spike_at if scale else None, scale or 1.0), steps_per_epoch=per_epoch,
               epochs=args.spike_epochs, callbacks=cbs, verbose=0)
     keras.mixed_precision.set_global_policy("float32")
@@ -348,31 +346,23 @@ def spike_run(precision: str, scale, spike_at, rollback, seed: int, args, strate
            "causes": [e["causes"] for e in ev], "steps": [e["step"] for e in ev],
            "loss_scale_skips": cbs[0].loss_scale_skips}
     if scale and not ev:  # the spike's loss against the losses before it (as `replay` sees them)
-        out["spike"] = spike_ratio(trace.losses, spike_at // args.spike_spe, 50)
+        out["spike"] = spike_ratio(trace.losses, spike_at // spe, 50)
     return out
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def spikes_for(setting: str, args, strategy=None) -> list[dict]:
     """All spike rows of one setting (`float32`, `mixed_float16`, `cpu:2` or `spe4`)."""
     precision = "mixed_float16" if setting == "mixed_float16" else "float32"
-    args.spike_spe = 4 if setting == "spe4" else 1
+    spe = 4 if setting == "spe4" else 1
     on = rollback_kwargs(args)
     rows = []
     for seed in range(args.seeds):
         log(f"spikes {setting} seed {seed}: clean ...")
-        clean = spike_run(precision, None, None, on, seed, args, strategy)
+        clean = spike_run(precision, None, None, on, seed, args, strategy, spe)
         for where, step in (("after_history", args.spike_step), ("first_steps", args.early_step)):
             for scale in args.scales:
-                off = spike_run(precision, scale, step, {"spike_factor": None}, seed, args, strategy)
-                det = spike_run(precision, scale, step, on, seed, args, strategy)
+                off = spike_run(precision, scale, step, {"spike_factor": None}, seed, args, strategy, spe)
+                det = spike_run(precision, scale, step, on, seed, args, strategy, spe)
                 moved = abs(off["test_accuracy"] - clean["test_accuracy"]) > TOLERANCE
                 recovered = abs(det["test_accuracy"] - clean["test_accuracy"]) <= TOLERANCE
                 rows.append({
@@ -381,7 +371,8 @@ def spikes_for(setting: str, args, strategy=None) -> list[dict]:
                     "off_accuracy": off["test_accuracy"], "on_accuracy": det["test_accuracy"],
                     "moved": moved, "recovered": recovered, "on_rollbacks": det["rollbacks"],
                     "on_causes": det["causes"], "on_rollback_steps": det["steps"],
-                    "off_loss_scale_skips": off["loss_scale_skips"], "spike_loss_off": off.get("spike"),
+                    "off_loss_scale_skips": off["loss_scale_skips"], "on_loss_scale_skips": det["loss_scale_skips"],
+                    "spike_loss_off": off.get("spike"),
                 })
                 log(f"  {where} x{scale:g}: clean {clean['test_accuracy']:.3f} off {off['test_accuracy']:.3f} "
                     f"on {det['test_accuracy']:.3f} rollbacks {det['rollbacks']} {det['causes']} spike {off.get('spike')}")

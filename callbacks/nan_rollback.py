@@ -29,24 +29,31 @@ from trainwell.callbacks.base import StatefulCallback
 
 _EVENTS_FILE = "nan_rollback.jsonl"
 
-#: Finite losses collected before spike detection starts (see `NaNRollback`).
+#: Batches of kept losses before spike detection starts (see `NaNRollback`).
 SPIKE_MIN_HISTORY = 3
 
 #: Causes, in the order they are reported.
 CAUSES = ("nonfinite_loss", "nonfinite_weights", "loss_scale_collapse", "loss_spike")
 
 
-def spike_threshold(recent_losses, loss_high: float | None, spike_factor: float) -> float | None:
+def spike_threshold(
+    recent_losses, loss_high: float | None, spike_factor: float, steps_per_check: int = 1
+) -> float | None:
     """The batch loss above which `NaNRollback` sees a loss spike.
 
     `spike_factor` times the largest of `recent_losses`, and at least
     `loss_high` (the highest loss of the run so far); `None` (no detection)
-    while fewer than `SPIKE_MIN_HISTORY` losses are known.
+    while the losses cover fewer than `SPIKE_MIN_HISTORY` batches. When each
+    loss is the mean of `n = steps_per_check` batches, one batch at
+    `spike_factor` x shows as `(spike_factor + n - 1) / n` x in the mean, and
+    that is the factor used.
 
     Args:
-        recent_losses: The recent batch losses (those kept, not spikes).
+        recent_losses: The recent losses (those kept, not spikes), one per check.
         loss_high: The highest kept loss of the run, or `None`.
         spike_factor: The factor (> 1).
+        steps_per_check: Batches per loss (`steps_per_execution`: each loss is
+            the mean of that many batches). Defaults to `1`.
 
     Returns:
         The threshold, or `None`.
@@ -56,10 +63,14 @@ def spike_threshold(recent_losses, loss_high: float | None, spike_factor: float)
     2.3
     >>> spike_threshold([2.1, 2.4, 1.9], 2.5, 5.0)
     12.0
+    >>> spike_threshold([2.4], 2.5, 5.0, steps_per_check=4)  # (5 + 3) / 4 = 2 x
+    4.8
     """
-    if len(recent_losses) < SPIKE_MIN_HISTORY:
+    n = steps_per_check
+    if len(recent_losses) * n < SPIKE_MIN_HISTORY:
         return None
-    return max(spike_factor * max(recent_losses), -math.inf if loss_high is None else loss_high)
+    factor = (spike_factor + n - 1) / n
+    return max(factor * max(recent_losses), -math.inf if loss_high is None else loss_high)
 
 
 class TrainingDivergedError(RuntimeError):
@@ -194,7 +205,7 @@ class NaNRollback(StatefulCallback):
       `spike_factor` times the largest of the last `spike_window` losses, and
       higher than any loss of the run before it (a batch with a huge gradient,
       e.g. badly scaled inputs, wrecks a run without ever producing a NaN).
-      Detection starts after `SPIKE_MIN_HISTORY` (3) losses. The reference is
+      Detection starts after `SPIKE_MIN_HISTORY` (3) batches. The reference is
       the recent *maximum*, not the median, and the run's highest loss is a
       floor, because near the end of a run the loss is close to 0 and healthy
       batches reached 25 x the median and 5.8 x the maximum of the last 50
@@ -289,19 +300,20 @@ class NaNRollback(StatefulCallback):
             times the largest of the last `spike_window` losses (and every
             earlier loss of the run); `None` disables spike detection. Chosen
             with `bench/spike_rollback.py` (figures in `bench/README.md`): over
-            16 healthy runs with noisy losses (14,362 steps: small batches, high
+            18 healthy runs with noisy losses (16,106 steps: small batches, high
             LR, label noise, Adam without warmup, losses near 0, mixed
-            precision, `steps_per_execution=4`, the demo recipe, a MiniLM
+            precision, `steps_per_execution` 4 and 8, the demo recipe, a MiniLM
             fine-tune), a loss that was a new high of its run was at most 1.84 x
             the recent maximum, while every single-batch spike (inputs x1e2 to
             x1e5) that moved the final accuracy by more than 0.02 was at least
-            7.6 x it, also at step 6; 5 sits between, and rolled back all 22 of
+            7.6 x it, also at step 6; 5 sits between, and rolled back all 33 of
             them (the rule before, 10 x the median, raised 17 false rollbacks
-            on the healthy runs). Spikes of x30 moved the accuracy by 0.02-0.04
-            with losses only 2.3-2.8 x the recent maximum: below what a loss
-            rule can tell from noise. With `steps_per_execution=N` the loss
-            checked is the mean of N batches, so a one-batch spike is diluted
-            N-fold. Defaults to `5.0`.
+            on the healthy runs). Four x30 spikes moved the accuracy by
+            0.02-0.04 unseen: their losses were 2.3-3.4 x the recent maximum,
+            below what a loss rule can tell from noise. With
+            `steps_per_execution=N` a check sees the mean of N batches, where
+            one batch at `spike_factor` x shows as `(spike_factor + N - 1) / N`
+            x: that is the factor applied. Defaults to `5.0`.
         spike_window: Number of recent kept batch losses whose maximum is the
             reference. Windows of 10 to 100 measured alike (at most 2.65 x on
             the healthy runs at a new high); shorter ones follow a falling loss
@@ -601,7 +613,7 @@ class NaNRollback(StatefulCallback):
             causes.append("loss_scale_collapse")
         exceeded = None  # the spike threshold, when the loss is above it
         if self.spike_factor is not None and loss is not None and loss_finite:
-            threshold = spike_threshold(self.recent_losses, self.loss_high, self.spike_factor)
+            threshold = spike_threshold(self.recent_losses, self.loss_high, self.spike_factor, n)
             exceeded = threshold if threshold is not None and loss > threshold else None
         if exceeded is not None:
             if lso and weights_finite and skipped:

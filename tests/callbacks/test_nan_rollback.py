@@ -279,6 +279,15 @@ def test_loss_spike_is_rolled_back_by_default_from_the_first_steps():
     assert cb.events == []
 
 
+def test_loss_spike_with_steps_per_execution():
+    # Callbacks every 3 steps: one loss (the mean of 3 batches) is history
+    # enough, and the spike at batch 4 is seen in the mean of batches 4-6.
+    model = build(steps_per_execution=3)
+    cb = NaNRollback(snapshot_every=4)
+    fit(model, bad=[4], value=30.0, callbacks=[cb], epochs=1)
+    assert [(e["step"], e["restored_step"], e["causes"]) for e in cb.events] == [(6, 0, ["loss_spike"])]
+
+
 def test_spike_threshold_sees_past_noise_near_zero_loss():
     # Near the end of a run the loss is close to 0 and a healthy batch can be
     # 10-30x the recent median or 6x the recent max (bench/spike_rollback.py);
@@ -288,6 +297,9 @@ def test_spike_threshold_sees_past_noise_near_zero_loss():
     assert spike_threshold([2.1, 2.4, 1.9], 2.5, 5.0) == pytest.approx(12.0)
     assert spike_threshold([2.1, 2.4], 2.5, 5.0) is None  # too little history
     assert SPIKE_MIN_HISTORY == 3
+    # With steps_per_execution=4 each loss is the mean of 4 batches: one is
+    # history enough, and one batch at 5x shows as (5 + 3) / 4 = 2x in the mean.
+    assert spike_threshold([2.4], 2.5, 5.0, steps_per_check=4) == pytest.approx(4.8)
 
 
 def test_spike_the_loss_scale_optimizer_skipped_is_not_rolled_back():
