@@ -2,14 +2,14 @@
 
 Keras ships `TerminateOnNaN`, which only stops, and only looks at `logs["loss"]`,
 the epoch's *running mean* of the loss; it misses NaN weights whose loss stays
-finite (oneDNN's ReLU maps NaN to 0) and it cannot bring the run back.
+finite (on some CPUs oneDNN's ReLU maps NaN to 0) and it cannot bring the run back.
 `BackupAndRestore` restores whole epochs from files, which is too slow and too
 coarse to run every few dozen steps. `NaNRollback` implements what large runs do
 by hand (PaLM, Chowdhery et al. 2022, sec. 5.1, restarted from a checkpoint about
 100 steps before a loss spike and skipped about 200-500 data batches): keep
 a device-side copy of the training state every `snapshot_every` steps, and on a
-non-finite loss, non-finite weights, a collapsed loss scale or an optional loss
-spike, restore it, skip ahead and lower the learning rate.
+non-finite loss, non-finite weights, a collapsed loss scale or a loss spike,
+restore it, skip ahead and lower the learning rate.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -30,8 +29,48 @@ from trainwell.callbacks.base import StatefulCallback
 
 _EVENTS_FILE = "nan_rollback.jsonl"
 
+#: Batches of kept losses before spike detection starts (see `NaNRollback`).
+SPIKE_MIN_HISTORY = 3
+
 #: Causes, in the order they are reported.
 CAUSES = ("nonfinite_loss", "nonfinite_weights", "loss_scale_collapse", "loss_spike")
+
+
+def spike_threshold(
+    recent_losses, loss_high: float | None, spike_factor: float, steps_per_check: int = 1
+) -> float | None:
+    """The batch loss above which `NaNRollback` sees a loss spike.
+
+    `spike_factor` times the largest of `recent_losses`, and at least
+    `loss_high` (the highest loss of the run so far); `None` (no detection)
+    while the losses cover fewer than `SPIKE_MIN_HISTORY` batches. When each
+    loss is the mean of `n = steps_per_check` batches, one batch at
+    `spike_factor` x shows as `(spike_factor + n - 1) / n` x in the mean, and
+    that is the factor used.
+
+    Args:
+        recent_losses: The recent losses (those kept, not spikes), one per check.
+        loss_high: The highest kept loss of the run, or `None`.
+        spike_factor: The factor (> 1).
+        steps_per_check: Batches per loss (`steps_per_execution`: each loss is
+            the mean of that many batches). Defaults to `1`.
+
+    Returns:
+        The threshold, or `None`.
+
+    Example:
+    >>> spike_threshold([0.02, 0.05, 0.01], 2.3, 5.0)  # near zero, the run's start rules
+    2.3
+    >>> spike_threshold([2.1, 2.4, 1.9], 2.5, 5.0)
+    12.0
+    >>> spike_threshold([2.4], 2.5, 5.0, steps_per_check=4)  # (5 + 3) / 4 = 2 x
+    4.8
+    """
+    n = steps_per_check
+    if len(recent_losses) * n < SPIKE_MIN_HISTORY:
+        return None
+    factor = (spike_factor + n - 1) / n
+    return max(factor * max(recent_losses), -math.inf if loss_high is None else loss_high)
 
 
 class TrainingDivergedError(RuntimeError):
@@ -128,6 +167,17 @@ class _Probe:
         return tf.stack(vals)
 
 
+class _SnapshotBeforeApply:
+    """`optimizer.apply`, preceded by `NaNRollback`'s first snapshot (see `_hook_first_apply`)."""
+
+    def __init__(self, callback: "NaNRollback", apply) -> None:
+        self.callback, self.apply = callback, apply
+
+    def __call__(self, *args, **kwargs):
+        self.callback._snapshot_before_first_update()
+        return self.apply(*args, **kwargs)
+
+
 class NaNRollback(StatefulCallback):
     """Rolls training back to the last good state when it diverges, with a lower LR.
 
@@ -143,15 +193,27 @@ class NaNRollback(StatefulCallback):
       callback: with `steps_per_execution=N`, of the last N batches).
     - `"nonfinite_weights"`: a NaN/Inf in the model's weights, checked by one
       compiled reduction over all of them (one device sync), every
-      `check_weights_every` steps and before every snapshot. Needed because with
-      oneDNN, ReLU maps NaN to 0: after a batch of `inf` inputs the weights are
-      NaN while the loss stays finite.
+      `check_weights_every` steps and before every snapshot. Needed because on
+      some x86 CPUs oneDNN's ReLU maps NaN to 0: after a batch of `inf` inputs
+      the weights are NaN while the loss stays finite (on others, and with XLA,
+      the loss turns NaN too).
     - `"loss_scale_collapse"` (mixed_float16): the `LossScaleOptimizer`'s scale
       fell to `loss_scale_floor` or below. The optimizer's own skipped steps
       (non-finite loss, scale halved, weights unchanged) are *not* divergence;
       they are counted in the state as `loss_scale_skips`.
-    - `"loss_spike"` (opt-in): the batch loss exceeds `spike_factor` times the
-      median of the last `spike_window` finite batch losses.
+    - `"loss_spike"`: a finite batch loss above `spike_threshold`: more than
+      `spike_factor` times the largest of the last `spike_window` losses, and
+      higher than any loss of the run before it (a batch with a huge gradient,
+      e.g. badly scaled inputs, wrecks a run without ever producing a NaN).
+      Detection starts after `SPIKE_MIN_HISTORY` (3) batches. The reference is
+      the recent *maximum*, not the median, and the run's highest loss is a
+      floor, because near the end of a run the loss is close to 0 and healthy
+      batches reached 25 x the median and 5.8 x the maximum of the last 50
+      (`bench/spike_rollback.py`), but never the run's early highs. A spike
+      whose update the `LossScaleOptimizer` skipped (its scaled gradient
+      overflowed: the scale halved at that step) is not rolled back; it counts
+      in `loss_scale_skips`. Spikes never join the history; after a rollback
+      the history is the one the snapshot was taken with.
 
     On divergence it restores the model weights and all optimizer variables
     (slots, `iterations`, the loss scale and its counter, EMA and gradient
@@ -184,8 +246,8 @@ class NaNRollback(StatefulCallback):
     divergence restores the last good state once more (so `model` holds good
     weights) and raises `TrainingDivergedError`.
 
-    Each event (step, causes, batch loss, LR before and after, batches skipped,
-    `iterations` before and after) is printed as one line, kept in
+    Each event (step, causes, batch loss, spike threshold, LR before and after,
+    batches skipped, `iterations` before and after) is printed as one line, kept in
     `get_state()["events"]` (so it survives a restart through trainwell's
     `Checkpoint`), appended to `run_dir/nan_rollback.jsonl` (by the chief only)
     and counted in the epoch logs as `logs["nan_rollbacks"]` (cumulative).
@@ -234,13 +296,28 @@ class NaNRollback(StatefulCallback):
             Defaults to `3`.
         window_steps: Length in steps of the window in which rollbacks are
             counted; `None` counts the whole run. Defaults to `None`.
-        spike_factor: Roll back when the batch loss exceeds this factor (> 1)
-            times the median of the recent batch losses; `None` disables spike
-            detection (early losses fall fast and are noisy, so it is opt-in).
-            Defaults to `None`.
-        spike_window: Number of recent finite batch losses whose median is the
-            reference; detection starts once `spike_window // 2` (at least 2)
-            are collected. Defaults to `50`.
+        spike_factor: Roll back when a batch loss exceeds this factor (> 1)
+            times the largest of the last `spike_window` losses (and every
+            earlier loss of the run); `None` disables spike detection. Chosen
+            with `bench/spike_rollback.py` (figures in `bench/README.md`): over
+            18 healthy runs with noisy losses (16,106 steps: small batches, high
+            LR, label noise, Adam without warmup, losses near 0, mixed
+            precision, `steps_per_execution` 4 and 8, the demo recipe, a MiniLM
+            fine-tune), a loss that was a new high of its run was at most 1.84 x
+            the recent maximum, while every single-batch spike (inputs x1e2 to
+            x1e5) that moved the final accuracy by more than 0.02 was at least
+            7.6 x it, also at step 6; 5 sits between, and rolled back all 33 of
+            them (the rule before, 10 x the median, raised 17 false rollbacks
+            on the healthy runs). Four x30 spikes moved the accuracy by
+            0.02-0.04 unseen: their losses were 2.3-3.4 x the recent maximum,
+            below what a loss rule can tell from noise. With
+            `steps_per_execution=N` a check sees the mean of N batches, where
+            one batch at `spike_factor` x shows as `(spike_factor + N - 1) / N`
+            x: that is the factor applied. Defaults to `5.0`.
+        spike_window: Number of recent kept batch losses whose maximum is the
+            reference. Windows of 10 to 100 measured alike (at most 2.65 x on
+            the healthy runs at a new high); shorter ones follow a falling loss
+            sooner. Defaults to `50`.
         check_weights_every: Steps between weight checks (one compiled
             reduction and one device sync each); raise it for very large models.
             The weights are always checked before a snapshot. Defaults to `1`.
@@ -274,7 +351,7 @@ class NaNRollback(StatefulCallback):
         lr_factor: float = 0.5,
         max_rollbacks: int = 3,
         window_steps: int | None = None,
-        spike_factor: float | None = None,
+        spike_factor: float | None = 5.0,
         spike_window: int = 50,
         check_weights_every: int = 1,
         loss_scale_floor: float = 1.0,
@@ -338,6 +415,7 @@ class NaNRollback(StatefulCallback):
         self.step = 0  # batches consumed in this run (not optimizer iterations)
         self.events: list[dict] = []
         self.recent_losses: deque = deque(maxlen=self.spike_window)
+        self.loss_high: float | None = None  # the highest loss kept in the history in this run
         self.loss_scale_skips = 0
         self.snapshot_step: int | None = None
 
@@ -352,6 +430,7 @@ class NaNRollback(StatefulCallback):
             "rollbacks": self.rollbacks,
             "events": json.loads(json.dumps(self.events)),
             "recent_losses": [float(x) for x in self.recent_losses],
+            "loss_high": self.loss_high,
             "loss_scale_skips": int(self.loss_scale_skips),
         }
 
@@ -360,6 +439,8 @@ class NaNRollback(StatefulCallback):
         self.step = int(state.get("step", 0))
         self.events = json.loads(json.dumps(list(state.get("events", []))))
         self.recent_losses = deque((float(x) for x in state.get("recent_losses", [])), maxlen=self.spike_window)
+        high = state.get("loss_high", max(self.recent_losses, default=None))
+        self.loss_high = None if high is None else float(high)
         self.loss_scale_skips = int(state.get("loss_scale_skips", 0))
         self.snapshot_step = None  # the device copy is not part of the state; retaken at train begin
 
@@ -452,6 +533,7 @@ class NaNRollback(StatefulCallback):
             self._build_machinery()  # e.g. a layer or optimizer variable added since
         self._machinery["snapshot"]()
         self.snapshot_step = self.step
+        self._losses_at_snapshot = (list(self.recent_losses), self.loss_high)  # the loss history that led to it
 
     # ------------------------------------------------------------------ Keras hooks
     def on_train_begin(self, logs=None) -> None:
@@ -463,12 +545,14 @@ class NaNRollback(StatefulCallback):
         self._prev_count = 0.0
         self._epoch_batches = 0
         self._prev_mean = None
+        self._last_scale = None
         from trainwell.runtime import num_workers
 
         self._strategy = getattr(self.model, "distribute_strategy", None)
         sync = self.sync_across_workers
         self._sync = num_workers(self._strategy) > 1 if sync is None else sync
-        self._ready()  # builds the shadow copies; the first snapshot waits for the first batch
+        if not self._ready():  # builds the shadow copies; the first snapshot waits for the first batch
+            self._hook_first_apply()
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
         self._epoch = int(epoch)
@@ -483,10 +567,7 @@ class NaNRollback(StatefulCallback):
         if self._machinery is None:
             return
         if getattr(self, "_sync_tracker", False):
-            # A checkpoint resumed mid-epoch may have restored the loss accumulators.
-            vals = self._probe(False)
-            self._prev_total, self._prev_count = float(vals[0]), float(vals[1])
-            self._sync_tracker = False
+            self._read_tracker()
         if self.snapshot_step is None:
             # Taken here rather than in `on_train_begin`, so that it holds what a
             # checkpoint restored in another callback's `on_train_begin`.
@@ -518,6 +599,9 @@ class NaNRollback(StatefulCallback):
 
         causes = []
         lso = _is_lso(self.model.optimizer)
+        # The LossScaleOptimizer halves its scale when it skips a step.
+        skipped = scale is not None and self._last_scale is not None and scale < self._last_scale
+        self._last_scale = scale
         if not loss_finite:
             if lso and weights_finite:
                 self.loss_scale_skips += 1  # the LossScaleOptimizer skipped it: not divergence
@@ -527,25 +611,29 @@ class NaNRollback(StatefulCallback):
             causes.append("nonfinite_weights")
         if scale is not None and scale <= self.loss_scale_floor:
             causes.append("loss_scale_collapse")
+        exceeded = None  # the spike threshold, when the loss is above it
         if self.spike_factor is not None and loss is not None and loss_finite:
-            need = max(2, self.spike_window // 2)
-            if len(self.recent_losses) >= need:
-                ref = statistics.median(self.recent_losses)
-                if loss > self.spike_factor * ref:
-                    causes.append("loss_spike")
+            threshold = spike_threshold(self.recent_losses, self.loss_high, self.spike_factor, n)
+            exceeded = threshold if threshold is not None and loss > threshold else None
+        if exceeded is not None:
+            if lso and weights_finite and skipped:
+                self.loss_scale_skips += 1  # its gradient overflowed: the update was not applied
+            else:
+                causes.append("loss_spike")
 
         if getattr(self, "_sync", False):
             loss_finite, causes = self._agree(loss_finite, causes)
 
-        if not loss_finite or causes:
+        if not loss_finite or causes or exceeded is not None:
             self._drop_from_tracker(logs)
         else:
             self._keep_in_tracker()
             if loss is not None:
                 self.recent_losses.append(float(loss))
+                self.loss_high = float(loss) if self.loss_high is None else max(self.loss_high, float(loss))
 
         if causes:
-            self._diverged(causes, loss, scale)
+            self._diverged(causes, loss, scale, exceeded if "loss_spike" in causes else None)
         elif snapshot_due and loss_finite and self.snapshot_step != self.step:
             # Never snapshot right after a step the LossScaleOptimizer skipped: a
             # falling loss scale is not a good state. The snapshot waits for a
@@ -558,7 +646,59 @@ class NaNRollback(StatefulCallback):
 
     def on_train_end(self, logs=None) -> None:
         super().on_train_end(logs)
+        self._unhook_first_apply()
         self._machinery = None  # free the shadow copies
+
+    # ------------------------------------------------------------------ a model built at its first step
+    def _hook_first_apply(self) -> None:
+        """Arranges the first snapshot of a model that `fit` builds in its first step.
+
+        Keras's TensorFlow trainer without a distribution strategy builds an
+        unbuilt model (no `keras.Input`) while it traces the train function, and
+        the same call applies the first update, so no callback hook sees the
+        state in between. The optimizer's `apply` (what `apply_gradients` and
+        Keras's `train_step` call) is wrapped until then: while the train
+        function is traced, it snapshots the freshly built state (eagerly), then
+        adds the update to the graph. tf.function traces twice when its first
+        trace creates variables; the snapshot waits for the second trace, in
+        which every variable holds its initial value.
+        """
+        opt = self.model.optimizer
+        if opt is None:
+            return
+        if isinstance(vars(opt).get("apply"), _SnapshotBeforeApply):
+            del opt.apply  # left by a fit that raised before its first update
+        if "apply" not in vars(opt):
+            opt.apply = _SnapshotBeforeApply(self, opt.apply)
+
+    def _unhook_first_apply(self) -> None:
+        opt = getattr(self.model, "optimizer", None)
+        if opt is not None and isinstance(vars(opt).get("apply"), _SnapshotBeforeApply):
+            del opt.apply
+
+    def _snapshot_before_first_update(self) -> None:
+        """Called while the train function is traced, before the first update exists."""
+        tf = _tf()
+        with tf.init_scope():  # run eagerly, outside the graph being traced
+            # `_ready` creates the shadow variables: a tf.function may create
+            # variables in its first trace only, while the model's are not yet
+            # initialised; the snapshot itself is taken in the second trace.
+            if self.snapshot_step is None and self._ready():
+                if not all(bool(_raw(v).is_initialized()) for v in self._state_variables()):
+                    return
+                self._take_snapshot()
+                self._read_tracker()
+            self._unhook_first_apply()
+
+    def _read_tracker(self) -> None:
+        """Takes the loss tracker's sums as the epoch's starting point.
+
+        Needed once per epoch before its first check: a checkpoint resumed
+        mid-epoch may have restored the loss accumulators.
+        """
+        vals = self._probe(False)
+        self._prev_total, self._prev_count = float(vals[0]), float(vals[1])
+        self._sync_tracker = False
 
     # ------------------------------------------------------------------ internals
     def _agree(self, loss_finite: bool, causes: list[str]) -> tuple[bool, list[str]]:
@@ -613,7 +753,7 @@ class NaNRollback(StatefulCallback):
         lo = -math.inf if self.window_steps is None else self.step - self.window_steps
         return [e for e in self.events if e.get("action") == "rollback" and e["step"] > lo]
 
-    def _diverged(self, causes: list[str], loss: float | None, scale: float | None) -> None:
+    def _diverged(self, causes: list[str], loss: float | None, scale: float | None, threshold: float | None) -> None:
         opt = self.model.optimizer
         from trainwell.callbacks.schedules import current_lr, scale_learning_rate as scale_lr
         it_before = self._iterations()
@@ -626,6 +766,7 @@ class NaNRollback(StatefulCallback):
             "causes": list(causes),
             "loss": _json_float(loss),
             "loss_scale": _json_float(scale),
+            "spike_threshold": _json_float(threshold),
             "restored_step": self.snapshot_step,
             "batches_skipped": None if self.snapshot_step is None else int(self.step - self.snapshot_step),
             "iterations_before": it_before,
@@ -633,6 +774,11 @@ class NaNRollback(StatefulCallback):
         }
         if self.snapshot_step is not None:
             self._machinery["restore"]()  # also before stopping: `model` keeps the last good state
+            # The reference of spike detection goes back too: the losses after the
+            # snapshot belong to a path that no longer exists.
+            losses, self.loss_high = self._losses_at_snapshot
+            self.recent_losses = deque(losses, maxlen=self.spike_window)
+            self._last_scale = None  # read again at the next check
         event["iterations_after"] = self._iterations()
         if stop:
             event.update(action="stop", lr_after=lr_before)
@@ -649,6 +795,8 @@ class NaNRollback(StatefulCallback):
     @staticmethod
     def _event_line(e: dict) -> str:
         what = ", ".join(e["causes"])
+        if e.get("spike_threshold") is not None:
+            what += f" (loss {e['loss']:.4g} > {e['spike_threshold']:.4g})"
         if e["action"] == "rollback":
             return (
                 f"NaNRollback: step {e['step']}: {what}; restored step {e['restored_step']} "
