@@ -580,6 +580,7 @@ class NaNRollback(StatefulCallback):
         n = max(1, int(batch) - getattr(self, "_begin", int(batch)) + 1)
         self.step += n
         self._epoch_batches += n
+        self._batch = int(batch)
         if self._machinery is None and not self._ready():
             return
 
@@ -763,6 +764,7 @@ class NaNRollback(StatefulCallback):
         event = {
             "step": int(self.step),
             "epoch": int(self._epoch),
+            "batch": getattr(self, "_batch", None),
             "causes": list(causes),
             "loss": _json_float(loss),
             "loss_scale": _json_float(scale),
@@ -823,6 +825,9 @@ class NaNRollback(StatefulCallback):
             for e in recent
         )
         tail = f" Rollbacks: {history}." if history else ""
+        if "nonfinite_loss" in event["causes"]:
+            # Keras's TerminateOnNaN words, so logs and handlers written for it match.
+            tail += f" NaN or Inf loss encountered at batch {event['batch']}. Loss value: {event['loss']}."
         if event["restored_step"] is not None:
             tail += f" The model holds the last good state (step {event['restored_step']}, LR {event['lr_before']:.4g})."
         return head + tail + " Lower the learning rate, clip gradients (`global_clipnorm`), or check the input data."

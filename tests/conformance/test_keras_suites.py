@@ -205,11 +205,6 @@ _NO_QUIET_STOP = (
     "good weights restored. It never ends fit quietly with a NaN loss in the history, which this test expects "
     "of TerminateOnNaN(raise_error=False)"
 )
-_OWN_MESSAGE = (
-    "the RuntimeError is raised at the first NaN as Keras asserts (TrainingDivergedError), but with NaNRollback's "
-    "message ('Training diverged at step N (nonfinite_loss, ...)'), not Keras's 'NaN or Inf loss encountered ... "
-    "batch N' that the test matches"
-)
 DEVIATIONS: dict[str, dict] = {
     # ---- deliberate differences (deselected)
     _BAR + "test_best_case_step": {"kind": "deviation", "reason": (
@@ -231,13 +226,10 @@ DEVIATIONS: dict[str, dict] = {
         "as test_backup_dir_empty_error, with directory=None"
     )},
     _NAN + "test_TerminateOnNaN": {"kind": "deviation", "reason": (
-        _NO_QUIET_STOP + " (here every batch is non-finite: 1e5 weights through 5 layers). Today it raises at "
-        "step 1 ('before any good snapshot existed'; H3 is fixing the missing snapshot of a model built at its "
-        "first step), after the fix once its max_rollbacks=3 rollbacks are spent; either way it raises"
+        _NO_QUIET_STOP + " (here every batch is non-finite: 1e5 weights through 5 layers): it rolls back to "
+        "the snapshot taken right after Keras builds the model, max_rollbacks=3 times, then raises"
     )},
     _NAN + "test_terminate_on_nan_graceful_stop": {"kind": "deviation", "reason": _NO_QUIET_STOP},
-    _NAN + "test_terminate_on_nan_raise_error_raises_error": {"kind": "deviation", "reason": _OWN_MESSAGE},
-    _NAN + "test_raise_error_terminate_stops_on_later_batch": {"kind": "deviation", "reason": _OWN_MESSAGE},
 }
 
 
