@@ -176,8 +176,8 @@ class TrainingDoctor(StatefulCallback):
     - `overfitting`: validation loss rising above its best while the training
       loss falls.
     - `input_bound`: steps that take much longer than their compute (timed on
-      the probe batch) and than the time `fit`'s thread waited for a CPU (on
-      Linux; a machine shared with busy processes slows steps without any
+      the probe batch) and than the time the run's threads waited for a CPU
+      (on Linux; a machine shared with busy processes slows steps without any
       data wait), i.e. the run waits for data.
 
     Each code is reported once per run: one printed line when found, the
@@ -401,7 +401,7 @@ class TrainingDoctor(StatefulCallback):
         self._t_begin = None
         self._begin_batch = 0
         self._last_check = None
-        self._run_queue: deque[tuple[int, float]] = deque(maxlen=64)  # (step, dx.run_queue_delay()) at checks
+        self._run_queue: deque[tuple[int, dict]] = deque(maxlen=16)  # (step, dx.run_queue_delays()) at checks
         self._probe = None
         self._probe_error = None
         self._train_bs = None
@@ -621,10 +621,11 @@ class TrainingDoctor(StatefulCallback):
         self.compute_times.append(seconds * (self._train_bs / pb if self._train_bs and pb else 1.0))
 
     def _cpu_wait_per_step(self) -> float | None:
-        """Run-queue delay per step since the check about `len(step_times)` steps ago
-        (see `check_input_bound`); `None` at the first check (whose span would hold the
-        tracing) and where the statistics are not available."""
-        now = dx.run_queue_delay()
+        """CPU wait per step since the check about `len(step_times)` steps ago: the
+        largest run-queue delay any thread gathered, per step (see `check_input_bound`);
+        `None` at the first check (whose span would hold the tracing) and where the
+        statistics are not available."""
+        now = dx.run_queue_delays()
         if now is None:
             return None
         since = self.step - len(self.step_times)
@@ -632,7 +633,7 @@ class TrainingDoctor(StatefulCallback):
         self._run_queue.append((self.step, now))
         if then is None or self.step <= then[0]:
             return None
-        return (now - then[1]) / (self.step - then[0])
+        return max(d - then[1].get(tid, 0.0) for tid, d in now.items()) / (self.step - then[0])
 
     def _check_input_bound(self) -> None:
         cpu_wait = self._cpu_wait_per_step()

@@ -777,12 +777,12 @@ def check_input_bound(
 
     The wait is the median step time less the compute time (the fastest of its
     timings: interference only ever slows one down) and less `cpu_wait`, the time
-    per step `fit`'s thread spent waiting for a CPU: on a machine shared with other
-    busy processes the steps are slow because the process does not get the CPU, not
-    because the data is late. (Measured on a 2-core machine at load 7-10:
-    a tiny MLP's steps took 4-9 ms against 2 ms of compute, with 5-14 ms per step of
-    run-queue delay of `fit`'s thread; behind a pipeline that sleeps 20 ms per batch,
-    20-21 ms with 0.5-11 ms.)
+    per step the run's threads spent waiting for a CPU: on a machine shared with
+    other busy processes the steps are slow because the process does not get the
+    CPU, not because the data is late. (Measured on a 2-core machine at load 5-7,
+    the largest run-queue delay of any thread per step: a small CNN's steps took
+    150-200 ms with 70-160 ms of it; a tiny MLP's 2-3 ms with 0.5-2 ms; behind a
+    pipeline that sleeps 30 ms per batch, 31 ms with 1-2 ms.)
 
     Args:
         step_times: Recent wall times of one training step, seconds (from
@@ -791,9 +791,9 @@ def check_input_bound(
         compute_times: Wall times of the same computation (forward + backward of
             one batch of the training batch size) on data already in memory.
         step: The current step.
-        cpu_wait: Seconds per step `fit`'s thread was runnable but waiting for
-            a CPU, over about the same steps (`run_queue_delay`); `None` where
-            unknown. Defaults to `None`.
+        cpu_wait: Seconds per step the run waited for a CPU, over about the
+            same steps (from `run_queue_delays`); `None` where unknown. Defaults
+            to `None`.
         thresholds: Overrides of `DEFAULT_THRESHOLDS`. Defaults to `None`.
 
     Example:
@@ -1112,24 +1112,35 @@ def check_dead_units(
     )
 
 
-def run_queue_delay() -> float | None:
-    """Seconds the calling thread has spent runnable but waiting for a CPU.
+def run_queue_delays() -> dict[int, float] | None:
+    """Seconds each thread of this process has spent runnable but waiting for a CPU.
 
-    Linux's scheduler statistics of the thread (`/proc/thread-self/schedstat`, the
-    second field). Called from `fit`'s thread, it tells how much of a step's wall
-    time the loop lost to other work on the machine. `None` where the statistics
-    are not available (other systems, or a kernel without them).
+    Linux's scheduler statistics (`/proc/self/task/<tid>/schedstat`, the second
+    field), by thread id. A step waits for a CPU when a thread it waits on does
+    (`fit`'s, or a compute or data thread), so `TrainingDoctor` takes the largest
+    increase of any thread over a span as the CPU wait of that span. `None` where
+    the statistics are not available (other systems, or a kernel without them).
+    Reading them costs about 10 microseconds per thread.
 
     Example:
-    >>> d = run_queue_delay()
-    >>> d is None or d >= 0
+    >>> d = run_queue_delays()
+    >>> d is None or all(v >= 0 for v in d.values())
     True
     """
+    import os
+
+    out = {}
     try:
-        with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
+        tids = os.listdir("/proc/self/task")
+    except OSError:
         return None
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):  # a thread that just ended, or no schedstats
+            continue
+    return out or None
 
 
 # --------------------------------------------------------------------------- probe
