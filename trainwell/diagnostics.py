@@ -835,7 +835,9 @@ def check_input_bound(
         step,
         ["slow data pipeline (decoding, augmentation, Python generator) without prefetch or parallelism"],
         f"steps wait for data {_fmt(100 * frac)}% of the time "
-        f"({_fmt(1e3 * t_step)} ms per step, {_fmt(1e3 * t_comp)} ms of compute).",
+        f"({_fmt(1e3 * t_step)} ms per step, {_fmt(1e3 * t_comp)} ms of compute"
+        + (f", {_fmt(1e3 * t_cpu)} ms waiting for a CPU" if t_cpu >= 5e-4 else "")
+        + ").",
     )
 
 
