@@ -158,6 +158,8 @@ def run_problem(name, schedules=SCHEDULES, grid_seeds=1, probes_only=False):
         "lr_find_steps": len(result.lrs),
         "lr_find_stopped": result.stopped,
         "suggestions": {k: float(f"{v:.3g}") for k, v in result.suggestions.items()},
+        "curve_reliable": result.reliable,
+        "curve_reason": result.reason,
     }
     probe_shape = {"constant": "constant", "cosine": "warmup_cosine"}
     for schedule in schedules:
