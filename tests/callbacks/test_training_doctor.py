@@ -33,6 +33,13 @@ XH, YH = XA[:1536], YA[:1536]  # training data of the healthy runs (enough not t
 XV, YV = XA[1792:], YA[1792:]  # validation data, same distribution
 
 
+@pytest.fixture(autouse=True)
+def seeded():
+    """Seeds before each test's body: its layers draw their initializers' seeds when built,
+    before `fit` below seeds again, so without this they would depend on the tests before."""
+    keras.utils.set_random_seed(0)
+
+
 def fit(layers, optimizer, epochs=5, batch_size=32, x=X, y=Y, loss=CE, doctor=None, **kw):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((x.shape[1],))] + layers)
