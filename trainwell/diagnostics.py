@@ -57,9 +57,19 @@ DEFAULT_THRESHOLDS: dict[str, float] = {
     # initial loss (at most 2 such peaks in 200 steps, measured on small MLPs with
     # batch 8-32 and SGD/Adam); momentum 0.99 sends the loss back up to about its
     # initial value again and again (4-6 such peaks in 200 steps).
+    # A swing must also stand out of the minibatch noise: at least
+    # `oscillation_noise_z` x the noise of a 5-step median (`chunk_noise`). Measured by
+    # replaying the rule on the per-step losses of the runs of bench/doctor_zoo.py:
+    # single noise swings of healthy runs with batch 2-4 reach 4.7-4.8 x (at x4 such a
+    # run counts at most one peak, at x0 two), the swings of the heavy-momentum runs
+    # 4.2-28 x (3-10 peaks).
     "oscillation_swing": 0.4,
     "oscillation_ratio": 1.5,
     "oscillation_peaks": 3,
+    "oscillation_noise_z": 4.0,
+    # The probe batch's loss (no sampling noise) confirms an oscillation where the
+    # probes sample it at least twice per period: one probe loss `oscillation_probe_rise`
+    # x the one before.
     "oscillation_probe_rise": 1.5,
     # slow convergence: after `window` steps the loss is less than
     # `slow_progress` below its initial value; a plateau: over the last two windows
@@ -457,6 +467,39 @@ def zigzag(series: Sequence[float], swing: float, ratio: float) -> list[tuple[in
     return pts
 
 
+def step_noise(losses: Sequence[float]) -> float:
+    """The noise (standard deviation) of one step's loss, from the step-to-step differences.
+
+    Robust, and blind to a smooth trend: for independent noise of standard
+    deviation s the median absolute difference of two steps is 0.6745 x sqrt(2) x s.
+    A fast trend or a slow oscillation adds to the differences, so this errs high.
+    `nan` with fewer than 3 finite losses.
+
+    Example:
+    >>> round(step_noise([1.0, 1.2] * 20), 3)
+    0.21
+    """
+    xs = [x for x in losses if math.isfinite(x)]
+    if len(xs) < 3:
+        return math.nan
+    return statistics.median(abs(b - a) for a, b in zip(xs, xs[1:])) / (0.6745 * math.sqrt(2))
+
+
+def chunk_noise(losses: Sequence[float], chunk: int = 5) -> float:
+    """The noise (standard deviation) of a `chunk`-step median of `losses`.
+
+    `step_noise` times sqrt(pi / 2) / sqrt(chunk), the standard deviation of the
+    median of `chunk` independent values. `0.0` with fewer than 10 finite losses.
+
+    Example:
+    >>> round(chunk_noise([1.0, 1.2] * 20), 3)
+    0.118
+    """
+    if sum(1 for x in losses if math.isfinite(x)) < 10:
+        return 0.0
+    return math.sqrt(math.pi / 2) * step_noise(losses) / math.sqrt(chunk)
+
+
 def check_oscillation(
     tracker: LossTracker,
     step: int,
@@ -464,23 +507,30 @@ def check_oscillation(
     lr: float | None = None,
     momentum: float | None = None,
     probe_losses: Sequence[float] | None = None,
+    probe_every: int | None = None,
     reference: float | None = None,
     thresholds: dict | None = None,
 ) -> Finding | None:
     """Oscillation: the loss (5-step medians) swings up and down by large amounts.
 
-    Minibatch noise is damped by the 5-step medians and ignored unless it moves
-    the loss by `oscillation_swing` x the loss scale and by a factor
-    `oscillation_ratio`; `oscillation_peaks` peaks (a large rise then a large fall)
-    within the tracker's window make an oscillation. The loss scale is the larger
-    of the initial loss and `reference` (the probe's `null_loss`): a model that
-    starts already trained (a second `fit`, fine-tuning) has an initial loss so
-    low that its ordinary SGD noise would otherwise look like large swings.
+    A swing counts when it moves the 5-step median of the loss by
+    `oscillation_swing` x the loss scale, by a factor `oscillation_ratio`, and by
+    `oscillation_noise_z` x the minibatch noise of a 5-step median (`chunk_noise`);
+    `oscillation_peaks` peaks (a large rise then a large fall) within the tracker's
+    window make an oscillation. The loss scale is the larger of the initial loss and
+    `reference` (the probe's `null_loss`): a model that starts already trained (a
+    second `fit`, fine-tuning) has an initial loss so low that its ordinary SGD noise
+    would otherwise look like large swings.
 
     `probe_losses`, the losses on the fixed probe batch at the probes within the
-    window (no minibatch sampling noise), confirm it: one of them must exceed the
-    one before by `oscillation_probe_rise` (x1.5). With fewer than 3 probe losses
-    the rule waits; `None` (no probe) skips the confirmation.
+    window (no minibatch sampling noise), confirm it where they can see it: when the
+    probes are at most half a period apart (`probe_every` steps; the period is that
+    of the peaks), one of them must exceed the one before by
+    `oscillation_probe_rise` (x1.5), and with fewer than 3 probe losses the rule
+    waits. Probes further apart sample an oscillation at random phases (the
+    doctor's default, a probe every 100 steps, against the 15-50-step periods of
+    heavy momentum), so they neither confirm nor refute it; the noise bound on
+    every swing stands in for them. `None` (no probe) skips the confirmation.
 
     Example:
     >>> t = LossTracker(window=100)
@@ -494,12 +544,18 @@ def check_oscillation(
     if not math.isfinite(initial) or len(chunks) < 6:
         return None
     scale = max(abs(initial), reference) if reference is not None and math.isfinite(reference) else abs(initial)
-    pts = zigzag(chunks, swing=th["oscillation_swing"] * scale, ratio=th["oscillation_ratio"])
+    noise = chunk_noise(tracker.losses, tracker.chunk)
+    swing = max(th["oscillation_swing"] * scale, th["oscillation_noise_z"] * noise)
+    pts = zigzag(chunks, swing=swing, ratio=th["oscillation_ratio"])
     peaks = [p for p in pts if p[2] == "peak"]
     if len(peaks) < int(th["oscillation_peaks"]):
         return None
+    period = (
+        tracker.chunk * statistics.mean(b[0] - a[0] for a, b in zip(peaks, peaks[1:])) if len(peaks) > 1 else math.nan
+    )
     rise = None
-    if probe_losses is not None:
+    resolved = probe_every is None or (math.isfinite(period) and 2 * probe_every <= period)
+    if probe_losses is not None and resolved:
         pl = [x for x in probe_losses if math.isfinite(x)]
         if len(pl) < 3:
             return None
@@ -508,19 +564,19 @@ def check_oscillation(
             return None
     troughs = [p for p in pts if p[2] == "trough"]
     amp = statistics.mean(p[1] for p in peaks) - (statistics.mean(p[1] for p in troughs) if troughs else min(chunks))
-    period = (
-        tracker.chunk * statistics.mean(b[0] - a[0] for a, b in zip(peaks, peaks[1:])) if len(peaks) > 1 else math.nan
-    )
     ev: dict[str, Any] = {
         "peaks": len(peaks),
         "swing": amp,
         "swing_over_initial_loss": amp / abs(initial),
         "loss_scale_reference": scale,
+        "swing_over_noise": amp / noise if noise > 0 else math.inf,
         "period_steps": period,
         "window_steps": tracker.chunk * len(chunks),
     }
     if rise is not None:
         ev["probe_loss_rise"] = rise
+    elif probe_losses is not None:
+        ev["probe_every_steps"] = probe_every  # too far apart to confirm (see above)
     fixes = []
     causes = []
     if lr is not None:
@@ -631,7 +687,7 @@ def check_slow_convergence(
             "try a larger learning rate or a warmup then cosine schedule",
         ]
     fixes.append("train longer only if the loss is still falling steadily")
-    kind = "crawls" if crawl else "has plateaued"
+    kind = "rose" if progress < -th["slow_progress"] else "crawls" if crawl else "has plateaued"
     return Finding(
         "slow_convergence",
         "warning" if crawl else "info",
@@ -639,7 +695,7 @@ def check_slow_convergence(
         fixes,
         step,
         causes,
-        f"the loss {kind}: {_fmt(initial)} -> {_fmt(now)} ({_fmt(100 * progress)}% in {tracker.steps} steps)"
+        f"the loss {kind}: {_fmt(initial)} -> {_fmt(now)} ({-100 * progress:+.3g}% in {tracker.steps} steps)"
         + (f", update/weight ratio {_fmt(update_ratio)} per step" if update_ratio is not None else "")
         + ".",
     )
@@ -714,9 +770,19 @@ def check_input_bound(
     compute_times: Sequence[float],
     step: int,
     *,
+    cpu_wait: float | None = None,
     thresholds: dict | None = None,
 ) -> Finding | None:
     """Input bound: steps take much longer than their compute, so they wait for data.
+
+    The wait is the median step time less the compute time (the fastest of its
+    timings: interference only ever slows one down) and less `cpu_wait`, the time
+    per step the run's threads spent waiting for a CPU: on a machine shared with
+    other busy processes the steps are slow because the process does not get the
+    CPU, not because the data is late. (Measured on a 2-core machine at load 5-7,
+    the largest run-queue delay of any thread per step: a small CNN's steps took
+    150-200 ms with 70-160 ms of it; a tiny MLP's 2-3 ms with 0.5-2 ms; behind a
+    pipeline that sleeps 30 ms per batch, 31 ms with 1-2 ms.)
 
     Args:
         step_times: Recent wall times of one training step, seconds (from
@@ -725,25 +791,32 @@ def check_input_bound(
         compute_times: Wall times of the same computation (forward + backward of
             one batch of the training batch size) on data already in memory.
         step: The current step.
+        cpu_wait: Seconds per step the run waited for a CPU, over about the
+            same steps (from `run_queue_delays`); `None` where unknown. Defaults
+            to `None`.
         thresholds: Overrides of `DEFAULT_THRESHOLDS`. Defaults to `None`.
 
     Example:
     >>> check_input_bound([0.050] * 20, [0.004] * 3, 100).code
     'input_bound'
+    >>> check_input_bound([0.050] * 20, [0.004] * 3, 100, cpu_wait=0.045) is None
+    True
     """
     th = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
     if len(step_times) < 5 or not compute_times:
         return None
-    t_step, t_comp = _median(step_times), _median(compute_times)
+    t_step, t_comp = _median(step_times), min(compute_times)
     if not (math.isfinite(t_step) and math.isfinite(t_comp)) or t_step <= 0:
         return None
-    wait = max(t_step - t_comp, 0.0)
-    frac = wait / t_step
+    t_cpu = cpu_wait if cpu_wait is not None and math.isfinite(cpu_wait) else 0.0
+    wait = max(t_step - t_comp - t_cpu, 0.0)
+    frac = wait / max(t_step - t_cpu, 1e-9)  # of the step as it would take on an idle machine
     if frac < th["input_wait_fraction"] or 1e3 * wait < th["input_wait_ms"]:
         return None
     ev = {
         "step_ms": 1e3 * t_step,
         "compute_ms": 1e3 * t_comp,
+        "cpu_wait_ms": 1e3 * t_cpu,
         "wait_ms": 1e3 * wait,
         "wait_fraction": frac,
         "possible_speedup": t_step / max(t_comp, 1e-9),
@@ -762,7 +835,9 @@ def check_input_bound(
         step,
         ["slow data pipeline (decoding, augmentation, Python generator) without prefetch or parallelism"],
         f"steps wait for data {_fmt(100 * frac)}% of the time "
-        f"({_fmt(1e3 * t_step)} ms per step, {_fmt(1e3 * t_comp)} ms of compute).",
+        f"({_fmt(1e3 * t_step)} ms per step, {_fmt(1e3 * t_comp)} ms of compute"
+        + (f", {_fmt(1e3 * t_cpu)} ms waiting for a CPU" if t_cpu >= 5e-4 else "")
+        + ").",
     )
 
 
@@ -981,6 +1056,7 @@ def check_dead_units(
     *,
     lr: float | None = None,
     thresholds: dict | None = None,
+    explained_by: Sequence[str] = (),
 ) -> Finding | None:
     """Dead ReLU units: a layer whose units are zero for the whole probe batch.
 
@@ -991,6 +1067,10 @@ def check_dead_units(
         step: The current step.
         lr: The current learning rate. Defaults to `None`.
         thresholds: Overrides of `DEFAULT_THRESHOLDS`. Defaults to `None`.
+        explained_by: Findings already made that kill units, e.g.
+            `["oscillation"]` (its large steps push the units' inputs below zero
+            for good); the causes and the first fix then point there. Defaults to
+            `()`.
 
     Example:
     >>> check_dead_units({"dense": 0.9}, {"dense": 0.8}, 200).code
@@ -1010,21 +1090,59 @@ def check_dead_units(
     ev.update({f"dead_fraction/{k}": v for k, v in bad.items()})
     if lr is not None:
         ev["lr"] = lr
+    fixes = [
+        "use LeakyReLU/GELU/ELU instead of ReLU",
+        f"lower the learning rate{_lr_text(lr)} (a large step can push biases so negative a unit never fires again)",
+        "use He initialisation with zero biases; add BatchNormalization before the activation",
+    ]
+    causes = ["learning rate too high", "large negative biases", "poor initialisation"]
+    if explained_by:
+        ev["explained_by"] = ", ".join(explained_by)
+        fixes.insert(0, f"fix the {explained_by[0]} finding first (see its fixes), then train again from scratch")
+        causes.insert(0, f"{explained_by[0]}: its large steps pushed the units' inputs below zero for every example")
     return Finding(
         "dead_units",
         "warning",
         ev,
-        [
-            "use LeakyReLU/GELU/ELU instead of ReLU",
-            f"lower the learning rate{_lr_text(lr)} (a large step can push biases so negative a unit never fires again)",
-            "use He initialisation with zero biases; add BatchNormalization before the activation",
-        ],
+        fixes,
         step,
-        ["learning rate too high", "large negative biases", "poor initialisation"],
+        causes,
         f'{_fmt(100 * bad[worst])}% of the units of layer "{worst}" output zero for every example'
         + (f" ({len(bad)} layers affected)" if len(bad) > 1 else "")
+        + (f", after the {explained_by[0]}" if explained_by else "")
         + ".",
     )
+
+
+def run_queue_delays() -> dict[int, float] | None:
+    """Seconds each thread of this process has spent runnable but waiting for a CPU.
+
+    Linux's scheduler statistics (`/proc/self/task/<tid>/schedstat`, the second
+    field), by thread id. A step waits for a CPU when a thread it waits on does
+    (`fit`'s, or a compute or data thread), so `TrainingDoctor` takes the largest
+    increase of any thread over a span as the CPU wait of that span. `None` where
+    the statistics are not available (other systems, or a kernel without them).
+    Reading them costs about 10 microseconds per thread.
+
+    Example:
+    >>> d = run_queue_delays()
+    >>> d is None or all(v >= 0 for v in d.values())
+    True
+    """
+    import os
+
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):  # a thread that just ended, or no schedstats
+            continue
+    return out or None
 
 
 # --------------------------------------------------------------------------- probe

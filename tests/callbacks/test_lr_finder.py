@@ -391,10 +391,69 @@ def test_a_loss_that_starts_near_zero_does_not_stop_the_test():
 def test_probes_that_all_diverge_fall_back_to_minimum(monkeypatch):
     monkeypatch.setattr(lr_finder._LRProbe, "score", lambda self: math.inf)
     model = regression()
-    with pytest.warns(UserWarning, match="Every probe diverged"):
+    with pytest.warns(UserWarning, match="every probe diverged"):
         r = trainwell.lr_find(model, (XR, YR), start_lr=1e-4, end_lr=1.0, steps=20, probe_steps=3)
     assert r.method == "minimum" and r.suggestion == r.suggestions["minimum"] and "probe" not in r.suggestions
+    assert not r.reliable and "falling back to the range test's 'minimum'" in r.reason
     assert len(r.probes) == 8  # every candidate, x3 down to /729
+
+
+def test_probes_that_cannot_learn_give_no_reliable_suggestion(capsys):
+    """Labels independent of the inputs: every probe ends at chance level, ranked by noise alone."""
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(512, 8)).astype("float32"), rng.integers(0, 10, 512)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)])
+    model.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.warns(UserWarning, match="No reliable learning rate: the probes did not learn.*Try longer probes"):
+        r = trainwell.lr_find(model, (x, y), start_lr=1e-4, end_lr=10.0, steps=30, probe_steps=20)
+    assert not r.reliable and r.reason.startswith("the probes did not learn")
+    assert capsys.readouterr().out == ""  # verbose=0, the default: silent
+    assert r.suggestion == r.suggestions["probe"]  # still the best measured, flagged
+    assert abs(r.start_loss - math.log(10)) < 0.2 and min(r.probes.values()) > 0.95 * r.start_loss
+    d = r.to_dict()
+    assert d["reliable"] is False and d["reason"] == r.reason and all(len(p) == 3 for p in d["probes"])
+
+
+def test_judge_probes_tells_learning_from_noise():
+    se = {0.3: 0.01, 0.1: 0.01, 0.03: 0.01}
+    assert lr_finder.judge_probes(2.30, 0.002, {0.3: 1.2, 0.1: 0.8, 0.03: 1.1}, se) is None
+    # Below the start by less than MIN_GAIN (5%), or within the noise.
+    assert lr_finder.judge_probes(2.30, 0.002, {0.3: 2.26, 0.1: 2.25, 0.03: 2.29}, se).startswith("the probes did not")
+    assert lr_finder.judge_probes(2.30, 0.002, {0.3: 2.0, 0.1: 1.9, 0.03: 2.1}, {k: 0.2 for k in se}).startswith(
+        "the probes did not learn")
+    # Learned, but every LR the same within the noise: nothing to choose by.
+    assert lr_finder.judge_probes(2.30, 0.002, {0.3: 0.81, 0.1: 0.8, 0.03: 0.82}, se).startswith(
+        "the probes could not be told apart")
+    assert "only one probe" in lr_finder.judge_probes(2.30, 0.002, {0.3: math.inf, 0.1: 0.8}, se)
+    assert lr_finder.judge_probes(2.30, 0.002, {0.3: math.inf, 0.1: math.inf}, se).startswith("every probe diverged")
+
+
+def test_a_flat_range_test_curve_is_not_reliable():
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(512, 8)).astype("float32"), rng.integers(0, 10, 512)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(10)])
+    model.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    finder = LRFinder(start_lr=1e-6, end_lr=1e-3, steps=30)  # too low to move: the curve stays at its start
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[finder])
+    assert not finder.result.reliable and finder.result.reason.startswith("the range test's loss never fell")
+    r = trainwell.lr_find(regression(), (XR, YR), start_lr=1e-4, end_lr=10.0, steps=60, method="minimum")
+    assert r.reliable and r.reason is None and r.start_loss > 1.5 * min(r.losses)
+
+
+@pytest.mark.parametrize("verbose", [1, 2])
+def test_progress_has_the_range_tests_and_each_probes_totals(verbose, capsys):
+    """Arrays of 16 batches: `fit` would count its own epochs; the bars count the test's steps."""
+    trainwell.lr_find(regression(), (XR, YR), start_lr=1e-4, end_lr=1.0, steps=20, probe_steps=12, verbose=verbose)
+    out = capsys.readouterr().out
+    assert "LR range test: 20 steps, LR 0.0001 to 1\n" in out and out.count("20/20") == 1
+    probes = [l for l in out.splitlines() if l.startswith("Probe ")]
+    assert probes[0].startswith("Probe 1 (of at most 8): LR ") and probes[0].endswith(", 12 steps, constant")
+    assert out.count("12/12") == len(probes) >= 3
+    assert "/16" not in out and "Epoch" not in out
+    if verbose == 2:  # one line per phase
+        assert len(out.splitlines()) == 2 * (1 + len(probes))
 
 
 # ----------------------------------------------------------------------------- command line
@@ -427,8 +486,36 @@ def test_cli_main_prints_and_writes_the_suggestion(tmp_path, capsys):
     assert "Suggested peak learning rate (probe):" in out and "probe runs of 100 steps (warmup_cosine)" in out
     written = yaml.safe_load(config.read_text())
     assert written["epochs"] == 3 and 1e-3 < written["lr"] < 1.0 and written["lr"] != 0.1
-    assert config.read_text().startswith("# my run\nepochs: 3  # short\nlr: ") and "# peak LR" in config.read_text()
+    # The old comment described the old value: the new one says what the value is.
+    assert f"lr: {written['lr']!r}  # peak LR {written['lr']:.3g} from trainwell lr-find (probe); was 0.1\n" in (
+        config.read_text())
+    assert config.read_text().startswith("# my run\nepochs: 3  # short\nlr: ")
     assert (tmp_path / "run" / "lr_find.png").is_file() and (tmp_path / "run" / "lr_find.json").is_file()
+
+
+def test_cli_main_refuses_to_write_a_suggestion_made_of_noise(tmp_path, capsys, monkeypatch):
+    # What `trainwell lr-find` with 20-step probes measured on the demo config: every probe
+    # at chance level, ranked by noise (the detection itself: the tests above).
+    probes = {0.0274: 2.302, 0.0821: 2.289, 0.246: 2.261, 0.739: 2.308, 2.22: 2.431}
+    noise = {lr: 0.01 for lr in probes}
+    reason = lr_finder.judge_probes(2.303, 0.001, probes, noise)
+    canned = LRFindResult([1e-3, 1e-2], [2.3, 2.3], [2.3, 2.3], 0.246, {"minimum": 0.0739, "probe": 0.246}, "steps",
+                          method="probe", probes=probes, probe_noise=noise, probe_steps=20,
+                          probe_schedule="warmup_cosine", start_loss=2.303, start_noise=0.001, reliable=False,
+                          reason=reason)
+    monkeypatch.setattr(lr_finder, "lr_find", lambda *a, **k: canned)
+    config = tmp_path / "tiny.yaml"
+    config.write_text("lr: 0.1  # peak LR\n")
+    cfg = TinyConfig.load(config, [f"run_dir={tmp_path / 'run'}", "strategy=one_device", "precision=float32"])
+    args = types.SimpleNamespace(write=True, config=str(config), dry_run=False, probe_steps=20)
+    assert cli_main(tiny_recipe(), cfg, args) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("No reliable learning rate: the probes did not learn: the best probe (LR 0.246) ended "
+                             "at 2.261 at best against 2.303 at the start (1.8% lower")
+    assert out[-1] == ("Try longer probes (--probe-steps 80), or check the data and labels (the model must be able "
+                       f"to fit them); nothing was written to {config}.")
+    assert config.read_text() == "lr: 0.1  # peak LR\n"
+    assert (tmp_path / "run" / "lr_find.json").is_file()  # the measurements are kept
 
 
 def test_cli_main_method_option_picks_the_suggestion(tmp_path, capsys):

@@ -33,6 +33,13 @@ XH, YH = XA[:1536], YA[:1536]  # training data of the healthy runs (enough not t
 XV, YV = XA[1792:], YA[1792:]  # validation data, same distribution
 
 
+@pytest.fixture(autouse=True)
+def seeded():
+    """Seeds before each test's body: its layers draw their initializers' seeds when built,
+    before `fit` below seeds again, so without this they would depend on the tests before."""
+    keras.utils.set_random_seed(0)
+
+
 def fit(layers, optimizer, epochs=5, batch_size=32, x=X, y=Y, loss=CE, doctor=None, **kw):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((x.shape[1],))] + layers)
@@ -143,6 +150,28 @@ def test_momentum_too_high_oscillates():
     assert f.fixes[0].startswith("lower the momentum from 0.99 to 0.9")
 
 
+@pytest.mark.parametrize("lr, momentum", [(0.3, 0.995), (0.05, 0.9)], ids=["momentum0.995", "healthy_momentum0.9"])
+def test_heavy_momentum_oscillates_at_the_default_probe_interval(lr, momentum):
+    """5 epochs of 64 steps, the doctor at its defaults: a probe every 100 steps cannot see a 20-step period.
+
+    The swings kill the second ReLU layer (all its units output zero for every
+    example from about step 70): `dead_units` is true, and reported as the
+    oscillation's consequence; the loss, back above its start, is no slow convergence.
+    """
+    layers = [D(32, activation="relu"), D(32, activation="relu"), D(3)]
+    _, doctor = fit(layers, keras.optimizers.SGD(lr, momentum=momentum), x=XA, y=YA, doctor=TrainingDoctor(verbose=0))
+    assert doctor.step == 320
+    if momentum == 0.9:
+        assert doctor.findings == []
+        return
+    f = doctor.findings[0]
+    assert f.code == "oscillation" and f.step <= 200 and "slow_convergence" not in doctor.codes
+    assert f.evidence["peaks"] >= 3 and f.evidence["swing_over_noise"] > 4 and f.evidence["probe_every_steps"] == 100
+    assert f.fixes[0].startswith("lower the momentum from 0.995 to 0.9")
+    dead = only(doctor, "dead_units")
+    assert dead.evidence["explained_by"] == "oscillation" and dead.fixes[0].startswith("fix the oscillation finding")
+
+
 def test_tiny_data_and_large_model_overfits():
     x = X[:32]
     y = np.random.default_rng(3).integers(0, 3, 32)  # random labels: nothing to generalise
@@ -160,35 +189,49 @@ def test_tiny_data_and_large_model_overfits():
     assert "EarlyStopping" in f.fixes[0] and "restore_best_weights=True" in f.fixes[0]
 
 
-def test_slow_pipeline_is_input_bound():
+def pipeline_fit(delay, steps, epochs=1, doctor=None):
+    """A tiny MLP behind a `tf.data` map that sleeps `delay` s per batch of 32 in Python."""
+
     def slow(a, b):
-        time.sleep(0.02)
+        time.sleep(delay)
         return a, b
 
-    x = X[:320]
-    yr = x[:, :1] * 0.5
-    ds = tf.data.Dataset.from_tensor_slices((x, yr)).batch(32)
-    ds = ds.map(lambda a, b: tf.numpy_function(slow, [a, b], [tf.float32, tf.float32]))
-    ds = ds.map(lambda a, b: (tf.ensure_shape(a, [None, 10]), tf.ensure_shape(b, [None, 1])))
+    x = XA[: 32 * steps]
+    ds = tf.data.Dataset.from_tensor_slices((x, x[:, :1] * 0.5)).batch(32)
+    if delay:
+        ds = ds.map(lambda a, b: tf.numpy_function(slow, [a, b], [tf.float32, tf.float32]))
+        ds = ds.map(lambda a, b: (tf.ensure_shape(a, [None, 10]), tf.ensure_shape(b, [None, 1])))
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((10,)), D(16, activation="relu"), D(1)])
     model.compile(keras.optimizers.SGD(0.01), "mse")
-    doctor = TrainingDoctor(every_n_steps=5, verbose=0)
-    model.fit(ds, epochs=3, verbose=0, callbacks=[doctor])
+    doctor = doctor or TrainingDoctor(every_n_steps=5, verbose=0)
+    model.fit(ds, epochs=epochs, verbose=0, callbacks=[doctor])
+    return doctor
+
+
+def test_slow_pipeline_is_input_bound():
+    doctor = pipeline_fit(0.02, steps=10, epochs=3)
     f = only(doctor, "input_bound")
     assert f.evidence["wait_fraction"] > 0.5 and f.evidence["step_ms"] > 15
     assert "prefetch" in f.fixes[0]
 
 
 def test_same_model_without_the_delay_is_not_input_bound():
-    ds = tf.data.Dataset.from_tensor_slices((X[:320], X[:320, :1])).batch(32)
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((10,)), D(16, activation="relu"), D(1)])
-    model.compile(keras.optimizers.SGD(0.01), "mse")
-    doctor = TrainingDoctor(every_n_steps=5, verbose=0)
-    model.fit(ds, epochs=3, verbose=0, callbacks=[doctor])
+    doctor = pipeline_fit(0.0, steps=10, epochs=3)
     assert "input_bound" not in doctor.codes
     assert len(doctor.compute_times) >= 3
+
+
+@pytest.mark.parametrize("delay", [0.03, 0.0], ids=["slow_pipeline", "healthy_fast_pipeline"])
+def test_a_run_shorter_than_the_probe_interval_gets_verdicts_at_its_end(delay):
+    """40 steps with a probe every 100: the probe at step 1 traces, the one at the end times the compute."""
+    doctor = pipeline_fit(delay, steps=40, doctor=TrainingDoctor(verbose=0))
+    assert doctor.step == 40 and doctor.probes == 2
+    if delay:
+        f = only(doctor, "input_bound")
+        assert f.step == 40 and f.evidence["step_ms"] > 25 and f.evidence["wait_fraction"] > 0.5
+    else:
+        assert doctor.findings == []
 
 
 def test_dead_relu_units():

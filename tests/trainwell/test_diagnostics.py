@@ -2,6 +2,8 @@
 
 import json
 import math
+import sys
+import threading
 
 import keras
 import numpy as np
@@ -125,6 +127,42 @@ def test_oscillation_versus_noise():
     assert dx.check_oscillation(osc, 200, reference=10.0) is None
 
 
+def test_oscillation_swings_must_stand_out_of_the_minibatch_noise():
+    rng = np.random.default_rng(0)
+    noise = LossTracker(window=200)
+    for _ in range(200):  # no trend, heavy minibatch noise: its 5-step medians swing by x2 and more
+        noise.add(float(rng.lognormal(0, 0.5)))
+    assert dx.check_oscillation(noise, 200, thresholds={"oscillation_noise_z": 0.0}).evidence["peaks"] >= 3
+    assert dx.check_oscillation(noise, 200) is None  # but by less than 4 x the noise of a 5-step median
+    osc = LossTracker(window=200)
+    for i in range(200):  # the same noise on an oscillation of period 40
+        osc.add((0.3 + 1.7 * (0.5 + 0.5 * math.cos(2 * math.pi * i / 40))) * float(rng.lognormal(0, 0.3)))
+    f = dx.check_oscillation(osc, 200)
+    assert f.evidence["swing_over_noise"] > 4 and np.isclose(f.evidence["period_steps"], 40, atol=5)
+
+
+def test_oscillation_probe_confirmation_only_where_the_probes_resolve_the_period():
+    osc = LossTracker(window=200)
+    for i in range(200):  # period 40 steps
+        osc.add(0.3 + 1.7 * (0.5 + 0.5 * math.cos(2 * math.pi * i / 40)))
+    flat = [1.0, 0.9, 0.8]  # probe losses that never rise
+    assert dx.check_oscillation(osc, 200, probe_losses=flat, probe_every=20) is None  # 2 probes per period: refuted
+    assert dx.check_oscillation(osc, 200, probe_losses=flat[:2], probe_every=20) is None  # waits for a third
+    # A probe every 100 steps samples a 40-step oscillation at random phases: it cannot refute it.
+    f = dx.check_oscillation(osc, 200, probe_losses=flat[:2], probe_every=100)
+    assert f.evidence["probe_every_steps"] == 100 and "probe_loss_rise" not in f.evidence
+
+
+def test_dead_units_and_slow_convergence_name_what_explains_them():
+    f = dx.check_dead_units({"d": 1.0}, {"d": 1.0}, 200, lr=0.3, explained_by=["oscillation"])
+    assert f.fixes[0].startswith("fix the oscillation finding first") and f.causes[0].startswith("oscillation")
+    assert "after the oscillation" in f.summary and "LeakyReLU" in f.fixes[1]
+    rose = LossTracker(window=50)
+    for i in range(60):
+        rose.add(0.9 + 0.01 * i)
+    assert dx.check_slow_convergence(rose, 60).summary.startswith("the loss rose: 0.945 -> 1.45 (+52.9% in 60 steps)")
+
+
 def test_slow_convergence_crawl_plateau_and_progress():
     crawl = LossTracker(window=50)
     for i in range(60):
@@ -172,6 +210,20 @@ def test_input_bound_rule():
     assert dx.check_input_bound([0.012] * 20, [0.010] * 3, 100) is None  # compute bound
     assert dx.check_input_bound([0.002] * 20, [0.0005] * 3, 100) is None  # 1.5 ms: Python overhead, not data
     assert dx.check_input_bound([0.030] * 20, [], 100) is None
+
+
+def test_input_bound_discounts_a_busy_machine():
+    # The compute's fastest timing counts: other work only ever slows a timing down.
+    assert dx.check_input_bound([0.030] * 20, [0.004, 0.035, 0.05], 100).evidence["compute_ms"] == pytest.approx(4)
+    # Steps slowed by waiting for a CPU (the machine shared with busy processes) do not wait for data.
+    assert dx.check_input_bound([0.030] * 20, [0.004] * 3, 100, cpu_wait=0.024) is None
+    f = dx.check_input_bound([0.030] * 20, [0.004] * 3, 100, cpu_wait=0.005)
+    assert f.evidence["cpu_wait_ms"] == pytest.approx(5) and f.evidence["wait_ms"] == pytest.approx(21)
+    d = dx.run_queue_delays()  # what the doctor's cpu_wait is made of: Linux's, per thread
+    if sys.platform.startswith("linux"):
+        assert d and threading.get_native_id() in d and all(v >= 0 for v in d.values())
+    else:
+        assert d is None
 
 
 def test_amp_rule():
