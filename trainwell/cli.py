@@ -10,7 +10,8 @@ Exit status: 0 success; 1 the run failed (the error is printed); 2 bad input: a
 command-line argument, a config key, value or file, a data source or preset, a
 damaged run directory (one line, no traceback, and no run directory made); 143 the
 run was preempted by SIGTERM after writing a checkpoint (resume it with
-`trainwell resume RUN_DIR`).
+`trainwell resume RUN_DIR`). `lr-find` exits 1 when it found no reliable learning
+rate (the probes did not learn); it then writes nothing.
 
 Everything that can be checked without training is checked before anything runs,
 so `--dry-run` catches it too: the config (`Config.validate()`: names with "did you
@@ -402,6 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "loss minimum, the best of which gives the schedule's peak LR)")
     lf.add_argument("--probe-steps", type=_int_arg(1), metavar="N",
                     help="steps of each probe run (default: the range test's 100); longer is closer to a full run")
+    lf.add_argument("--verbose", type=int, choices=(0, 1, 2), default=1,
+                    help="0 silent, 1 a progress bar per phase (default), 2 one line per phase")
     add_config_args(lf)
     lf.set_defaults(func=cmd_lr_find)
 

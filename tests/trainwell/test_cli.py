@@ -172,3 +172,13 @@ def test_lr_find_method_choices_are_the_lr_finders_suggestions():
     method = next(a for a in sub.choices["lr-find"]._actions if a.dest == "method")
     assert set(method.choices) == set(lr_finder.METHODS)
     assert lr_finder.CLI_METHOD in method.choices
+
+
+def test_lr_find_takes_verbose_for_its_progress():
+    from trainwell.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["lr-find", "resnet-imagenet"]).verbose == 1
+    assert parser.parse_args(["lr-find", "resnet-imagenet", "--verbose", "2"]).verbose == 2
+    with pytest.raises(SystemExit):
+        parser.parse_args(["lr-find", "resnet-imagenet", "--verbose", "5"])
