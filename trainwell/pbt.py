@@ -139,7 +139,8 @@ def _make_classes():
             hyperparameters, allow_new_entries, tune_new_entries, seed,
             max_retries_per_trial: As for `keras_tuner.Oracle`.
             max_consecutive_failed_trials: As for `keras_tuner.Oracle`. Defaults to
-                `None` (`max_trials`: divergences replace members, they do not end the search).
+                `None` (`population_size`: a diverged member is replaced, but a
+                generation's worth of failures in a row ends the search).
 
         Example:
         >>> oracle = PBTOracle(keras_tuner.Objective("val_accuracy", "max"), population_size=4,
@@ -165,7 +166,7 @@ def _make_classes():
                 objective=objective, max_trials=max_trials, hyperparameters=hyperparameters,
                 allow_new_entries=allow_new_entries, tune_new_entries=tune_new_entries, seed=seed,
                 max_retries_per_trial=max_retries_per_trial,
-                max_consecutive_failed_trials=max_consecutive_failed_trials or max_trials,
+                max_consecutive_failed_trials=max_consecutive_failed_trials or population_size,
             )
             self.population_size = int(population_size)
             self.ready_interval = int(ready_interval)
@@ -484,6 +485,7 @@ def plot_lineage(lineage: Sequence[dict], path, objective_name: str = "score"):
     >>> plot_lineage(oracle.lineage(), "tuning/p/pbt_lineage.png", "val_accuracy")  # doctest: +SKIP
     """
     from matplotlib import colormaps
+    from matplotlib.ticker import MaxNLocator
 
     from trainwell.io import new_figure, save_figure
 
@@ -523,9 +525,11 @@ def plot_lineage(lineage: Sequence[dict], path, objective_name: str = "score"):
             ax.set_yscale("log")
         ax.set_title(name)
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         ax.grid(alpha=0.3)
     for j in range(len(panels), rows * cols):
         axes[j // cols][j % cols].axis("off")
-    axes[0][0].legend(fontsize=7)
+    if axes[0][0].get_legend_handles_labels()[0]:  # no member completed a segment: nothing to name
+        axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     return save_figure(fig, Path(path))
