@@ -49,9 +49,19 @@ class Config(BaseConfig):
     2017 (SGDR, cosine).
 
     Fields left `None` are derived from the dataset and the run length when the config is
-    built (and again by `replace`): `image_size` and `batch_size` fit the embedded sets,
-    `warmup_epochs` and `step_boundaries` are the published shares of the run, and
-    `zero_init_residual` is on for large batches. A value you set is kept as is.
+    built (and again by `replace`); a value you set is kept as is:
+
+    - `warmup_epochs`, `step_boundaries`: the published 5 warmup epochs and LR steps at
+      30/60/80 of 90, as shares of any run (`--set epochs=3` warms up for 1/6 epoch).
+    - `image_size`, `batch_size`: on the embedded sets their native size (28 px for
+      `mnist5k`, 8 px for `digits`) and the batch He et al. train CIFAR-10's 32-px images
+      with (128; 1024 is three steps an epoch of `mnist5k` and upsampling 28 px to 224
+      grew a CPU run to 24 GB); elsewhere ImageNet's 224 px and 1024.
+    - `zero_init_residual`: on from batch `lr_base_batch` (256) up, where [Goyal] train
+      with it and [Bag of Tricks] sec. 3.1 lists it among the large-batch heuristics; off
+      below, where it delays learning: the demo network on `mnist5k` at batch 64 reached a
+      training accuracy of 0.19 in its first epoch with it and 0.53 without
+      (bench/README.md, `recipe_vs_plain_keras.py --slow-start`).
 
     Example:
     >>> Config().peak_lr  # 0.1 x 1024 / 256
@@ -63,23 +73,17 @@ class Config(BaseConfig):
 
     dataset: str = "tfds:imagenet2012"  # [MG] ImageNet-1k; "mnist5k" for the CPU demo
     epochs: int = 90  # [Goyal] sec. 5.1, [MG], [NV]
-    # global batch. None: 1024 [MG] (4096 on TPU), [NV] 256 x 8 GPUs; on the embedded sets 128, the
-    # batch [He] sec. 4.2 trains CIFAR-10's 50k small images with (1024 is a third of mnist5k's train split)
-    batch_size: Optional[int] = None
+    batch_size: Optional[int] = None  # global; None: 1024 [MG], [NV] 256 x 8 GPUs; embedded sets 128 [He] 4.2 (CIFAR)
     precision: str = "auto"  # mixed_float16 on GPUs >= 7.0 [NV], bfloat16 on TPU [MG]
     strategy: str = "auto"
     seed: int = 0
     run_dir: Optional[str] = None
     # -- model
     model: str = "resnet50"  # [He], v1.5 as [NV]/[MG]
-    # None: 224 [He]; the native size on the embedded sets (mnist5k 28, digits 8): not upsampled
-    image_size: Optional[int] = None
+    image_size: Optional[int] = None  # None: 224 [He]; the embedded sets' own 28 / 8 px (not upsampled)
     width: int = 64  # filters of the first stage [He]; the CPU demo uses 16
     small_stem: Optional[bool] = None  # None: 3x3 stem without max-pool for images <= 64 px
-    # last BN gamma of each block = 0 [Goyal] sec. 5.1. None: on from batch lr_base_batch (256) up, as
-    # the large-batch heuristic [Bag of Tricks] sec. 3.1 lists it; off below, where it delays learning
-    # (mnist5k, batch 64, 1 epoch: training accuracy 0.19 with it, 0.53 without; bench/README.md)
-    zero_init_residual: Optional[bool] = None
+    zero_init_residual: Optional[bool] = None  # last BN gamma = 0 [Goyal] 5.1; None: batch >= 256 [Bag of Tricks] 3.1
     fused_batchnorm: Optional[bool] = None  # None: TF's fused BN kernel on the TF backend (as tf.keras, [MG])
     dropout: float = 0.0  # [He] none
     # -- optimisation
@@ -89,10 +93,9 @@ class Config(BaseConfig):
     momentum: float = 0.9  # [He], [Goyal]
     nesterov: bool = True  # [NV] / [MG] use Nesterov
     weight_decay: float = 5e-5  # [NV] 3.05e-5, [MG] 1e-4 (L2); decoupled, not on BN/bias
-    warmup_epochs: Optional[float] = None  # None: 5/90 of the run (5 of 90 epochs [Goyal] sec. 2.2)
+    warmup_epochs: Optional[float] = None  # None: 5/90 of the run ([Goyal] sec. 2.2: 5 of 90 epochs)
     schedule: Literal["cosine", "step"] = "cosine"  # [Loshchilov], [NV]; "step" = [Goyal]/[He]
-    # epochs at which "step" multiplies the LR by 0.1. None: 1/3, 2/3, 8/9 of the run (30, 60, 80 of 90 [Goyal])
-    step_boundaries: Optional[tuple[float, ...]] = None
+    step_boundaries: Optional[tuple[float, ...]] = None  # epochs, x0.1 each; None: 30/60/80 of 90 [Goyal] as shares
     min_lr: float = 0.0  # cosine to zero [NV]
     label_smoothing: float = 0.1  # [Szegedy], [NV], [MG]
     use_ema: bool = False  # Keras built-in EMA of weights
@@ -537,7 +540,10 @@ def hypermodel(cfg: Config | None = None, **overrides):
     config. A trial runs `train()` in its own run directory with the recipe's
     callbacks (NaN rollback, early stopping when `early_stopping_patience` is set,
     checkpoints), `verbose=0` and no TrainingDoctor unless `doctor` is overridden,
-    and reports `val_accuracy`. PBT keeps `batch_size` and `optimizer` per member.
+    and reports `val_accuracy`. PBT keeps `batch_size`, `optimizer` and `dropout` per
+    member: they change the data or the optimizer state, and `dropout=0` builds no
+    `Dropout` layer (its seed generator), so an exploit that moved it off 0 could not
+    load the donor's checkpoint.
 
     Example:
     >>> from trainwell import tuning
@@ -554,5 +560,5 @@ def hypermodel(cfg: Config | None = None, **overrides):
         trial["doctor"] = False
     return recipe_hypermodel(
         sys.modules[__name__], cfg, _tuning_space, build_fn=_tuning_build, trial_overrides=trial,
-        objective="val_accuracy", direction="max", static=("batch_size", "optimizer"), name=RECIPE,
+        objective="val_accuracy", direction="max", static=("batch_size", "optimizer", "dropout"), name=RECIPE,
     )

@@ -784,7 +784,7 @@ def _tuning_space(hp, cfg: Config) -> dict:
     # ranges widen to hold the config's own value, so the defaults give back the config
     warmup = hp.Float("warmup_fraction", 0.0, max(0.3, cfg.warmup_fraction), default=cfg.warmup_fraction)
     dropout = hp.Float("dropout", 0.0, max(0.3, cfg.dropout), default=cfg.dropout)
-    batch = batch_size_choice(hp, cfg.batch_size)
+    batch = batch_size_choice(hp, cfg.batch_size, limit=cfg.max_train_examples)
     lld = hp.Float("layerwise_lr_decay", min(0.5, cfg.layerwise_lr_decay), 1.0, default=cfg.layerwise_lr_decay)
     return {
         "peak_lr": peak_lr,

@@ -477,9 +477,10 @@ def __getattr__(name: str):
 def plot_lineage(lineage: Sequence[dict], path, objective_name: str = "score"):
     """PBT lineage: each member's hyperparameters and score over epochs, exploits dashed.
 
-    One panel per numeric hyperparameter plus one for the objective; x is the epoch
-    at the end of a segment, one colour per member; a dashed line joins a donor's
-    point to the exploiting member's next point, an x marks a failed segment.
+    One panel per numeric hyperparameter that differs between segments plus one for
+    the objective; x is the epoch at the end of a segment (integer ticks), one colour
+    per member; a dashed line joins a donor's point to the exploiting member's next
+    point, an x marks a failed segment.
 
     Example:
     >>> plot_lineage(oracle.lineage(), "tuning/p/pbt_lineage.png", "val_accuracy")  # doctest: +SKIP
@@ -494,6 +495,8 @@ def plot_lineage(lineage: Sequence[dict], path, objective_name: str = "score"):
         for k, v in rec["hyperparameters"].items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in names:
                 names.append(k)
+    # A value no member ever changed (a fixed batch size) would be a flat panel.
+    names = [k for k in names if len({rec["hyperparameters"].get(k) for rec in lineage}) > 1]
     panels = names + [objective_name]
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)

@@ -246,9 +246,9 @@ def finish_run(ctx: RunContext, cfg, model, test_metrics: dict[str, float], hist
 def log_learning_rate(model):
     """A Keras `LambdaCallback` that adds the optimizer's `learning_rate` to the epoch logs.
 
-    The name and value Keras's own `LearningRateScheduler` logs (the LR of the next
-    step), so `history.csv` and `curves.png` hold the LR of any schedule; `WarmupCosine`
-    logs it for its own. Put it before the loggers (`CSVLogger`, `TensorBoard`).
+    Under the name Keras's own `LearningRateScheduler` logs it, with the value
+    `WarmupCosine` logs for its own schedule (the LR of the next step), so `history.csv`
+    and TensorBoard hold the LR of any schedule. Put it before the loggers.
 
     Example:
     >>> callbacks.insert(0, log_learning_rate(model))  # doctest: +SKIP
