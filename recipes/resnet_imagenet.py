@@ -535,9 +535,11 @@ def hypermodel(cfg: Config | None = None, **overrides):
     """A `keras_tuner.HyperModel` over this recipe (see `trainwell.tuning`).
 
     The space: peak LR (log, /10 to x10 of the config's), weight decay (log), warmup
-    fraction, label smoothing, dropout, batch size (half, same, double; LR by the
-    linear scaling rule) and the optimizer (SGD or LARS), each defaulting to the
-    config. A trial runs `train()` in its own run directory with the recipe's
+    fraction (of the trial's epochs: the search's `max_epochs` for Hyperband and PBT),
+    label smoothing, dropout, batch size (half, same, double, none above an embedded
+    set's training split; LR by the linear scaling rule) and the optimizer (SGD or
+    LARS), each defaulting to the config; every trial builds the config's network
+    (its `zero_init_residual` at every batch size). A trial runs `train()` in its own run directory with the recipe's
     callbacks (NaN rollback, early stopping when `early_stopping_patience` is set,
     checkpoints), `verbose=0` and no TrainingDoctor unless `doctor` is overridden,
     and reports `val_accuracy`. PBT keeps `batch_size`, `optimizer` and `dropout` per
