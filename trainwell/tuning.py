@@ -959,6 +959,7 @@ def _search_config(hypermodel) -> dict | None:
     if not callable(get_config):
         return None
     out = json.loads(json.dumps(get_config(), default=str))
+    out.pop("recipe", None)  # a module path, which depends on how it was imported; `name` stays
     for k in _CONFIG_FIELDS_NOT_COMPARED:
         (out.get("cfg") or {}).pop(k, None)
     return out
