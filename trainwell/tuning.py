@@ -1518,13 +1518,9 @@ def main(args) -> int:
     from trainwell.config import ConfigError
 
     directory = getattr(args, "directory", None) or "tuning"
-    for flag, lo in (("workers", 0), ("max_trials", 1), ("max_epochs", 1), ("population_size", 2),
-                     ("ready_interval", 1), ("top_k", 1)):
-        v = getattr(args, flag, None)
-        if v is not None and v < lo:
-            raise ConfigError(f"Invalid value for `--{flag.replace('_', '-')}`: expected an integer >= {lo}. "
-                              f"Received: {flag}={v}")
-    workers = int(getattr(args, "workers", None) or 0)
+    workers = int(getattr(args, "workers", 0) or 0)
+    if workers < 0:
+        raise ConfigError(f"Invalid value for `--workers`: expected an integer >= 0. Received: workers={workers}")
     hm = _hypermodel_from_args(args)
     if getattr(args, "dry_run", False):
         import keras_tuner
@@ -1547,7 +1543,7 @@ def main(args) -> int:
             print(f"distributed search done ({workers} workers): {summary}")
         return int(rc)
 
-    def arg(name, default):  # an option not given; 0 is given (and refused above where invalid)
+    def arg(name, default):  # an option not given (None); a given 0 is not replaced by the default
         v = getattr(args, name, None)
         return default if v is None else v
 
