@@ -22,10 +22,18 @@ evaluation (the recipe's `train()` call, which also writes its run directory; im
 excluded). Prints one JSON object: per seed and summarised (mean/min/max) test accuracy
 and wall time of each, and the differences/ratios.
 
+`--slow-start` asks why a short run of the recipe learns slowly on small data: the
+recipe's first epochs without warmup (`warmup_epochs=0`, the schedule of `--epochs`,
+default 2), once as configured and once with each suspect changed (zero-init residual
+gamma, augmentation, label smoothing, weight decay, Keras's own BatchNormalization,
+the TrainingDoctor, two CPU replicas), against the plain Keras run. Prints the training
+accuracy of every epoch and the test accuracy of each, one subprocess each.
+
 Run:
     python bench/recipe_vs_plain_keras.py                 # 20 epochs x 3 seeds: ~20-40 min on 2 cores
     python bench/recipe_vs_plain_keras.py --quick         # 2 epochs x 1 seed smoke run
     python bench/recipe_vs_plain_keras.py --epochs 10 --seeds 0,1
+    python bench/recipe_vs_plain_keras.py --slow-start    # 2 epochs x 9 runs: ~15-30 min on 2 cores
 """
 
 from __future__ import annotations
@@ -46,20 +54,28 @@ from _common import alternate, load_avg, machine_info, parse_seeds, print_json, 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO / "configs" / "demo_mnist5k.yaml"
 KINDS = ("recipe", "plain")
+#: `--slow-start`: one change each to the recipe's config (its first epochs, no warmup).
+SUSPECTS = {
+    "recipe": {},
+    "zero_init_residual": {"zero_init_residual": True},  # the default before it followed the batch
+    "no_augment": {"augment": "none"},
+    "no_label_smoothing": {"label_smoothing": 0.0},
+    "no_weight_decay": {"weight_decay": 0.0},
+    "keras_batchnorm": {"fused_batchnorm": False},
+    "no_doctor": {"doctor": False},  # its probe batch moves the seeded reshuffle on by one epoch
+    "cpu2": {"strategy": "cpu:2"},
+}
 
 
 # --------------------------------------------------------------------------- workers
-def _load_config(path: str, epochs: int | None, seed: int, run_dir: str | None):
+def _load_config(path: str, epochs: int | None, seed: int, run_dir: str | None, changes: dict | None = None):
     from trainwell.recipes import resnet_imagenet as R
 
-    overrides = {"seed": seed, "verbose": "0"}
+    overrides = {"seed": seed, "verbose": "0", **(changes or {})}
     if run_dir is not None:
         overrides["run_dir"] = run_dir
     if epochs is not None:
-        overrides["epochs"] = epochs
-        warmup = R.Config.load(path).warmup_epochs
-        if warmup >= epochs:  # e.g. --quick: fewer epochs than the config's warmup
-            overrides["warmup_epochs"] = float(max(0, epochs - 1))
+        overrides["epochs"] = epochs  # the warmup and LR steps follow (a share of the run)
     return R.Config.load(path, overrides=overrides)
 
 
@@ -75,9 +91,11 @@ def run_recipe(cfg) -> dict:
         "test_loss": float(run.metrics["test_loss"]),
         "epochs_run": len(run.history.get("loss", [])),
         "final_val_accuracy": (run.history.get("val_accuracy") or [None])[-1],
+        "train_accuracy": [round(a, 4) for a in run.history.get("accuracy", [])],
         "wall_s": wall,
         "config": {k: getattr(cfg, k) for k in ("model", "width", "image_size", "batch_size", "epochs",
-                                                  "base_lr", "warmup_epochs", "weight_decay", "label_smoothing")},
+                                                  "base_lr", "warmup_epochs", "weight_decay", "label_smoothing",
+                                                  "zero_init_residual")},
     }
 
 
@@ -99,7 +117,7 @@ def run_plain(cfg) -> dict:
         return np.asarray(a, np.float32) / 255.0
 
     model = build_resnet(cfg.depth, num_classes=splits.num_classes, input_shape=tuple(x.shape[1:]),
-                         small_stem=cfg.use_small_stem, width=cfg.width)
+                         small_stem=cfg.use_small_stem, width=cfg.width, zero_init_residual=cfg.zero_init_residual)
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"])
     history = model.fit(prep(x), y, batch_size=cfg.batch_size, epochs=cfg.epochs,
@@ -111,6 +129,7 @@ def run_plain(cfg) -> dict:
         "test_loss": float(test["loss"]),
         "epochs_run": len(history.history["loss"]),
         "final_val_accuracy": (history.history.get("val_accuracy") or [None])[-1],
+        "train_accuracy": [round(a, 4) for a in history.history["accuracy"]],
         "wall_s": wall,
         "train_examples": int(len(y)),
         "test_examples": int(len(yt)),
@@ -119,7 +138,8 @@ def run_plain(cfg) -> dict:
 
 def worker(args) -> None:
     t0 = time.perf_counter()
-    cfg = _load_config(args.config, args.epochs, args.seed, args.run_dir)
+    changes = {"warmup_epochs": 0.0, **SUSPECTS[args.suspect]} if args.suspect else None
+    cfg = _load_config(args.config, args.epochs, args.seed, args.run_dir, changes)
     with contextlib.redirect_stdout(sys.stderr):  # the parent reads one JSON line from stdout
         out = run_recipe(cfg) if args.worker == "recipe" else run_plain(cfg)
     out.update(kind=args.worker, seed=args.seed, process_wall_s=time.perf_counter() - t0)
@@ -147,8 +167,13 @@ def parse_args(argv=None):
     p.add_argument("--keep-runs", action="store_true", help="Keep the recipe's run directories (printed).")
     p.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--slow-start", action="store_true",
+                   help="The first --epochs (default 2) of the recipe without warmup, with each suspect changed.")
     p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--suspect", choices=sorted(SUSPECTS), default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.slow_start:
+        args.epochs = args.epochs or 2
     if args.quick:
         args.epochs = args.epochs or 2
         args.seeds = args.seeds or "1"
@@ -156,11 +181,42 @@ def parse_args(argv=None):
     return args
 
 
+def slow_start(args) -> dict:
+    """`--slow-start`: the recipe's first epochs with each suspect changed, and plain Keras."""
+    import shutil
+    import tempfile
+
+    seed = parse_seeds(args.seeds)[0]
+    tmp = Path(tempfile.mkdtemp(prefix="trainwell-slow-start-"))
+    rows = {}
+    try:
+        for name in SUSPECTS:
+            extra = ["--config", str(args.config), "--epochs", str(args.epochs), "--suspect", name,
+                     "--run-dir", str(tmp / name)]
+            rows[name] = run_worker(__file__, "recipe", seed, extra, tmp)
+        rows["plain"] = run_worker(__file__, "plain", seed, ["--config", str(args.config), "--epochs", str(args.epochs)],
+                                   tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    out = {
+        "benchmark": "recipe_vs_plain_keras --slow-start",
+        "config": str(args.config), "epochs": args.epochs, "seed": seed, "warmup_epochs": 0.0,
+        "machine": machine_info(),
+        "runs": {name: {"changed": SUSPECTS.get(name, "Adam(1e-3), x / 255, no augmentation or smoothing"),
+                        "train_accuracy": r["train_accuracy"], "test_accuracy": rnd(r["test_accuracy"], 4)}
+                 for name, r in rows.items()},
+    }
+    print_json(out)
+    return out
+
+
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     if args.worker:
         worker(args)
         return None
+    if args.slow_start:
+        return slow_start(args)
     seeds = parse_seeds(args.seeds)
     machine = machine_info()
     t_start = time.perf_counter()

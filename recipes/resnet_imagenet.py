@@ -22,35 +22,68 @@ from trainwell.config import BaseConfig, _fail, check_choice, check_positive, ch
 
 RECIPE = "resnet-imagenet"
 
+# Defaults that follow the run and the data. The published recipe is 90 epochs of ImageNet at
+# 224 px and batch 1024; where a field is left `None`, the same shares of a run of any length
+# and sizes that fit the dataset are used (each field's comment says which).
+#: [Goyal] sec. 2.2: 5 warmup epochs of 90.
+WARMUP_FRACTION = 5 / 90
+#: [Goyal] sec. 5.1 / [He] sec. 3.4: the LR x0.1 at epochs 30, 60 and 80 of 90.
+STEP_FRACTIONS = (30 / 90, 60 / 90, 80 / 90)
+#: The embedded image sets (`trainwell.data.embedded`): native side in px, examples in the file.
+EMBEDDED_IMAGES = {"mnist5k": (28, 5000), "digits": (8, 1797)}
+#: The held-out test share `build_image_datasets` carves from a source without a test split.
+TEST_FRACTION = 0.2
+#: Fields derived when left `None` (see `Config`).
+DERIVED_FIELDS = ("image_size", "batch_size", "zero_init_residual", "warmup_epochs", "step_boundaries")
+
 
 @dataclasses.dataclass
 class Config(BaseConfig):
     """Hyperparameters of the ResNet recipe; defaults = the published ImageNet recipe.
 
     Sources: [Goyal] Goyal et al. 2017, "Accurate, Large Minibatch SGD";
-    [He] He et al. 2016; [MG] TF Model Garden `resnet_imagenet` experiment config;
+    [He] He et al. 2016; [Bag of Tricks] He et al. 2019, "Bag of Tricks for Image
+    Classification with CNNs"; [MG] TF Model Garden `resnet_imagenet` experiment config;
     [NV] NVIDIA DeepLearningExamples ResNet-50 v1.5; [Szegedy] Szegedy et al. 2016
     (label smoothing); [You] You et al. 2017 (LARS); [Loshchilov] Loshchilov & Hutter
     2017 (SGDR, cosine).
 
+    Fields left `None` are derived from the dataset and the run length when the config is
+    built (and again by `replace`); a value you set is kept as is:
+
+    - `warmup_epochs`, `step_boundaries`: the published 5 warmup epochs and LR steps at
+      30/60/80 of 90, as shares of any run (`--set epochs=3` warms up for 1/6 epoch).
+    - `image_size`, `batch_size`: on the embedded sets their native size (28 px for
+      `mnist5k`, 8 px for `digits`) and the batch He et al. train CIFAR-10's 32-px images
+      with (128; 1024 is three steps an epoch of `mnist5k` and upsampling 28 px to 224
+      grew a CPU run to 24 GB); elsewhere ImageNet's 224 px and 1024.
+    - `zero_init_residual`: on from batch `lr_base_batch` (256) up, where [Goyal] train
+      with it and [Bag of Tricks] sec. 3.1 lists it among the large-batch heuristics; off
+      below, where it delays learning: the demo network on `mnist5k` at batch 64 reached a
+      training accuracy of 0.19 in its first epoch with it and 0.53 without
+      (bench/README.md, `recipe_vs_plain_keras.py --slow-start`).
+
     Example:
     >>> Config().peak_lr  # 0.1 x 1024 / 256
     0.4
+    >>> c = Config(dataset="mnist5k", epochs=9)
+    >>> c.image_size, c.batch_size, c.warmup_epochs, c.step_boundaries, c.zero_init_residual
+    (28, 128, 0.5, (3.0, 6.0, 8.0), False)
     """
 
     dataset: str = "tfds:imagenet2012"  # [MG] ImageNet-1k; "mnist5k" for the CPU demo
     epochs: int = 90  # [Goyal] sec. 5.1, [MG], [NV]
-    batch_size: int = 1024  # global batch; [MG] 4096 on TPU, [NV] 256 x 8 GPUs; [Goyal] reference 8k
+    batch_size: Optional[int] = None  # global; None: 1024 [MG], [NV] 256 x 8 GPUs; embedded sets 128 [He] 4.2 (CIFAR)
     precision: str = "auto"  # mixed_float16 on GPUs >= 7.0 [NV], bfloat16 on TPU [MG]
     strategy: str = "auto"
     seed: int = 0
     run_dir: Optional[str] = None
     # -- model
     model: str = "resnet50"  # [He], v1.5 as [NV]/[MG]
-    image_size: int = 224  # [He]
+    image_size: Optional[int] = None  # None: 224 [He]; the embedded sets' own 28 / 8 px (not upsampled)
     width: int = 64  # filters of the first stage [He]; the CPU demo uses 16
     small_stem: Optional[bool] = None  # None: 3x3 stem without max-pool for images <= 64 px
-    zero_init_residual: bool = True  # [Goyal] sec. 5.1: last BN gamma of each block = 0
+    zero_init_residual: Optional[bool] = None  # last BN gamma = 0 [Goyal] 5.1; None: batch >= 256 [Bag of Tricks] 3.1
     fused_batchnorm: Optional[bool] = None  # None: TF's fused BN kernel on the TF backend (as tf.keras, [MG])
     dropout: float = 0.0  # [He] none
     # -- optimisation
@@ -60,9 +93,9 @@ class Config(BaseConfig):
     momentum: float = 0.9  # [He], [Goyal]
     nesterov: bool = True  # [NV] / [MG] use Nesterov
     weight_decay: float = 5e-5  # [NV] 3.05e-5, [MG] 1e-4 (L2); decoupled, not on BN/bias
-    warmup_epochs: float = 5.0  # [Goyal] sec. 2.2 gradual warmup
+    warmup_epochs: Optional[float] = None  # None: 5/90 of the run ([Goyal] sec. 2.2: 5 of 90 epochs)
     schedule: Literal["cosine", "step"] = "cosine"  # [Loshchilov], [NV]; "step" = [Goyal]/[He]
-    step_boundaries: tuple[int, ...] = (30, 60, 80)  # epochs, x0.1 each [Goyal]
+    step_boundaries: Optional[tuple[float, ...]] = None  # epochs, x0.1 each; None: 30/60/80 of 90 [Goyal] as shares
     min_lr: float = 0.0  # cosine to zero [NV]
     label_smoothing: float = 0.1  # [Szegedy], [NV], [MG]
     use_ema: bool = False  # Keras built-in EMA of weights
@@ -90,9 +123,32 @@ class Config(BaseConfig):
     deterministic: bool = False  # op determinism (slower); needed for bit-exact resume
     verbose: Literal["auto", 0, 1, 2] = "auto"  # Keras fit verbosity
 
+    def __post_init__(self) -> None:
+        # The fields left None, derived in `validate` once the values are coerced.
+        self._derived = tuple(k for k in DERIVED_FIELDS if getattr(self, k, None) is None)
+        super().__post_init__()
+
+    def replace(self, **changes):
+        """A copy with `changes` applied; fields derived here are derived again for the copy."""
+        return super().replace(**{**{k: None for k in self._derived}, **changes})
+
+    def _derive(self) -> None:
+        native = EMBEDDED_IMAGES.get(self.embedded_name)
+        if self.image_size is None:
+            self.image_size = native[0] if native else 224
+        if self.batch_size is None:
+            self.batch_size = 128 if native else 1024
+        if self.zero_init_residual is None:
+            self.zero_init_residual = self.batch_size >= self.lr_base_batch
+        if self.warmup_epochs is None:
+            self.warmup_epochs = round(WARMUP_FRACTION * self.epochs, 4)
+        if self.step_boundaries is None:
+            self.step_boundaries = tuple(round(f * self.epochs, 4) for f in STEP_FRACTIONS)
+
     def validate(self) -> None:
         super().validate()
-        from trainwell.config import check_warmup
+        check_positive(self, "lr_base_batch")
+        self._derive()
         from trainwell.data.sources import AUGMENTATIONS, check_image_source
         from trainwell.models.resnet import RESNET_DEPTHS
 
@@ -102,13 +158,17 @@ class Config(BaseConfig):
         check_positive(self, "width")
         check_range(self, "dropout", 0.0, 1.0, hi_open=True)
         check_positive(self, "base_lr")
-        check_positive(self, "lr_base_batch")
         check_range(self, "momentum", 0.0, 1.0, hi_open=True)
         check_positive(self, "weight_decay", allow_zero=True)
         check_positive(self, "warmup_epochs", allow_zero=True)
-        check_warmup(self, "warmup_epochs", self.epochs, "epochs")
-        if list(self.step_boundaries) != sorted(set(self.step_boundaries)) or any(b <= 0 for b in self.step_boundaries):
-            _fail("step_boundaries", list(self.step_boundaries), "increasing positive epochs")
+        if self.warmup_epochs >= self.epochs:
+            _fail("warmup_epochs", self.warmup_epochs,
+                  f"fewer than epochs={self.epochs} (or null: {WARMUP_FRACTION * 100:.1f}% of the run)")
+        bounds = list(self.step_boundaries)
+        if (not bounds or bounds != sorted(set(bounds)) or bounds[0] <= 0 or bounds[-1] >= self.epochs
+                or (self.schedule == "step" and bounds[0] <= self.warmup_epochs)):
+            _fail("step_boundaries", bounds, f"increasing epochs after the warmup ({self.warmup_epochs}) and before "
+                  f"epochs={self.epochs} (or null: 1/3, 2/3 and 8/9 of the run)")
         check_positive(self, "min_lr", allow_zero=True)
         if self.min_lr > self.peak_lr:
             _fail("min_lr", self.min_lr, f"at most the peak LR {self.peak_lr:g} (base_lr x batch_size / lr_base_batch)")
@@ -122,6 +182,38 @@ class Config(BaseConfig):
         if self.augment is not None:
             check_choice(self, "augment", AUGMENTATIONS)
         check_image_source(self.dataset, self.data_dir)  # names, paths, the folder's classes
+        self._check_batch_fits()
+
+    def _check_batch_fits(self) -> None:
+        """A batch larger than an embedded set's training split would make no full batch."""
+        if self.embedded_name is None:
+            return  # known once the data are built (`train` checks it there)
+        total = EMBEDDED_IMAGES[self.embedded_name][1]
+        if self.batch_size <= total * (1 - self.val_fraction - TEST_FRACTION) - 10:  # 10 classes of rounding
+            return
+        n = self.train_examples()
+        if self.batch_size > n:
+            _fail("batch_size", self.batch_size, f"at most the {n} training examples of {self.dataset!r}")
+
+    @property
+    def embedded_name(self) -> Optional[str]:
+        """The embedded image set `dataset` names (`"mnist5k"`, `"embedded:digits"`), else None."""
+        name = self.dataset[len("embedded:"):] if self.dataset.startswith("embedded:") else self.dataset
+        return name if name in EMBEDDED_IMAGES else None
+
+    def train_examples(self) -> Optional[int]:
+        """Examples in the training split of an embedded set (None for other sources).
+
+        Example:
+        >>> Config(dataset="digits").train_examples()
+        1259
+        """
+        if self.embedded_name is None:
+            return None
+        from trainwell.data import embedded
+
+        splits = embedded.load(self.embedded_name, val_fraction=self.val_fraction, test_fraction=TEST_FRACTION)
+        return splits.sizes()["train"]
 
     @property
     def depth(self) -> int:
@@ -172,9 +264,28 @@ def build_data(cfg: Config, input_context=None):
         augment=cfg.augment,
         crop_padding=cfg.crop_padding,
         val_fraction=cfg.val_fraction,
+        test_fraction=TEST_FRACTION,
         input_context=input_context,
         one_hot=True,
     )
+
+
+def training_steps(cfg: Config, data) -> int:
+    """Full training batches per epoch of `data` (`build_data`'s), or a one-line error.
+
+    A source whose size is known only once it is built (a folder, TFRecords) is
+    checked here against `batch_size`; the embedded sets are checked by `Config`.
+
+    Example:
+    >>> training_steps(Config(dataset="digits"), build_data(Config(dataset="digits")))  # doctest: +SKIP
+    9
+    """
+    steps = data.steps_per_epoch
+    if steps == 0:
+        _fail("batch_size", cfg.batch_size, f"at most the {data.counts['train']} training examples of {cfg.dataset!r}")
+    if steps is None:
+        raise ValueError(f"Cannot tell the number of training batches of {cfg.dataset!r}; set a sized source.")
+    return steps
 
 
 # --------------------------------------------------------------------------- model
@@ -261,8 +372,10 @@ def build_optimizer(cfg: Config, steps_per_epoch: int, learning_rate=None):
     elif cfg.schedule == "cosine":
         lr = WarmupCosineDecay(cfg.peak_lr, total_steps=total, warmup_steps=warmup, min_lr=cfg.min_lr)
     else:
+        # Epochs to steps; boundaries that fall on one step (a run of few steps) count once.
+        steps = sorted({int(round(b * steps_per_epoch)) for b in cfg.step_boundaries})
         lr = WarmupStepDecay(
-            cfg.peak_lr, boundaries=[b * steps_per_epoch for b in cfg.step_boundaries if b < cfg.epochs],
+            cfg.peak_lr, boundaries=[b for b in steps if warmup <= b < total and b >= 1] or [total],
             decay_rate=0.1, warmup_steps=warmup,
         )
     common = dict(use_ema=cfg.use_ema, ema_momentum=cfg.ema_momentum)
@@ -358,13 +471,12 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
     ...             model="resnet18", width=16)  # doctest: +SKIP
     """
     from trainwell import recipe
+    from trainwell.callbacks import WarmupCosine
 
     cfg = _cfg(cfg, overrides)
     ctx = recipe.setup_run(cfg, RECIPE)
     data = build_data(cfg)
-    steps = data.steps_per_epoch
-    if not steps:
-        raise ValueError(f"Cannot tell the number of training batches of {cfg.dataset!r}; set a sized source.")
+    steps = training_steps(cfg, data)
     # Exact resume: the resumed epoch sees the same order and augmentation as it would have.
     train_ds = recipe.advance_epochs(data.train, recipe.resume_epoch(ctx.run_dir / "checkpoints"))
     train_ds = augment_batch(cfg, train_ds, data.num_classes)
@@ -373,11 +485,17 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
         compile_model(cfg, model, steps)
     schedule = getattr(getattr(model.optimizer, "inner_optimizer", model.optimizer), "_learning_rate", None)
     callbacks = build_callbacks(cfg, ctx.run_dir, schedule=schedule, chief=ctx.is_chief) + list(callbacks or ())
+    if not any(isinstance(c, WarmupCosine) for c in callbacks):  # the step schedule: its LR in the history
+        callbacks.insert(0, recipe.log_learning_rate(model))
     history = model.fit(
         train_ds, validation_data=data.val, epochs=cfg.epochs, steps_per_epoch=steps,
         callbacks=callbacks, verbose=cfg.verbose, shuffle=False,  # the pipeline shuffles (seeded)
     )
-    test = model.evaluate(data.test, verbose=0, return_dict=True) if data.test is not None else {}
+    test = {}
+    if data.test is not None:
+        if cfg.verbose != 0:
+            print(f"Evaluating on the test split ({data.counts['test']} images) ...", flush=True)
+        test = model.evaluate(data.test, verbose=cfg.verbose, return_dict=True)
     metrics = {f"test_{k}": v for k, v in test.items()}
     return recipe.finish_run(ctx, cfg, model, metrics, history)
 
@@ -394,20 +512,21 @@ def _tuning_space(hp, cfg: Config) -> dict:
     peak_lr = log_float(hp, "peak_lr", cfg.peak_lr, 10.0)
     weight_decay = log_float(hp, "weight_decay", cfg.weight_decay or 5e-5, 10.0)
     # ranges widen to hold the config's own value, so the defaults give back the config
-    frac = cfg.warmup_epochs / max(1, cfg.epochs)
+    frac = cfg.warmup_epochs / cfg.epochs
     warmup = hp.Float("warmup_fraction", 0.0, max(0.3, frac), default=frac)
     smoothing = hp.Float("label_smoothing", 0.0, max(0.3, cfg.label_smoothing), default=cfg.label_smoothing)
     dropout = hp.Float("dropout", 0.0, max(0.5, cfg.dropout), default=cfg.dropout)
-    batch = batch_size_choice(hp, cfg.batch_size)
+    batch = batch_size_choice(hp, cfg.batch_size, limit=cfg.train_examples())
     optimizer = hp.Choice("optimizer", ["sgd", "lars"], default=cfg.optimizer_name)
     return {
         "base_lr": peak_lr * cfg.lr_base_batch / cfg.batch_size,
         "weight_decay": weight_decay,
-        "warmup_epochs": warmup * cfg.epochs,
+        "warmup_epochs": warmup * cfg.epochs,  # the trial's epochs (the search's, for Hyperband and PBT)
         "label_smoothing": smoothing,
         "dropout": dropout,
         "batch_size": batch,
         "optimizer": optimizer,
+        "zero_init_residual": cfg.zero_init_residual,  # the same network at every batch size
     }
 
 
@@ -422,12 +541,17 @@ def hypermodel(cfg: Config | None = None, **overrides):
     """A `keras_tuner.HyperModel` over this recipe (see `trainwell.tuning`).
 
     The space: peak LR (log, /10 to x10 of the config's), weight decay (log), warmup
-    fraction, label smoothing, dropout, batch size (half, same, double; LR by the
-    linear scaling rule) and the optimizer (SGD or LARS), each defaulting to the
-    config. A trial runs `train()` in its own run directory with the recipe's
+    fraction (of the trial's epochs: the search's `max_epochs` for Hyperband and PBT),
+    label smoothing, dropout, batch size (half, same, double, none above an embedded
+    set's training split; LR by the linear scaling rule) and the optimizer (SGD or
+    LARS), each defaulting to the config; every trial builds the config's network
+    (its `zero_init_residual` at every batch size). A trial runs `train()` in its own run directory with the recipe's
     callbacks (NaN rollback, early stopping when `early_stopping_patience` is set,
     checkpoints), `verbose=0` and no TrainingDoctor unless `doctor` is overridden,
-    and reports `val_accuracy`. PBT keeps `batch_size` and `optimizer` per member.
+    and reports `val_accuracy`. PBT keeps `batch_size`, `optimizer` and `dropout` per
+    member: they change the data or the optimizer state, and `dropout=0` builds no
+    `Dropout` layer (its seed generator), so an exploit that moved it off 0 could not
+    load the donor's checkpoint.
 
     Example:
     >>> from trainwell import tuning
@@ -444,5 +568,5 @@ def hypermodel(cfg: Config | None = None, **overrides):
         trial["doctor"] = False
     return recipe_hypermodel(
         sys.modules[__name__], cfg, _tuning_space, build_fn=_tuning_build, trial_overrides=trial,
-        objective="val_accuracy", direction="max", static=("batch_size", "optimizer"), name=RECIPE,
+        objective="val_accuracy", direction="max", static=("batch_size", "optimizer", "dropout"), name=RECIPE,
     )

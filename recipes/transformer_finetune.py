@@ -144,6 +144,8 @@ class Config(BaseConfig):
         if self.split_seed < 0:
             _fail("split_seed", self.split_seed, "an integer >= 0")
         check_positive(self, "max_train_examples")
+        if self.max_train_examples is not None and self.batch_size > self.max_train_examples:
+            _fail("batch_size", self.batch_size, f"at most max_train_examples={self.max_train_examples}")
         check_positive(self, "max_steps")
         check_positive(self, "peak_lr")
         check_positive(self, "weight_decay", allow_zero=True)
@@ -459,6 +461,24 @@ def phase_steps(cfg: Config, steps_per_epoch: int) -> tuple[int, int, int]:
     return total, freeze, warmup
 
 
+def fit_epochs(cfg: Config, steps_per_epoch: int) -> tuple[int, int]:
+    """`(epochs, steps_per_epoch)` for `fit`: the run's steps, so the progress bar shows them.
+
+    A run that `max_steps` ends inside its first epoch is one epoch of `max_steps`
+    steps (the bar counts to 20, not to the 279 batches of the data); a longer one
+    keeps the data's epochs and stops inside the last (`StopAtStep`).
+
+    Example:
+    >>> fit_epochs(Config(epochs=3, max_steps=20), 279)
+    (1, 20)
+    >>> fit_epochs(Config(epochs=3, max_steps=300), 279)
+    (2, 279)
+    """
+    total = phase_steps(cfg, steps_per_epoch)[0]
+    steps = min(int(steps_per_epoch), total)
+    return -(-total // steps), steps
+
+
 def build_optimizer(cfg: Config, steps_per_epoch: int, model=None):
     """AdamW on warmup-then-linear (or cosine) decay, with per-variable LR factors.
 
@@ -697,7 +717,7 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
     >>> run = train(preset="minilm", epochs=1, sequence_length=64)  # doctest: +SKIP
     """
     from trainwell import recipe
-    from trainwell.callbacks import StopAtStep
+    from trainwell.callbacks import StopAtStep, WarmupCosine
     from trainwell.data.text import save_label_map
 
     if data is not None:
@@ -721,23 +741,37 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
     callbacks = build_callbacks(
         cfg, ctx.run_dir, schedule=schedule, chief=ctx.is_chief, has_val=data_.val is not None
     ) + list(callbacks or ())
+    if not any(isinstance(c, WarmupCosine) for c in callbacks):
+        # The LR in the history, as Keras's LearningRateScheduler logs it (WarmupCosine
+        # does it for its own schedule); before the loggers, which write the logs.
+        callbacks.insert(0, recipe.log_learning_rate(model))
     # Multi-replica strategies: `recipe.setup_run` applied keras_fixes' "symbolic_build"
     # (Keras would MEAN-reduce a per-replica batch, boolean padding masks included).
     total = phase_steps(cfg, steps)[0]
-    epochs = -(-total // steps)  # the last one partial when max_steps cuts it
-    if total < epochs * steps:
+    epochs, epoch_steps = fit_epochs(cfg, steps)
+    if total < epochs * epoch_steps:
         callbacks.append(StopAtStep(total))
     verbose = cfg.verbose if cfg.verbose == "auto" else int(cfg.verbose)
     history = model.fit(
-        train_ds, validation_data=data_.val, epochs=epochs, steps_per_epoch=steps,
+        train_ds, validation_data=data_.val, epochs=epochs, steps_per_epoch=epoch_steps,
         callbacks=callbacks, verbose=verbose, shuffle=False,  # the pipeline shuffles (seeded)
     )
-    test = model.evaluate(data_.test, verbose=0, return_dict=True) if data_.test is not None else {}
+    test = {}
+    if data_.test is not None:
+        _say(cfg, f"Evaluating on the test split ({len(data_.splits.test[1])} examples) ...")
+        test = model.evaluate(data_.test, verbose=verbose, return_dict=True)
     metrics = {f"test_{k}": v for k, v in test.items()}
     if cfg.export and ctx.is_chief:
+        _say(cfg, f"Exporting the model and its tokenizer to {ctx.run_dir / EXPORT_DIR} ...")
         export_model(model, preprocessor, data_.class_names, ctx.run_dir / EXPORT_DIR)
     model.preprocessor = preprocessor
     return recipe.finish_run(ctx, cfg, model, metrics, history)
+
+
+def _say(cfg: Config, message: str) -> None:
+    """One line on what the run does next (not with `verbose="0"`)."""
+    if str(cfg.verbose) != "0":
+        print(message, flush=True)
 
 
 # --------------------------------------------------------------------------- hyperparameter search
@@ -754,7 +788,7 @@ def _tuning_space(hp, cfg: Config) -> dict:
     # ranges widen to hold the config's own value, so the defaults give back the config
     warmup = hp.Float("warmup_fraction", 0.0, max(0.3, cfg.warmup_fraction), default=cfg.warmup_fraction)
     dropout = hp.Float("dropout", 0.0, max(0.3, cfg.dropout), default=cfg.dropout)
-    batch = batch_size_choice(hp, cfg.batch_size)
+    batch = batch_size_choice(hp, cfg.batch_size, limit=cfg.max_train_examples)
     lld = hp.Float("layerwise_lr_decay", min(0.5, cfg.layerwise_lr_decay), 1.0, default=cfg.layerwise_lr_decay)
     return {
         "peak_lr": peak_lr,

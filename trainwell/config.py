@@ -142,6 +142,8 @@ def coerce(key: str, value: Any, tp: Any, from_string: bool = False) -> Any:
                 return coerce(key, value, a, from_string)
             except ConfigError as e:
                 errors.append(e)
+        if len(errors) == 1:  # Optional[X]: X's own message ("a finite number", ...) says more
+            raise errors[0]
         _fail(key, value, expected)
     if origin is Literal:
         for a in args:
@@ -424,31 +426,6 @@ def check_run_dir(run_dir: str | os.PathLike | None, name: str = "run_dir") -> N
                     f"Invalid value for `{name}`: {str(path)!r} {what}; expected a directory. Received: {name}={str(run_dir)!r}"
                 )
             return
-
-
-def check_warmup(cfg: Any, name: str, run: float, run_name: str) -> None:
-    """Raises `ConfigError` when an explicitly set warmup is not shorter than the run.
-
-    A warmup the user left at its default (the field's dataclass default, or `None`)
-    is the recipe's to fit to the run length and is not checked here; only a value
-    the user chose is refused, e.g. `warmup_epochs=2` with `epochs=2`.
-
-    Args:
-        cfg: The config.
-        name: The warmup field, e.g. `"warmup_epochs"`.
-        run: The run length in the same unit, e.g. `cfg.epochs`.
-        run_name: How the run length is named in the message, e.g. `"epochs"`.
-
-    Example:
-    >>> from trainwell.recipes.resnet_imagenet import Config
-    >>> check_warmup(Config(epochs=10, warmup_epochs=2), "warmup_epochs", 10, "epochs")
-    """
-    v = getattr(cfg, name)
-    default = {f.name: f.default for f in dataclasses.fields(cfg)}.get(name, dataclasses.MISSING)
-    if v is None or v == default:
-        return
-    if v >= run:
-        _fail(name, v, f"fewer than {run_name}={run} (a warmup as long as the run never reaches the peak LR)")
 
 
 def check_range(cfg: Any, name: str, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) -> None:

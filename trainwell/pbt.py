@@ -139,7 +139,8 @@ def _make_classes():
             hyperparameters, allow_new_entries, tune_new_entries, seed,
             max_retries_per_trial: As for `keras_tuner.Oracle`.
             max_consecutive_failed_trials: As for `keras_tuner.Oracle`. Defaults to
-                `None` (`max_trials`: divergences replace members, they do not end the search).
+                `None` (`population_size`: a diverged member is replaced, but a
+                generation's worth of failures in a row ends the search).
 
         Example:
         >>> oracle = PBTOracle(keras_tuner.Objective("val_accuracy", "max"), population_size=4,
@@ -165,7 +166,7 @@ def _make_classes():
                 objective=objective, max_trials=max_trials, hyperparameters=hyperparameters,
                 allow_new_entries=allow_new_entries, tune_new_entries=tune_new_entries, seed=seed,
                 max_retries_per_trial=max_retries_per_trial,
-                max_consecutive_failed_trials=max_consecutive_failed_trials or max_trials,
+                max_consecutive_failed_trials=max_consecutive_failed_trials or population_size,
             )
             self.population_size = int(population_size)
             self.ready_interval = int(ready_interval)
@@ -476,14 +477,16 @@ def __getattr__(name: str):
 def plot_lineage(lineage: Sequence[dict], path, objective_name: str = "score"):
     """PBT lineage: each member's hyperparameters and score over epochs, exploits dashed.
 
-    One panel per numeric hyperparameter plus one for the objective; x is the epoch
-    at the end of a segment, one colour per member; a dashed line joins a donor's
-    point to the exploiting member's next point, an x marks a failed segment.
+    One panel per numeric hyperparameter that differs between segments plus one for
+    the objective; x is the epoch at the end of a segment (integer ticks), one colour
+    per member; a dashed line joins a donor's point to the exploiting member's next
+    point, an x marks a failed segment.
 
     Example:
     >>> plot_lineage(oracle.lineage(), "tuning/p/pbt_lineage.png", "val_accuracy")  # doctest: +SKIP
     """
     from matplotlib import colormaps
+    from matplotlib.ticker import MaxNLocator
 
     from trainwell.io import new_figure, save_figure
 
@@ -492,6 +495,8 @@ def plot_lineage(lineage: Sequence[dict], path, objective_name: str = "score"):
         for k, v in rec["hyperparameters"].items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in names:
                 names.append(k)
+    # A value no member ever changed (a fixed batch size) would be a flat panel.
+    names = [k for k in names if len({rec["hyperparameters"].get(k) for rec in lineage}) > 1]
     panels = names + [objective_name]
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
@@ -523,9 +528,11 @@ def plot_lineage(lineage: Sequence[dict], path, objective_name: str = "score"):
             ax.set_yscale("log")
         ax.set_title(name)
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         ax.grid(alpha=0.3)
     for j in range(len(panels), rows * cols):
         axes[j // cols][j % cols].axis("off")
-    axes[0][0].legend(fontsize=7)
+    if axes[0][0].get_legend_handles_labels()[0]:  # no member completed a segment: nothing to name
+        axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     return save_figure(fig, Path(path))

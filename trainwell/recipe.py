@@ -311,8 +311,16 @@ def advance_epochs(dataset, epochs: int):
     return dataset
 
 
+#: Columns `curves.png` leaves out: the epoch index and the LR (it has `lr_schedule.png`).
+_NOT_CURVES = ("epoch", "lr", "learning_rate")
+
+
 def plot_history(history: dict[str, list[float]], path: str | os.PathLike) -> Path | None:
-    """Plots loss and metric curves (train vs validation) to a PNG.
+    """Plots loss and metric curves (train vs validation) to a PNG, one panel per metric.
+
+    Points are marked (a run of one epoch is one point, not an invisible line), the
+    epoch axis has integer ticks, and bookkeeping columns that stayed at zero (e.g.
+    `nan_rollbacks` of a run that never rolled back) get no panel.
 
     Args:
         history: `{name: [per-epoch values]}`; `val_` pairs share a panel.
@@ -324,19 +332,24 @@ def plot_history(history: dict[str, list[float]], path: str | os.PathLike) -> Pa
     Example:
     >>> plot_history({"loss": [1.0, 0.5], "val_loss": [1.1, 0.7]}, "/tmp/curves.png")  # doctest: +SKIP
     """
-    names = [k for k in history if not k.startswith("val_") and k not in ("epoch", "lr", "learning_rate")]
-    names = [k for k in names if history.get(k)]
+    def flat_zero(k):
+        return f"val_{k}" not in history and all(v == 0 for v in history[k])
+
+    names = [k for k in history if not k.startswith("val_") and k not in _NOT_CURVES]
+    names = [k for k in names if history.get(k) and not flat_zero(k)]
     if not names:
         return None
+    from matplotlib.ticker import MaxNLocator
+
     from trainwell.io import new_figure
 
     fig, axes = new_figure(1, len(names), figsize=(4.5 * len(names), 3.5))
     for ax, k in zip(axes[0], names):
-        epochs = range(1, len(history[k]) + 1)
-        ax.plot(epochs, history[k], label=f"train {k}")
-        if history.get(f"val_{k}"):
-            ax.plot(range(1, len(history[f"val_{k}"]) + 1), history[f"val_{k}"], label=f"val {k}")
+        for label, ys in ((f"train {k}", history[k]), (f"val {k}", history.get(f"val_{k}"))):
+            if ys:
+                ax.plot(range(1, len(ys) + 1), ys, marker="o" if len(ys) <= 30 else None, ms=4, label=label)
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         ax.set_title(k)
         ax.grid(alpha=0.3)
         ax.legend()
@@ -358,6 +371,27 @@ def finish_run(ctx: RunContext, cfg, model, test_metrics: dict[str, float], hist
         atomic_write_json(ctx.run_dir / "metrics.json", metrics)
         plot_history(full, ctx.run_dir / "curves.png")
     return RunResult(model=model, history=full, metrics=metrics, run_dir=ctx.run_dir, config=cfg)
+
+
+def log_learning_rate(model):
+    """A Keras `LambdaCallback` that adds the optimizer's `learning_rate` to the epoch logs.
+
+    Under the name Keras's own `LearningRateScheduler` logs it, with the value
+    `WarmupCosine` logs for its own schedule (the LR of the next step), so `history.csv`
+    and TensorBoard hold the LR of any schedule. Put it before the loggers.
+
+    Example:
+    >>> callbacks.insert(0, log_learning_rate(model))  # doctest: +SKIP
+    """
+    import keras
+
+    from trainwell.callbacks.schedules import current_lr
+
+    def log(epoch, logs):
+        if logs is not None:
+            logs["learning_rate"] = current_lr(model.optimizer)
+
+    return keras.callbacks.LambdaCallback(on_epoch_end=log)
 
 
 def standard_callbacks(

@@ -41,6 +41,7 @@ import importlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -103,15 +104,23 @@ def log_float(hp, name: str, center: float, factor: float):
     return hp.Float(name, lo, hi, sampling="log", default=_clip_default(center, lo, hi))
 
 
-def batch_size_choice(hp, batch_size: int) -> int:
+def batch_size_choice(hp, batch_size: int, limit: int | None = None) -> int:
     """`hp.Choice("batch_size")` over half, the same and double `batch_size` (default: the same).
+
+    Args:
+        hp: The `keras_tuner.HyperParameters` to declare it on.
+        batch_size: The config's batch size.
+        limit: The largest batch allowed, e.g. the number of training examples (a
+            larger batch makes no full batch). Defaults to `None` (no limit).
 
     Example:
     >>> import keras_tuner
-    >>> batch_size_choice(keras_tuner.HyperParameters(), 32)
-    32
+    >>> hp = keras_tuner.HyperParameters()
+    >>> batch_size_choice(hp, 1024, limit=1259), hp.space[0].values
+    (1024, [512, 1024])
     """
-    options = sorted({max(1, batch_size // 2), batch_size, batch_size * 2})
+    options = {max(1, batch_size // 2), batch_size, batch_size * 2}
+    options = sorted(b for b in options if limit is None or b <= limit or b == batch_size)
     return int(hp.Choice("batch_size", options, default=batch_size))
 
 
@@ -384,12 +393,15 @@ def _make_recipe_hypermodel_class():
             Example:
             >>> cfg = hm.config_for(hp, run_dir="tuning/p/trial_0/run")  # doctest: +SKIP
             """
-            # On a copy: declaring the space on the trial's own `hp` would add the
-            # entries KerasTuner was told not to tune to the trial's recorded values.
-            overrides = dict(self.space(hp.copy(), self.cfg))
+            # The space reads the run it is for (e.g. a warmup fraction of the trial's
+            # epochs), so `changes` apply first. On a copy of `hp`: declaring the space on
+            # the trial's own `hp` would add the entries KerasTuner was told not to tune
+            # to the trial's recorded values.
+            base = self.cfg.replace(**changes) if changes else self.cfg
+            overrides = dict(self.space(hp.copy(), base))
             overrides.update(self.trial_overrides)
             overrides.update(changes)
-            return self.cfg.replace(**overrides)
+            return base.replace(**overrides)
 
         def build(self, hp):
             if self.build_fn is None:
@@ -613,6 +625,15 @@ def _make_tuner_classes() -> dict:
                     )
             except TrainingDivergedError as e:
                 raise keras_tuner.errors.FailedTrialError(f"Trial {trial.trial_id} diverged: {e}") from e
+            except (keras_tuner.errors.FatalError, keras_tuner.errors.FailedTrialError):
+                raise
+            except Exception as e:
+                if self.oracle.max_retries_per_trial:
+                    raise  # KerasTuner records it INVALID and retries it
+                # KerasTuner's INVALID (retry) would not count towards
+                # `max_consecutive_failed_trials`: a search whose every trial fails the
+                # same way (a config error, a missing file) would run all of them.
+                raise keras_tuner.errors.FailedTrialError(f"{type(e).__name__}: {e}") from e
             return _metrics_from_history(run.history, self.oracle.objective, self.score_mode)
 
         def _values_differ_from(self, hp, parent_id) -> bool:
@@ -917,6 +938,86 @@ def recover_interrupted_trials() -> bool:
     return True
 
 
+#: Failed trials in a row that end a search: KerasTuner's default (PBT: a generation's worth).
+MAX_CONSECUTIVE_FAILED_TRIALS = 3
+#: What a search records about its hypermodel, to refuse a rerun with another one.
+SEARCH_CONFIG_FILE = "trainwell_search.json"
+#: Config fields that do not change what a trial trains.
+_CONFIG_FIELDS_NOT_COMPARED = ("run_dir", "verbose")
+
+
+class SearchFailedError(RuntimeError):
+    """A search that stopped because its trials failed; the message (one line) gives their reason.
+
+    Example:
+    >>> raise SearchFailedError("The search stopped after 3 failed trials in a row ...")  # doctest: +SKIP
+    """
+
+
+def _search_config(hypermodel) -> dict | None:
+    get_config = getattr(hypermodel, "get_config", None)
+    if not callable(get_config):
+        return None
+    out = json.loads(json.dumps(get_config(), default=str))
+    out.pop("recipe", None)  # a module path, which depends on how it was imported; `name` stays
+    for k in _CONFIG_FIELDS_NOT_COMPARED:
+        (out.get("cfg") or {}).pop(k, None)
+    return out
+
+
+def check_project_config(hypermodel, project_dir, overwrite: bool = False, write: bool = True) -> None:
+    """Refuses to continue a search in `project_dir` that was started with another config.
+
+    A rerun of a search continues it (KerasTuner reloads the trials), which only makes
+    sense with the same recipe config: trials of the two would be ranked together
+    and a trial of one would resume another's checkpoint. The first run records the
+    hypermodel's config in `PROJECT/trainwell_search.json`; a rerun with a different
+    one raises a one-line `ConfigError` naming the fields and `--overwrite`.
+
+    Args:
+        hypermodel: The search's `RecipeHyperModel` (others are not checked).
+        project_dir: The search's directory.
+        overwrite: The search starts afresh: nothing to compare. Defaults to `False`.
+        write: Record the config (once the tuner made the directory). Defaults to `True`.
+
+    Example:
+    >>> check_project_config(hm, "tuning/resnet-imagenet-random")  # doctest: +SKIP
+    """
+    from keras_tuner.src.distribute import utils as dist_utils
+
+    from trainwell.config import ConfigError
+    from trainwell.io import atomic_write_json
+
+    mine = _search_config(hypermodel)
+    if mine is None:
+        return
+    path = Path(project_dir) / SEARCH_CONFIG_FILE
+    if not overwrite and path.is_file():
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            saved = None
+        if isinstance(saved, dict) and saved != mine:
+            a, b = saved.get("cfg") or {}, mine.get("cfg") or {}
+            diff = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            diff += [f"{k}: {saved.get(k)!r} -> {mine.get(k)!r}" for k in sorted(set(saved) | set(mine))
+                     if k != "cfg" and saved.get(k) != mine.get(k)]
+            raise ConfigError(
+                f"The search in {str(project_dir)!r} was started with another config ({'; '.join(diff[:6])}"
+                f"{' ...' if len(diff) > 6 else ''}). Rerun with --overwrite (overwrite=True) to start it afresh, "
+                "or give another --project-name."
+            )
+    if write and (not dist_utils.has_chief_oracle() or dist_utils.is_chief_oracle()):
+        atomic_write_json(path, mine)
+
+
+def _stopped_by_failures(oracle) -> bool:
+    """Whether the oracle's last ended trials are the failures that stop a search."""
+    limit = getattr(oracle, "max_consecutive_failed_trials", None)
+    ended = [oracle.trials[t].status for t in getattr(oracle, "end_order", [])]
+    return bool(limit) and len(ended) >= limit and all(str(getattr(s, "value", s)) == "FAILED" for s in ended[-limit:])
+
+
 def make_tuner(
     hypermodel, tuner: str = "random", *, max_trials: int = 10, directory="tuning", project_name=None,
     overwrite: bool = False, objective=None, max_epochs=None, factor: int = 3, population_size: int = 4,
@@ -947,31 +1048,37 @@ def make_tuner(
         objective = keras_tuner.Objective(objective, direction)
     project_name = project_name or f"{getattr(hypermodel, 'name', None) or 'search'}-{tuner}"
     cfg_epochs = int(getattr(getattr(hypermodel, "cfg", None), "epochs", 0) or 0)
+    if tuner in ("hyperband", "pbt"):
+        # Every trial runs the schedule of the search's epochs: the space (a warmup
+        # fraction, ...) and its defaults are read from that run, not the config's.
+        epochs = max_epochs or cfg_epochs or (4 if tuner == "pbt" else 9)
+        if cfg_epochs and epochs != cfg_epochs and hasattr(hypermodel, "config_for"):
+            hypermodel = copy.copy(hypermodel)
+            hypermodel.cfg = hypermodel.cfg.replace(epochs=epochs)
+    project_dir = Path(directory) / project_name
+    check_project_config(hypermodel, project_dir, overwrite, write=False)
     common = dict(
         hypermodel=hypermodel, objective=objective, directory=str(directory), project_name=project_name,
         overwrite=overwrite, seed=seed, hyperparameters=hyperparameters,
         **tuner_kwargs,
     )
+    mcf = max_consecutive_failed_trials or MAX_CONSECUTIVE_FAILED_TRIALS
     if tuner == "pbt":
         from trainwell.pbt import PBTTuner
 
-        epochs = max_epochs or cfg_epochs or 4
-        generations = max(1, math.ceil(epochs / ready_interval))
-        return PBTTuner(
-            population_size=population_size, ready_interval=ready_interval, generations=generations,
-            static_hyperparameters=getattr(hypermodel, "static", ()),
+        t = PBTTuner(
+            population_size=population_size, ready_interval=ready_interval,
+            generations=max(1, math.ceil(epochs / ready_interval)), static_hyperparameters=getattr(hypermodel, "static", ()),
             max_consecutive_failed_trials=max_consecutive_failed_trials, **common,
         )
-    mcf = max_consecutive_failed_trials or max(3, max_trials)
-    if tuner == "random":
-        return __getattr__("RecipeRandomSearch")(max_trials=max_trials, max_consecutive_failed_trials=mcf, **common)
-    if tuner == "bayesian":
-        return __getattr__("RecipeBayesianOptimization")(
-            max_trials=max_trials, max_consecutive_failed_trials=mcf, **common
-        )
-    return __getattr__("RecipeHyperband")(
-        max_epochs=max_epochs or cfg_epochs or 9, factor=factor, max_consecutive_failed_trials=mcf, **common
-    )
+    elif tuner == "random":
+        t = __getattr__("RecipeRandomSearch")(max_trials=max_trials, max_consecutive_failed_trials=mcf, **common)
+    elif tuner == "bayesian":
+        t = __getattr__("RecipeBayesianOptimization")(max_trials=max_trials, max_consecutive_failed_trials=mcf, **common)
+    else:
+        t = __getattr__("RecipeHyperband")(max_epochs=epochs, factor=factor, max_consecutive_failed_trials=mcf, **common)
+    check_project_config(hypermodel, project_dir, overwrite=True)  # records it, now the directory exists
+    return t
 
 
 def search(
@@ -1017,12 +1124,20 @@ def search(
         top_k: Rows printed in the summary table. Defaults to `10`.
         export: Export the best trial's model to `PROJECT/best_model`. Defaults to `True`.
         verbose: KerasTuner's verbosity. Defaults to `1`.
-        max_consecutive_failed_trials: Stop after this many failures in a row.
-            Defaults to `None` (never before `max_trials`).
+        max_consecutive_failed_trials: Stop after this many failed trials in a row
+            (KerasTuner's argument), raising `SearchFailedError` with the last
+            failure's reason once the summary is written. Every error of a trial
+            counts (a divergence, a config error) unless `max_retries_per_trial` is
+            set. Defaults to `None`: 3 (KerasTuner's default); PBT: `population_size`.
         **tuner_kwargs: More keyword arguments for the KerasTuner tuner.
 
     Returns:
         A `SearchResult`.
+
+    Raises:
+        SearchFailedError: `max_consecutive_failed_trials` trials failed in a row.
+        trainwell.config.ConfigError: the directory holds a search started with
+            another config (pass `overwrite=True`).
 
     Example:
     >>> r = search("resnet-imagenet", "hyperband", overrides={"dataset": "digits", "image_size": 8},
@@ -1038,11 +1153,26 @@ def search(
         ready_interval=ready_interval, seed=seed, hyperparameters=hyperparameters,
         max_consecutive_failed_trials=max_consecutive_failed_trials, **tuner_kwargs,
     )
-    t.search(callbacks=list(callbacks or []), verbose=verbose)
+    stopped = False
+    try:
+        t.search(callbacks=list(callbacks or []), verbose=verbose)
+    except RuntimeError:
+        # KerasTuner's `max_consecutive_failed_trials`: its message holds a traceback.
+        if not _stopped_by_failures(t.oracle):
+            raise
+        stopped = True
     project_dir = Path(t.project_dir)
     if dist_utils.has_chief_oracle() and not dist_utils.is_chief_oracle():
         return SearchResult(t, {}, None, None, [], project_dir, {})
-    return summarize(t, top_k=top_k, export=export, print_table=True)
+    result = summarize(t, top_k=top_k, export=export, print_table=True)
+    if stopped:
+        last = t.oracle.trials[t.oracle.end_order[-1]]
+        reason = next((r["reason"] for r in result.rows if r["trial_id"] == last.trial_id), "")
+        raise SearchFailedError(
+            f"The search stopped after {t.oracle.max_consecutive_failed_trials} failed trials in a row "
+            f"({result.files.get('summary_json')}); the last one: {reason}"
+        )
+    return result
 
 
 # --------------------------------------------------------------------------- summary
@@ -1061,8 +1191,10 @@ def trial_rows(oracle) -> list[dict]:
         msg = (trial.message or "").strip().splitlines()
         reason = ""
         if msg:
-            # The last line of the traceback names the error (e.g. `... diverged: ...`).
-            reason = next((line for line in reversed(msg) if line.strip()), "")[:300]
+            # The last line of the traceback names the error (e.g. `... diverged: ...`);
+            # KerasTuner's class name in front of a FailedTrialError's reason says nothing.
+            reason = next((line for line in reversed(msg) if line.strip()), "")
+            reason = re.sub(r"^[\w.]*FailedTrialError: ", "", reason)[:300]
         row = {
             "trial_id": tid,
             "order": order.get(tid, len(order)),
@@ -1121,6 +1253,8 @@ def plot_trials(rows: Sequence[dict], objective_name: str, path, direction: str 
     Example:
     >>> plot_trials(rows, "val_accuracy", "tuning/p/trials.png")  # doctest: +SKIP
     """
+    from matplotlib.ticker import MaxNLocator
+
     from trainwell.io import new_figure, save_figure
 
     ordered = sorted(rows, key=lambda r: r["order"])
@@ -1140,6 +1274,7 @@ def plot_trials(rows: Sequence[dict], objective_name: str, path, direction: str 
         lo = min(ys) if ys else 0.0
         ax.plot(failed, [lo] * len(failed), "rx", label="failed / invalid")
     ax.set_xlabel("trial (start order)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     ax.set_ylabel(objective_name)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -1219,6 +1354,8 @@ def summarize(tuner, top_k: int = 10, export: bool = True, print_table: bool = T
         for r in rows:
             if r["status"] in ("FAILED", "INVALID") and r["reason"]:
                 print(f"  trial {r['trial_id']} {r['status'].lower()}: {r['reason']}")
+        if best is None:
+            print("No trial completed: no best score, no best model.")
         print("files: " + ", ".join(f"{k}={v}" for k, v in files.items()))
     return SearchResult(
         tuner=tuner,
@@ -1405,15 +1542,22 @@ def main(args) -> int:
         if rc == 0 and summary.is_file():
             print(f"distributed search done ({workers} workers): {summary}")
         return int(rc)
-    result = search(
-        hm, args.tuner, max_trials=int(args.max_trials), directory=directory,
-        project_name=getattr(args, "project_name", None), overwrite=bool(getattr(args, "overwrite", False)),
-        objective=getattr(args, "objective", None), max_epochs=getattr(args, "max_epochs", None),
-        population_size=int(getattr(args, "population_size", None) or 4),
-        ready_interval=int(getattr(args, "ready_interval", None) or 1),
-        seed=getattr(args, "seed", None) if getattr(args, "seed", None) is not None else 0,
-        top_k=int(getattr(args, "top_k", None) or 10), export=not getattr(args, "no_export", False),
-    )
+
+    def arg(name, default):  # an option not given (None); a given 0 is not replaced by the default
+        v = getattr(args, name, None)
+        return default if v is None else v
+
+    try:
+        result = search(
+            hm, args.tuner, max_trials=int(args.max_trials), directory=directory,
+            project_name=getattr(args, "project_name", None), overwrite=bool(getattr(args, "overwrite", False)),
+            objective=getattr(args, "objective", None), max_epochs=getattr(args, "max_epochs", None),
+            population_size=int(arg("population_size", 4)), ready_interval=int(arg("ready_interval", 1)),
+            seed=arg("seed", 0), top_k=int(arg("top_k", 10)), export=not getattr(args, "no_export", False),
+        )
+    except SearchFailedError as e:
+        print(f"trainwell tune: {e}", file=sys.stderr)
+        return 1
     if dist_utils.has_chief_oracle() and not dist_utils.is_chief_oracle():
         return 0
     return 0 if result.best_trial_id is not None else 1

@@ -61,6 +61,10 @@ def test_defaults_are_the_published_recipe():
     assert c.max_steps is None
     assert recipe.phase_steps(recipe.Config(epochs=3, max_steps=180), 100) == (180, 0, 18)
     assert recipe.phase_steps(recipe.Config(epochs=3, max_steps=900), 100) == (300, 0, 30)  # a cap only
+    # the progress bar counts the steps that run (max_steps=20 showed /279 and a 9-minute ETA)
+    assert recipe.fit_epochs(recipe.Config(epochs=3, max_steps=20), 279) == (1, 20)
+    assert recipe.fit_epochs(recipe.Config(epochs=3, max_steps=300), 279) == (2, 279)
+    assert recipe.fit_epochs(recipe.Config(epochs=3), 279) == (3, 279)
 
 
 @pytest.mark.parametrize("bad, pattern", [
@@ -72,6 +76,7 @@ def test_defaults_are_the_published_recipe():
     ({"sequence_length": 4}, "Received: sequence_length=4"),
     ({"max_steps": 0}, "Received: max_steps=0"),
     ({"val_fraction": 0.5, "test_fraction": 0.5}, "Received: test_fraction=0.5"),
+    ({"max_train_examples": 16}, "expected at most max_train_examples=16. Received: batch_size=32"),  # issue 17.13
 ])
 def test_config_validation(bad, pattern):
     with pytest.raises(ConfigError, match=pattern):
@@ -168,11 +173,16 @@ def test_layerwise_adamw_matches_adamw_and_scales_or_freezes_variables():
         LW(learning_rate=1e-3, weight_decay=0.1, freeze_steps=-1)
 
 
-def test_train_end_to_end_export_predict_and_label_mapping(tiny, tmp_path):
+def test_train_end_to_end_export_predict_and_label_mapping(tiny, tmp_path, capsys):
     import keras_hub
 
     run = recipe.train(**tiny_kw(tiny, run_dir=str(tmp_path / "run"), epochs=4, freeze_epochs=1.0, head_lr=1e-2,
-                                 early_stopping_patience=None))
+                                 early_stopping_patience=None, verbose="2"))
+    out = capsys.readouterr().out  # evaluation and export (minutes for a real model) say what they do
+    assert "Evaluating on the test split (80 examples) ..." in out and "Exporting the model and its tokenizer" in out
+    # the LR is in the history, as Keras's LearningRateScheduler logs it: the next step's, at each epoch's end
+    lrs = run.history["learning_rate"]
+    assert len(lrs) == len(run.history["loss"]) == 4 and 0 < max(lrs) <= 2e-2 and lrs[-1] < max(lrs)
     files = {p.name for p in run.run_dir.iterdir()}
     assert {"config.yaml", "manifest.json", "history.csv", "metrics.json", "labels.json", "model",
             "checkpoints", "lr_schedule.png"} <= files

@@ -203,18 +203,3 @@ def test_did_you_mean_for_choices_and_strategy():
         DemoConfig(precision="mixed_foat16")
     with pytest.raises(ConfigError, match=r"Unknown config key `1` for DemoConfig\."):
         DemoConfig.from_dict({1: 2})
-
-
-def test_check_warmup_refuses_only_an_explicit_warmup_as_long_as_the_run():
-    from trainwell.config import check_warmup
-
-    @dataclasses.dataclass
-    class W(BaseConfig):
-        warmup_epochs: Optional[float] = 5.0
-
-    check_warmup(W(epochs=1), "warmup_epochs", 1, "epochs")  # the default: the recipe fits it to the run
-    check_warmup(W(epochs=1, warmup_epochs=None), "warmup_epochs", 1, "epochs")
-    check_warmup(W(epochs=3, warmup_epochs=2), "warmup_epochs", 3, "epochs")
-    for epochs, warmup in ((1, 1), (3, 3), (3, 4.5)):
-        with pytest.raises(ConfigError, match=rf"`warmup_epochs`: expected fewer than epochs={epochs}"):
-            check_warmup(W(epochs=epochs, warmup_epochs=warmup), "warmup_epochs", epochs, "epochs")

@@ -347,6 +347,21 @@ def test_pbt_exploit_trains_at_its_explored_learning_rate_not_the_donors(tmp_pat
         assert lr == pytest.approx(r["hyperparameters"]["learning_rate"], rel=1e-5), r
 
 
+@pytest.mark.parametrize("tuner, stopped_after", [("random", 3), ("pbt", 4)])
+def test_a_search_whose_trials_all_fail_stops_with_their_reason(tmp_path, capsys, tuner, stopped_after):
+    """KerasTuner's `max_consecutive_failed_trials`: any error of a trial counts, and no best is reported."""
+    from trainwell import tuning
+
+    with pytest.raises(tuning.SearchFailedError, match=f"after {stopped_after} failed trials in a row.*nosuch"):
+        tuning.search(tiny_hypermodel(dataset="nosuch", epochs=2), tuner, max_trials=10, population_size=4,
+                      max_epochs=2, directory=tmp_path, verbose=0)
+    project = next(p for p in tmp_path.iterdir() if p.is_dir())
+    summary = json.loads((project / "summary.json").read_text())
+    assert summary["num_trials"] == summary["num_failed"] == stopped_after and summary["best"] is None
+    assert "nosuch" in summary["trials"][0]["reason"] and not (project / "best_model").exists()
+    assert "No trial completed: no best score, no best model." in capsys.readouterr().out
+
+
 def test_search_argument_errors_use_the_received_idiom(tmp_path):
     from trainwell import tuning
 
@@ -383,8 +398,32 @@ def test_resnet_hypermodel_space_defaults_are_the_config():
     assert trial_cfg.doctor is False and trial_cfg.verbose == 0
     hp.values.update(batch_size=128, peak_lr=0.2)  # the linear scaling rule follows the batch
     assert math.isclose(hm.config_for(hp).peak_lr, 0.4)
+    assert hm.config_for(hp).zero_init_residual is cfg.zero_init_residual  # the same network at every batch
     model = hm.build(hp)
     assert model.optimizer is not None and model.output_shape == (None, 10)
+
+
+def test_resnet_search_space_fits_the_searchs_epochs_and_the_training_set(tmp_path):
+    """Issue 18: PBT with max_epochs=3 on a 90-epoch config had 23 of 24 trials fail (warmup 5 >= 3 epochs)."""
+    import keras_tuner as kt
+
+    from trainwell import tuning
+    from trainwell.recipes import resnet_imagenet
+
+    overrides = {"dataset": "digits", "image_size": 8, "width": 8, "model": "resnet18", "batch_size": 1024}
+    hm = resnet_imagenet.hypermodel(**overrides)  # epochs: the ImageNet 90
+    # dropout 0 builds no Dropout layer: PBT moving it off 0 failed the exploit's checkpoint load (1 of 13 trials)
+    assert set(hm.static) == {"batch_size", "optimizer", "dropout"}
+    tuner = tuning.make_tuner(hm, "pbt", population_size=4, ready_interval=1, max_epochs=3, directory=tmp_path)
+    hp = kt.HyperParameters()
+    tuner.hypermodel.declare_hyperparameters(hp)
+    assert hp.values["warmup_fraction"] == pytest.approx(5 / 90, abs=1e-3)
+    trial = tuner.hypermodel.config_for(hp, epochs=3)
+    assert trial.epochs == 3 and trial.warmup_epochs == pytest.approx(3 * 5 / 90, abs=1e-3)
+    hp.values["warmup_fraction"] = 0.3  # the top of the range is still a warmup inside the run
+    assert hm.config_for(hp, epochs=3).warmup_epochs == pytest.approx(0.9)
+    # batch sizes above the 1,259 training digits are not offered
+    assert hp.space[[p.name for p in hp.space].index("batch_size")].values == [512, 1024]
 
 
 def _tiny_bert(root: Path, tiny_bert_preset):
@@ -449,6 +488,13 @@ def test_cli_tune_runs_a_search_and_rejects_bad_input(tmp_path, capsys):
     assert cli.main(["tune", "no-such-recipe"]) == 2
     assert cli.main(["tune", "resnet-imagenet", "--dry-run", "--set", "dataset=digits"]) == 0
     assert '"peak_lr"' in capsys.readouterr().out
+    # a rerun with another config says so and names --overwrite (it was a CheckpointMismatchError traceback)
+    rerun = ["tune", f"{__name__}:tiny_hypermodel", "--tuner", "random", "--max-trials", "1",
+             "--directory", str(tmp_path), "--no-export"]
+    assert cli.main([*rerun, "--set", "epochs=1", "--set", "units=8"]) == 2
+    err = capsys.readouterr().err
+    assert "units: 16 -> 8" in err and "--overwrite" in err and len(err.strip().splitlines()) == 1
+    assert cli.main([*rerun, "--set", "epochs=1", "--set", "units=8", "--overwrite"]) == 0
 
 
 def _wait(pred, timeout, proc=None, what=""):
