@@ -110,15 +110,15 @@ def build_model(cfg: Config):
 def train(cfg: Config, *, callbacks=None):
     from trainwell import recipe
 
-    ctx = recipe.setup_run(cfg, RECIPE)
-    train_ds, val, test, steps = _data(cfg)
-    train_ds = recipe.advance_epochs(train_ds, recipe.resume_epoch(ctx.run_dir / "checkpoints"))
-    model = build_model(cfg)
-    cbs = recipe.standard_callbacks(cfg, ctx.run_dir, monitor="val_accuracy", mode="max", doctor=False)
-    history = model.fit(train_ds, validation_data=val, epochs=cfg.epochs, steps_per_epoch=steps,
-                        callbacks=cbs + list(callbacks or []), verbose=0)
-    metrics = {f"test_{k}": v for k, v in model.evaluate(test, verbose=0, return_dict=True).items()}
-    return recipe.finish_run(ctx, cfg, model, metrics, history)
+    with recipe.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
+        train_ds, val, test, steps = _data(cfg)
+        train_ds = recipe.advance_epochs(train_ds, recipe.resume_epoch(ctx.run_dir / "checkpoints"))
+        model = build_model(cfg)
+        cbs = recipe.standard_callbacks(cfg, ctx.run_dir, monitor="val_accuracy", mode="max", doctor=False)
+        history = model.fit(train_ds, validation_data=val, epochs=cfg.epochs, steps_per_epoch=steps,
+                            callbacks=cbs + list(callbacks or []), verbose=0)
+        metrics = {f"test_{k}": v for k, v in model.evaluate(test, verbose=0, return_dict=True).items()}
+        return recipe.finish_run(ctx, cfg, model, metrics, history)
 
 
 def space(hp, cfg: Config) -> dict:

@@ -474,30 +474,30 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
     from trainwell.callbacks import WarmupCosine
 
     cfg = _cfg(cfg, overrides)
-    ctx = recipe.setup_run(cfg, RECIPE)
-    data = build_data(cfg)
-    steps = training_steps(cfg, data)
-    # Exact resume: the resumed epoch sees the same order and augmentation as it would have.
-    train_ds = recipe.advance_epochs(data.train, recipe.resume_epoch(ctx.run_dir / "checkpoints"))
-    train_ds = augment_batch(cfg, train_ds, data.num_classes)
-    with ctx.strategy.scope():
-        model = build_model(cfg, data.num_classes, data.channels)
-        compile_model(cfg, model, steps)
-    schedule = getattr(getattr(model.optimizer, "inner_optimizer", model.optimizer), "_learning_rate", None)
-    callbacks = build_callbacks(cfg, ctx.run_dir, schedule=schedule, chief=ctx.is_chief) + list(callbacks or ())
-    if not any(isinstance(c, WarmupCosine) for c in callbacks):  # the step schedule: its LR in the history
-        callbacks.insert(0, recipe.log_learning_rate(model))
-    history = model.fit(
-        train_ds, validation_data=data.val, epochs=cfg.epochs, steps_per_epoch=steps,
-        callbacks=callbacks, verbose=cfg.verbose, shuffle=False,  # the pipeline shuffles (seeded)
-    )
-    test = {}
-    if data.test is not None:
-        if cfg.verbose != 0:
-            print(f"Evaluating on the test split ({data.counts['test']} images) ...", flush=True)
-        test = model.evaluate(data.test, verbose=cfg.verbose, return_dict=True)
-    metrics = {f"test_{k}": v for k, v in test.items()}
-    return recipe.finish_run(ctx, cfg, model, metrics, history)
+    with recipe.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
+        data = build_data(cfg)
+        steps = training_steps(cfg, data)
+        # Exact resume: the resumed epoch sees the same order and augmentation as it would have.
+        train_ds = recipe.advance_epochs(data.train, recipe.resume_epoch(ctx.run_dir / "checkpoints"))
+        train_ds = augment_batch(cfg, train_ds, data.num_classes)
+        with ctx.strategy.scope():
+            model = build_model(cfg, data.num_classes, data.channels)
+            compile_model(cfg, model, steps)
+        schedule = getattr(getattr(model.optimizer, "inner_optimizer", model.optimizer), "_learning_rate", None)
+        callbacks = build_callbacks(cfg, ctx.run_dir, schedule=schedule, chief=ctx.is_chief) + list(callbacks or ())
+        if not any(isinstance(c, WarmupCosine) for c in callbacks):  # the step schedule: its LR in the history
+            callbacks.insert(0, recipe.log_learning_rate(model))
+        history = model.fit(
+            train_ds, validation_data=data.val, epochs=cfg.epochs, steps_per_epoch=steps,
+            callbacks=callbacks, verbose=cfg.verbose, shuffle=False,  # the pipeline shuffles (seeded)
+        )
+        test = {}
+        if data.test is not None:
+            if cfg.verbose != 0:
+                print(f"Evaluating on the test split ({data.counts['test']} images) ...", flush=True)
+            test = model.evaluate(data.test, verbose=cfg.verbose, return_dict=True)
+        metrics = {f"test_{k}": v for k, v in test.items()}
+        return recipe.finish_run(ctx, cfg, model, metrics, history)
 
 
 # --------------------------------------------------------------------------- hyperparameter search

@@ -723,49 +723,49 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
     if data is not None:
         overrides = {**overrides, "dataset": "memory"}
     cfg = _cfg(cfg, overrides)
-    ctx = recipe.setup_run(cfg, RECIPE)
-    preprocessor = build_preprocessor(cfg)
-    data_ = build_data(cfg, preprocessor, data)
-    steps = data_.steps_per_epoch
-    # Exact resume: the resumed epoch sees the same order as it would have.
-    train_ds = recipe.advance_epochs(data_.train, recipe.resume_epoch(ctx.run_dir / "checkpoints"))
-    with ctx.strategy.scope():
-        model = build_model(cfg, data_.num_classes)
-        compile_model(cfg, model, steps)
-    if ctx.is_chief:
-        save_label_map(ctx.run_dir, data_.class_names)
-    inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
-    schedule = getattr(inner, "_learning_rate", None)
-    if inner.freeze_steps:
-        schedule = _EffectiveSchedule(schedule, inner.freeze_steps, cfg.head_lr)
-    callbacks = build_callbacks(
-        cfg, ctx.run_dir, schedule=schedule, chief=ctx.is_chief, has_val=data_.val is not None
-    ) + list(callbacks or ())
-    if not any(isinstance(c, WarmupCosine) for c in callbacks):
-        # The LR in the history, as Keras's LearningRateScheduler logs it (WarmupCosine
-        # does it for its own schedule); before the loggers, which write the logs.
-        callbacks.insert(0, recipe.log_learning_rate(model))
-    # Multi-replica strategies: `recipe.setup_run` applied keras_fixes' "symbolic_build"
-    # (Keras would MEAN-reduce a per-replica batch, boolean padding masks included).
-    total = phase_steps(cfg, steps)[0]
-    epochs, epoch_steps = fit_epochs(cfg, steps)
-    if total < epochs * epoch_steps:
-        callbacks.append(StopAtStep(total))
-    verbose = cfg.verbose if cfg.verbose == "auto" else int(cfg.verbose)
-    history = model.fit(
-        train_ds, validation_data=data_.val, epochs=epochs, steps_per_epoch=epoch_steps,
-        callbacks=callbacks, verbose=verbose, shuffle=False,  # the pipeline shuffles (seeded)
-    )
-    test = {}
-    if data_.test is not None:
-        _say(cfg, f"Evaluating on the test split ({len(data_.splits.test[1])} examples) ...")
-        test = model.evaluate(data_.test, verbose=verbose, return_dict=True)
-    metrics = {f"test_{k}": v for k, v in test.items()}
-    if cfg.export and ctx.is_chief:
-        _say(cfg, f"Exporting the model and its tokenizer to {ctx.run_dir / EXPORT_DIR} ...")
-        export_model(model, preprocessor, data_.class_names, ctx.run_dir / EXPORT_DIR)
-    model.preprocessor = preprocessor
-    return recipe.finish_run(ctx, cfg, model, metrics, history)
+    with recipe.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
+        preprocessor = build_preprocessor(cfg)
+        data_ = build_data(cfg, preprocessor, data)
+        steps = data_.steps_per_epoch
+        # Exact resume: the resumed epoch sees the same order as it would have.
+        train_ds = recipe.advance_epochs(data_.train, recipe.resume_epoch(ctx.run_dir / "checkpoints"))
+        with ctx.strategy.scope():
+            model = build_model(cfg, data_.num_classes)
+            compile_model(cfg, model, steps)
+        if ctx.is_chief:
+            save_label_map(ctx.run_dir, data_.class_names)
+        inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+        schedule = getattr(inner, "_learning_rate", None)
+        if inner.freeze_steps:
+            schedule = _EffectiveSchedule(schedule, inner.freeze_steps, cfg.head_lr)
+        callbacks = build_callbacks(
+            cfg, ctx.run_dir, schedule=schedule, chief=ctx.is_chief, has_val=data_.val is not None
+        ) + list(callbacks or ())
+        if not any(isinstance(c, WarmupCosine) for c in callbacks):
+            # The LR in the history, as Keras's LearningRateScheduler logs it (WarmupCosine
+            # does it for its own schedule); before the loggers, which write the logs.
+            callbacks.insert(0, recipe.log_learning_rate(model))
+        # Multi-replica strategies: `recipe.setup_run` applied keras_fixes' "symbolic_build"
+        # (Keras would MEAN-reduce a per-replica batch, boolean padding masks included).
+        total = phase_steps(cfg, steps)[0]
+        epochs, epoch_steps = fit_epochs(cfg, steps)
+        if total < epochs * epoch_steps:
+            callbacks.append(StopAtStep(total))
+        verbose = cfg.verbose if cfg.verbose == "auto" else int(cfg.verbose)
+        history = model.fit(
+            train_ds, validation_data=data_.val, epochs=epochs, steps_per_epoch=epoch_steps,
+            callbacks=callbacks, verbose=verbose, shuffle=False,  # the pipeline shuffles (seeded)
+        )
+        test = {}
+        if data_.test is not None:
+            _say(cfg, f"Evaluating on the test split ({len(data_.splits.test[1])} examples) ...")
+            test = model.evaluate(data_.test, verbose=verbose, return_dict=True)
+        metrics = {f"test_{k}": v for k, v in test.items()}
+        if cfg.export and ctx.is_chief:
+            _say(cfg, f"Exporting the model and its tokenizer to {ctx.run_dir / EXPORT_DIR} ...")
+            export_model(model, preprocessor, data_.class_names, ctx.run_dir / EXPORT_DIR)
+        model.preprocessor = preprocessor
+        return recipe.finish_run(ctx, cfg, model, metrics, history)
 
 
 def _say(cfg: Config, message: str) -> None:

@@ -1522,6 +1522,9 @@ def main(args) -> int:
     if workers < 0:
         raise ConfigError(f"Invalid value for `--workers`: expected an integer >= 0. Received: workers={workers}")
     hm = _hypermodel_from_args(args)
+    from trainwell.data.sources import check_data_ready
+
+    check_data_ready(hm.cfg.dataset, getattr(hm.cfg, "data_dir", None))  # e.g. a TFDS set not prepared: one line
     if getattr(args, "dry_run", False):
         import keras_tuner
 

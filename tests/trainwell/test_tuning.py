@@ -100,21 +100,21 @@ def build_model(cfg: Config, steps_per_epoch: int):
 def train(cfg: Config, *, callbacks=None):
     from trainwell import recipe
 
-    ctx = recipe.setup_run(cfg, RECIPE)
-    train_ds, val, test, steps = build_data(cfg)
-    train_ds = recipe.advance_epochs(train_ds, recipe.resume_epoch(ctx.run_dir / "checkpoints"))
-    model = build_model(cfg, steps)
-    cbs = recipe.standard_callbacks(
-        cfg, ctx.run_dir, monitor="val_accuracy", mode="max", nan_rollback=cfg.nan_rollback,
-        snapshot_every=cfg.snapshot_every, early_stopping_patience=cfg.early_stopping_patience,
-        doctor=cfg.doctor,
-    ) + list(callbacks or [])
-    if cfg.record_start_state:
-        cbs.append(_record_start_state_callback(ctx.run_dir / "start_state.npz"))
-    history = model.fit(train_ds, validation_data=val, epochs=cfg.epochs, steps_per_epoch=steps,
-                        callbacks=cbs, verbose=cfg.verbose)
-    metrics = {f"test_{k}": v for k, v in model.evaluate(test, verbose=0, return_dict=True).items()}
-    return recipe.finish_run(ctx, cfg, model, metrics, history)
+    with recipe.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
+        train_ds, val, test, steps = build_data(cfg)
+        train_ds = recipe.advance_epochs(train_ds, recipe.resume_epoch(ctx.run_dir / "checkpoints"))
+        model = build_model(cfg, steps)
+        cbs = recipe.standard_callbacks(
+            cfg, ctx.run_dir, monitor="val_accuracy", mode="max", nan_rollback=cfg.nan_rollback,
+            snapshot_every=cfg.snapshot_every, early_stopping_patience=cfg.early_stopping_patience,
+            doctor=cfg.doctor,
+        ) + list(callbacks or [])
+        if cfg.record_start_state:
+            cbs.append(_record_start_state_callback(ctx.run_dir / "start_state.npz"))
+        history = model.fit(train_ds, validation_data=val, epochs=cfg.epochs, steps_per_epoch=steps,
+                            callbacks=cbs, verbose=cfg.verbose)
+        metrics = {f"test_{k}": v for k, v in model.evaluate(test, verbose=0, return_dict=True).items()}
+        return recipe.finish_run(ctx, cfg, model, metrics, history)
 
 
 def _record_start_state_callback(path: Path):
