@@ -25,8 +25,11 @@ install: $(STAMP)
 demo: install
 	$(BIN)/trainwell train resnet-imagenet --config configs/demo_mnist5k.yaml
 
+# Two parts: most tests on 2 pytest-xdist workers (the machine's 2 cores), then the few marked
+# `serial` (several training processes with deadlines) with the machine to themselves.
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 
 bench: install
 	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

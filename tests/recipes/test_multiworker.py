@@ -35,7 +35,7 @@ import pytest
 
 from trainwell import launch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 WORKER = Path(__file__).with_name("multiworker_recipe_worker.py")
 FIXTURE_DEADLINE_S = 200

@@ -285,6 +285,7 @@ def _worker_ports(pid: int) -> dict[int, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_cli_train_with_two_workers(tmp_path):
     # One run, three checks: it trains; the workers' gRPC servers cannot be reached from this
     # machine's network (observed in /proc while they run); the output has no TensorFlow
