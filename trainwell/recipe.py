@@ -453,8 +453,10 @@ def standard_callbacks(
     from trainwell.callbacks import Checkpoint, EarlyStopping, NaNRollback
     from trainwell.callbacks.schedules import WarmupCosineDecay
 
+    from trainwell import quick
+
     run_dir = Path(run_dir)
-    out: list = []
+    out: list = quick.run_callbacks()  # TRAINWELL_QUICK: stop every run after a few batches (trainwell.quick)
     if isinstance(schedule, WarmupCosineDecay):
         from trainwell.callbacks import WarmupCosine
 

@@ -1146,6 +1146,11 @@ def search(
     """
     from keras_tuner.src.distribute import utils as dist_utils
 
+    from trainwell import quick
+
+    # TRAINWELL_QUICK: a search of 2 short trials (trainwell.quick); each trial's run is capped by the recipe harness.
+    max_trials, max_epochs, population_size, ready_interval = quick.search_lengths(
+        max_trials, max_epochs, population_size, ready_interval)
     hm = resolve_hypermodel(recipe, config, overrides)
     t = make_tuner(
         hm, tuner, max_trials=max_trials, directory=directory, project_name=project_name, overwrite=overwrite,
