@@ -2,8 +2,8 @@
 
 Like Lightning's `fast_dev_run`: with `TRAINWELL_QUICK=1` in the environment every
 recipe run (Python, `trainwell train`, a search's trials) trains one batch in one
-epoch and validates and tests on one batch; every search runs at most 2 trials of
-at most 2 epochs (PBT: a population of 2); `lr_find` / `trainwell lr-find` ramp and
+epoch and validates and tests on one batch; every search runs one trial (Hyperband
+and PBT: at most 2 epochs per model, PBT a population of 2, so exploit and explore run); `lr_find` / `trainwell lr-find` ramp and
 probe for at most 10 steps. `TRAINWELL_QUICK=N` allows N batches (and 10 x N LR-finder
 steps). Everything else runs as usual: data loading, model building, compiling,
 callbacks, checkpoints, plots, the run directory. The figures such a run prints are
@@ -16,7 +16,7 @@ Example:
 >>> import os
 >>> os.environ["TRAINWELL_QUICK"] = "1"
 >>> caps()
-QuickCaps(batches=1, trials=2, epochs=2, population_size=2, lr_steps=10)
+QuickCaps(batches=1, trials=1, epochs=2, population_size=2, lr_steps=10)
 >>> del os.environ["TRAINWELL_QUICK"]
 >>> caps() is None
 True
@@ -52,7 +52,7 @@ class QuickCaps:
     """
 
     batches: int
-    trials: int = 2
+    trials: int = 1
     epochs: int = 2
     population_size: int = 2
     lr_steps: int = 10
@@ -128,7 +128,7 @@ def search_lengths(max_trials: int, max_epochs: int | None, population_size: int
     c = caps()
     if c is None:
         return max_trials, max_epochs, population_size, ready_interval
-    _announce("search", f"quick search: at most {c.trials} trials, {c.epochs} epochs per model (Hyperband, PBT), "
+    _announce("search", f"quick search: at most {c.trials} trial(s), {c.epochs} epochs per model (Hyperband, PBT), "
                         f"a PBT population of {c.population_size}.")
     epochs = c.epochs if max_epochs is None else min(max_epochs, c.epochs)
     return (min(max_trials, c.trials), epochs, min(population_size, c.population_size),
@@ -159,7 +159,11 @@ class QuickRun(keras.callbacks.Callback):
     them from its data; this callback caps them from the outside, through Keras's
     own `model.stop_training` and `model.stop_evaluating` flags, so the recipes'
     code stays the same with or without `TRAINWELL_QUICK`. The epoch it stops in
-    still ends normally (validation, loggers, checkpoint).
+    still ends normally (validation, loggers, checkpoint): Keras hands every
+    callback of a `fit` the same `params` dict, and this callback, listed first,
+    lowers its `"steps"` to `batches` at train begin, so callbacks that check
+    whether an epoch is complete (`Checkpoint` commits only complete epochs) see
+    a complete, short epoch, and the run can be resumed or exported like any other.
 
     Args:
         batches: Training batches before `fit` stops (one execution counts once
@@ -182,6 +186,8 @@ class QuickRun(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None) -> None:
         self._trained = 0
+        if self.params and self.params.get("steps"):
+            self.params["steps"] = min(int(self.params["steps"]), self.batches)
 
     def on_train_batch_end(self, batch, logs=None) -> None:
         self._trained += 1

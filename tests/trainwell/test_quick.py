@@ -30,7 +30,7 @@ def test_search_and_lr_find_lengths_are_capped_only_when_on(monkeypatch):
     assert quick.lr_find_steps(100, 50) == (100, 50)
     assert quick.run_callbacks() == [] and quick.test_steps() is None
     monkeypatch.setenv(quick.ENV, "1")
-    assert quick.search_lengths(10, None, 4, 3) == (2, 2, 2, 2)
+    assert quick.search_lengths(10, None, 4, 3) == (1, 2, 2, 2)
     assert quick.search_lengths(1, 1, 2, 1) == (1, 1, 2, 1)  # never raised
     assert quick.lr_find_steps(100, None) == (10, None)
     assert quick.lr_find_steps(5, 50) == (5, 10)
@@ -77,6 +77,8 @@ def test_a_recipe_run_and_lr_find_under_the_switch_are_short(monkeypatch, tmp_pa
     assert int(run.model.optimizer.iterations) == 1  # of 3 epochs x 19 batches
     assert len(run.history["loss"]) == 1 and "test_accuracy" in run.metrics
     assert steps[-1] == 1 and (tmp_path / "run" / "metrics.json").is_file()
+    # The short epoch is complete: it is checkpointed, so a search can export the trial's model.
+    assert list((tmp_path / "run" / "checkpoints").glob("ckpt-*"))
 
     x = np.random.default_rng(0).normal(size=(256, 4)).astype("float32")
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
