@@ -10,8 +10,9 @@ temporary directory holding a copy of `configs/`, with the venv's bin first on P
 `HF_HUB_OFFLINE=1` and `TRAINWELL_QUICK=1`, the documented switch that shrinks every run
 to a smoke test, so the whole test costs minutes, not hours.
 
-A block that cannot run here (a real ImageNet, a cluster, `make` itself) carries the
-line `<!-- not run: REASON -->` right before it; the test lists them. A fence with no
+A block that cannot run here (a real ImageNet, a cluster, `make` itself, or a run that
+costs minutes even under `TRAINWELL_QUICK`) carries the line `<!-- not run: REASON -->`
+right before it; the test lists them (and parses the Python ones). A fence with no
 language, or one that neither runs nor is plain data (yaml, json, text), fails.
 """
 
@@ -83,6 +84,8 @@ def test_every_fence_is_runnable_or_marked_and_the_skipped_are_few():
                 bad.append(f"{b['where']}: fence language {b['lang']!r} (use python, bash, console, yaml, json, text)")
             if b["not_run"]:
                 skipped.append(f"{b['where']}: {b['not_run']}")
+            if b["not_run"] and b["lang"] == "python":
+                compile(b["code"], b["where"], "exec")  # not run, but it must at least parse
     print("Examples not run:\n  " + "\n  ".join(skipped))
     assert not bad, "\n".join(bad)
     assert len(skipped) <= 12, f"{len(skipped)} examples are marked 'not run': make them runnable"
@@ -110,17 +113,6 @@ def test_python_examples(workdir):
     pages = [p for p in pages if p[1]]
     r = _run([sys.executable, "-c", _DRIVER.format(pages=pages)], workdir)
     assert r.returncode == 0, f"{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
-
-
-def _shell_blocks():
-    return [pytest.param(b, id=b["where"]) for p in PAGES for b in blocks(p)
-            if b["lang"] in ("bash", "sh") and not b["not_run"]]
-
-
-@pytest.mark.parametrize("block", _shell_blocks())
-def test_shell_examples(block, workdir):
-    r = _run(["bash", "-euo", "pipefail", "-c", block["code"]], workdir)
-    assert r.returncode == 0, f"{block['where']} exited {r.returncode}:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
 
 
 def console_commands(code: str) -> list[tuple[str, list[str]]]:
@@ -157,16 +149,20 @@ def matches_loosely(shown: list[str], output: str) -> str | None:
     return None
 
 
-def _console_blocks():
+def _shell_blocks():
     return [pytest.param(b, id=b["where"]) for p in PAGES for b in blocks(p)
-            if b["lang"] == "console" and not b["not_run"]]
+            if b["lang"] in ("bash", "sh", "console") and not b["not_run"]]
 
 
 EXIT = re.compile(r"^\(exit status (\d+)\)$")
 
 
-@pytest.mark.parametrize("block", _console_blocks())
-def test_console_examples(block, workdir):
+@pytest.mark.parametrize("block", _shell_blocks())
+def test_shell_examples(block, workdir):
+    if block["lang"] != "console":  # a script: every line must succeed
+        r = _run(["bash", "-euo", "pipefail", "-c", block["code"]], workdir)
+        assert r.returncode == 0, f"{block['where']} exited {r.returncode}:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+        return
     for command, shown in console_commands(block["code"]):
         r = _run(["bash", "-o", "pipefail", "-c", command], workdir)
         output = r.stdout + r.stderr

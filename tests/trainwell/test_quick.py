@@ -85,3 +85,22 @@ def test_a_recipe_run_and_lr_find_under_the_switch_are_short(monkeypatch, tmp_pa
     model.compile(keras.optimizers.SGD(), "mse")
     result = lr_find(model, (x, x.sum(1)), start_lr=1e-4, steps=100, method="minimum")
     assert len(result.lrs) <= 10
+
+
+def test_a_search_under_the_switch_runs_one_trial(monkeypatch, tmp_path):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from trainwell import tuning
+
+    name = "trainwell_test_tuning_recipe"  # the tiny MLP recipe of test_tuning.py, as a module of its own
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_tuning.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    monkeypatch.setenv(quick.ENV, "1")
+    result = tuning.search(sys.modules[name].tiny_hypermodel(epochs=2), "random", max_trials=3, directory=tmp_path,
+                           verbose=0, export=False)
+    assert len(result.tuner.oracle.trials) == 1
