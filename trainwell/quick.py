@@ -121,6 +121,12 @@ def test_steps() -> int | None:
 def search_lengths(max_trials: int, max_epochs: int | None, population_size: int, ready_interval: int):
     """`(max_trials, max_epochs, population_size, ready_interval)` of a search, capped under `TRAINWELL_QUICK`.
 
+    Args:
+        max_trials: `trainwell.tuning.search`'s argument. Required.
+        max_epochs: Its argument (`None`: the config's epochs, capped to the quick epochs). Required.
+        population_size: Its argument. Required.
+        ready_interval: Its argument (never above the capped epochs). Required.
+
     Example:
     >>> search_lengths(10, None, 4, 1)
     (10, None, 4, 1)
@@ -137,6 +143,10 @@ def search_lengths(max_trials: int, max_epochs: int | None, population_size: int
 
 def lr_find_steps(steps: int, probe_steps: int | None):
     """`(steps, probe_steps)` of `lr_find`, capped under `TRAINWELL_QUICK`.
+
+    Args:
+        steps: `lr_find`'s range-test steps. Required.
+        probe_steps: Its steps per probe (`None`: `steps`). Required.
 
     Example:
     >>> lr_find_steps(100, None)

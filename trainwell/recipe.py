@@ -450,10 +450,9 @@ def standard_callbacks(
     """
     import keras
 
+    from trainwell import quick
     from trainwell.callbacks import Checkpoint, EarlyStopping, NaNRollback
     from trainwell.callbacks.schedules import WarmupCosineDecay
-
-    from trainwell import quick
 
     run_dir = Path(run_dir)
     out: list = quick.run_callbacks()  # TRAINWELL_QUICK: stop every run after a few batches (trainwell.quick)

@@ -1148,7 +1148,7 @@ def search(
 
     from trainwell import quick
 
-    # TRAINWELL_QUICK: a search of 1 short trial (PBT: 2 x 2 epochs) (trainwell.quick); each trial's run is capped by the recipe harness.
+    # TRAINWELL_QUICK: one short trial (PBT: 2 members x 2 epochs); see trainwell/quick.py.
     max_trials, max_epochs, population_size, ready_interval = quick.search_lengths(
         max_trials, max_epochs, population_size, ready_interval)
     hm = resolve_hypermodel(recipe, config, overrides)
