@@ -970,6 +970,9 @@ def lr_find(
     if method == "probe" and one_shot:
         raise _invalid("data", "data that can be iterated again with method='probe' (a tf.data.Dataset, arrays, "
                        "a PyDataset), or method='minimum'", data)
+    from trainwell import quick
+
+    steps, probe_steps = quick.lr_find_steps(steps, probe_steps)  # TRAINWELL_QUICK: a short range test and probes
     finder = LRFinder(start_lr, end_lr, steps, smooth, diverge_factor, restore, "minimum" if method == "probe" else method)
     try:
         _fit_steps(model, data, finder, steps, batch_size, verbose,

@@ -470,7 +470,7 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
     >>> run = train(dataset="mnist5k", epochs=1, image_size=28, batch_size=128,
     ...             model="resnet18", width=16)  # doctest: +SKIP
     """
-    from trainwell import recipe
+    from trainwell import quick, recipe
     from trainwell.callbacks import WarmupCosine
 
     cfg = _cfg(cfg, overrides)
@@ -495,7 +495,8 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
         if data.test is not None:
             if cfg.verbose != 0:
                 print(f"Evaluating on the test split ({data.counts['test']} images) ...", flush=True)
-            test = model.evaluate(data.test, verbose=cfg.verbose, return_dict=True)
+            test = model.evaluate(data.test, verbose=cfg.verbose, return_dict=True,
+                                  steps=quick.test_steps())  # TRAINWELL_QUICK: a few test batches
         metrics = {f"test_{k}": v for k, v in test.items()}
         return recipe.finish_run(ctx, cfg, model, metrics, history)
 

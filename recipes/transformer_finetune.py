@@ -716,7 +716,7 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
     Example:
     >>> run = train(preset="minilm", epochs=1, sequence_length=64)  # doctest: +SKIP
     """
-    from trainwell import recipe
+    from trainwell import quick, recipe
     from trainwell.callbacks import StopAtStep, WarmupCosine
     from trainwell.data.text import save_label_map
 
@@ -759,7 +759,8 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
         test = {}
         if data_.test is not None:
             _say(cfg, f"Evaluating on the test split ({len(data_.splits.test[1])} examples) ...")
-            test = model.evaluate(data_.test, verbose=verbose, return_dict=True)
+            test = model.evaluate(data_.test, verbose=verbose, return_dict=True,
+                                  steps=quick.test_steps())  # TRAINWELL_QUICK: a few test batches
         metrics = {f"test_{k}": v for k, v in test.items()}
         if cfg.export and ctx.is_chief:
             _say(cfg, f"Exporting the model and its tokenizer to {ctx.run_dir / EXPORT_DIR} ...")

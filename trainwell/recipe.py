@@ -450,11 +450,12 @@ def standard_callbacks(
     """
     import keras
 
+    from trainwell import quick
     from trainwell.callbacks import Checkpoint, EarlyStopping, NaNRollback
     from trainwell.callbacks.schedules import WarmupCosineDecay
 
     run_dir = Path(run_dir)
-    out: list = []
+    out: list = quick.run_callbacks()  # TRAINWELL_QUICK: stop every run after a few batches (trainwell.quick)
     if isinstance(schedule, WarmupCosineDecay):
         from trainwell.callbacks import WarmupCosine
 

@@ -1146,6 +1146,11 @@ def search(
     """
     from keras_tuner.src.distribute import utils as dist_utils
 
+    from trainwell import quick
+
+    # TRAINWELL_QUICK: one short trial (PBT: 2 members x 2 epochs); see trainwell/quick.py.
+    max_trials, max_epochs, population_size, ready_interval = quick.search_lengths(
+        max_trials, max_epochs, population_size, ready_interval)
     hm = resolve_hypermodel(recipe, config, overrides)
     t = make_tuner(
         hm, tuner, max_trials=max_trials, directory=directory, project_name=project_name, overwrite=overwrite,
