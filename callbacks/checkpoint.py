@@ -52,6 +52,18 @@ import keras
 import numpy as np
 
 from trainwell.callbacks.base import StatefulCallback, stateful_callbacks
+from trainwell.compat.keras_internals import (
+    compiled_metrics_unbuilt,
+    get_initial_epoch,
+    keras_global_seed_state,
+    model_fully_built,
+    seed_generators,
+    set_initial_epoch,
+    symbolic_build,
+    walk_saveables,
+)
+from trainwell.compat.learning_rate import get_lr_multiplier, raw_learning_rate, set_lr_multiplier
+from trainwell.compat.metrics import finite_value, metric_direction
 from trainwell.io import atomic_write_json, atomic_write_text, fsync_dir, remove_stale_temporaries
 
 logger = logging.getLogger("trainwell.checkpoint")
@@ -138,64 +150,11 @@ def _dedup(key: str, used: dict[str, int]) -> str:
     return key
 
 
-def _model_built(model) -> bool:
-    try:
-        return bool(model.built) and all(layer.built for layer in model._flatten_layers())
-    except Exception:  # pragma: no cover
-        return bool(getattr(model, "built", False))
-
-
 def _optimizer_objects(optimizer) -> list:
     out = []
     while optimizer is not None and optimizer not in out:
         out.append(optimizer)
         optimizer = getattr(optimizer, "inner_optimizer", None)
-    return out
-
-
-def _walk_saveables(root, skip_ids: set[int]) -> list[tuple[str, Any]]:
-    """(path, object) for every Keras saveable under `root`.
-
-    Paths are the ones Keras's own `.weights.h5` uses (`layers/dense_1/...`):
-    attribute names and class-based names made unique among siblings, so they do
-    not depend on the auto-generated layer names of the process.
-    """
-    from keras.src.saving import saving_lib
-    from keras.src.saving.keras_saveable import KerasSaveable
-    from keras.src.utils import naming
-
-    out: list[tuple[str, Any]] = []
-    visited = set(skip_ids)
-
-    def join(a, b):
-        return f"{a}/{b}" if a else b
-
-    def visit(obj, path):
-        if id(obj) in visited:
-            return
-        visited.add(id(obj))
-        out.append((path, obj))
-        for attr, child in saving_lib._walk_saveable(obj):
-            if isinstance(child, KerasSaveable):
-                visit(child, join(path, attr))
-            elif isinstance(child, (list, dict, tuple)):
-                visit_container(child, join(path, attr), set())
-
-    def visit_container(container, path, seen):
-        if id(container) in seen:
-            return
-        seen.add(id(container))
-        used: dict[str, int] = {}
-        items = list(container.values()) if isinstance(container, dict) else container
-        for item in items:
-            if isinstance(item, KerasSaveable):
-                name = saving_lib._get_unique_name(naming.to_snake_case(type(item).__name__), used)
-                visit(item, join(path, name))
-            elif isinstance(item, (list, dict, tuple)):
-                name = saving_lib._get_unique_name("container", used)
-                visit_container(item, join(path, name), seen)
-
-    visit(root, "")
     return out
 
 
@@ -210,7 +169,7 @@ class _Plan:
         self.seed_vars: list[tuple[str, Any]] = []
         var_key_by_path: dict[str, str] = {}
         seen_sg: set[int] = set()
-        for path, obj in _walk_saveables(model, skip):
+        for path, obj in walk_saveables(model, skip):
             if hasattr(obj, "save_own_variables"):
                 store: dict = {}
                 obj.save_own_variables(store)
@@ -220,7 +179,7 @@ class _Plan:
                         vpath = getattr(v, "path", None)
                         if vpath:
                             var_key_by_path[vpath] = f"{path}/{k}" if path else str(k)
-            for j, sg in enumerate(getattr(obj, "_seed_generators", None) or []):
+            for j, sg in enumerate(seed_generators(obj)):
                 if id(sg) in seen_sg or getattr(sg, "state", None) is None:
                     continue
                 seen_sg.add(id(sg))
@@ -297,12 +256,11 @@ def _read_snapshot(plan: _Plan, items: list[tuple[str, Any]]) -> list:
 
 def _host(value) -> np.ndarray:
     """A snapshot (tensor or array) as a NumPy array; keep `value` alive while using it."""
-    if hasattr(value, "_numpy"):
-        try:
-            return np.asarray(value._numpy())
-        except Exception:  # pragma: no cover
-            pass
-    return _to_numpy(value)
+    try:
+        from trainwell.compat.tf_internals import host_array  # here: TensorFlow only, and only when writing
+    except ImportError:  # another backend
+        return _to_numpy(value)
+    return host_array(value)
 
 
 def _capture(plan: _Plan, *, weights_only: bool, include_metrics: bool) -> tuple[dict, dict]:
@@ -369,18 +327,13 @@ def _rng_capture() -> tuple[dict, dict]:
     st = np.random.get_state()
     arrays["rng:numpy"] = np.asarray(st[1])
     meta["numpy"] = {"pos": int(st[2]), "has_gauss": int(st[3]), "cached_gaussian": float(st[4])}
+    state = keras_global_seed_state()
+    if state is not None:
+        arrays["rng:keras_global"] = _to_numpy(state)
     try:
-        from keras.src.backend.common import global_state
+        from trainwell.compat.tf_internals import tf_global_generator  # here: TensorFlow only
 
-        g = global_state.get_global_attribute("global_seed_generator")
-        if g is not None:
-            arrays["rng:keras_global"] = _to_numpy(g.state)
-    except Exception:  # pragma: no cover
-        pass
-    try:
-        from tensorflow.python.ops import stateful_random_ops
-
-        g = getattr(stateful_random_ops, "global_generator", None)
+        g = tf_global_generator()
         if g is not None:
             arrays["rng:tf_global"] = g.state.numpy()
             meta["tf_algorithm"] = int(g.algorithm)
@@ -401,9 +354,7 @@ def _rng_restore(arrays: dict, meta: dict) -> None:
             ("MT19937", arrays["rng:numpy"].astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
         )
     if "rng:keras_global" in arrays:
-        from keras.src.random.seed_generator import global_seed_generator
-
-        global_seed_generator().state.assign(arrays["rng:keras_global"])
+        keras_global_seed_state(create=True).assign(arrays["rng:keras_global"])
     if "rng:tf_global" in arrays:
         import tensorflow as tf
 
@@ -413,17 +364,6 @@ def _rng_restore(arrays: dict, meta: dict) -> None:
             gen.reset(arrays["rng:tf_global"])
         else:
             tf.random.set_global_generator(tf.random.Generator.from_state(arrays["rng:tf_global"], alg))
-
-
-def _schedules_module():
-    """`trainwell.callbacks.schedules` if it provides the LR-multiplier API, else None."""
-    try:
-        from trainwell.callbacks import schedules
-    except ImportError:
-        return None
-    if not (hasattr(schedules, "get_lr_multiplier") and hasattr(schedules, "set_lr_multiplier")):
-        return None
-    return schedules
 
 
 def _config_to_dict(config) -> dict | None:
@@ -444,20 +384,6 @@ def _config_to_dict(config) -> dict | None:
 def _json_safe(obj):
     """Round-trips `obj` through JSON, failing loudly on what JSON cannot hold."""
     return json.loads(json.dumps(obj, allow_nan=True))
-
-
-def _finite_or_none(x):
-    """`x` as a finite float, or None. Accepts size-1 arrays and tensors.
-
-    A binary `keras.metrics.F1Score` logs a 1-element array, which `float()`
-    refuses; such a value still ranks checkpoints.
-    """
-    try:
-        arr = _to_numpy(x)
-        x = float(arr.reshape(-1)[0]) if arr.size == 1 else float(x)
-    except (TypeError, ValueError):
-        return None
-    return x if math.isfinite(x) else None
 
 
 # --------------------------------------------------------------------------- reading
@@ -775,7 +701,7 @@ def load_checkpoint(path: str | os.PathLike, model, include_optimizer: bool = Fa
     {'name': 'ckpt-1200', 'epoch': 3, ...}
     """
     ckpt = _resolve_checkpoint_path(path)
-    if not _model_built(model):
+    if not model_fully_built(model):
         raise ValueError(
             f"Cannot load checkpoint {str(ckpt)!r} into an unbuilt model. Build it first, e.g. "
             "`model.build(input_shape)` or by calling it on a batch."
@@ -1160,7 +1086,7 @@ class Checkpoint(StatefulCallback):
         self.wait()
         with self._lock:
             self._entries = list_checkpoints(self.directory)
-        self._save(value=_finite_or_none(value), completed_epoch=None, hooks_done=False)
+        self._save(value=finite_value(value), completed_epoch=None, hooks_done=False)
 
     @staticmethod
     def restore_latest(directory, model, include_optimizer: bool = False) -> dict:
@@ -1215,7 +1141,7 @@ class Checkpoint(StatefulCallback):
         self._mode_resolved = self._resolve_mode()
         with self._lock:
             self._entries = list_checkpoints(self.directory)
-        self._prev_initial_epoch = getattr(self.model, "_initial_epoch", None)
+        self._prev_initial_epoch = get_initial_epoch(self.model)
         self._install_sigterm()
         self._wrap_train_function()
         self._watch_late_epoch_ends()
@@ -1237,7 +1163,7 @@ class Checkpoint(StatefulCallback):
             self._stop_worker()  # lets a queued write finish
         finally:
             if self.model is not None:
-                self.model._initial_epoch = self._prev_initial_epoch
+                set_initial_epoch(self.model, self._prev_initial_epoch)
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
         self.epoch = int(epoch)
@@ -1271,7 +1197,7 @@ class Checkpoint(StatefulCallback):
         if not complete or self.global_step <= self.last_save_step:
             self._pending_epoch = None
             return
-        value = _finite_or_none((logs or {}).get(self.monitor))
+        value = finite_value((logs or {}).get(self.monitor))
         epochs = params.get("epochs")
         last = bool(self.model.stop_training) or (epochs is not None and int(epoch) + 1 >= int(epochs))
         if self.save_every != "epoch" and not last:
@@ -1377,7 +1303,7 @@ class Checkpoint(StatefulCallback):
             self._unwrap_train_function()
             self._uninstall_sigterm()
             if self.model is not None:
-                self.model._initial_epoch = self._prev_initial_epoch
+                set_initial_epoch(self.model, self._prev_initial_epoch)
             self._pending_epoch = None
             self._epoch_commit = None
             super().on_train_end(logs)
@@ -1524,7 +1450,7 @@ class Checkpoint(StatefulCallback):
             if pending is not None:
                 value, completed = pending["value"], pending["completed_epoch"]
             else:
-                value, completed = _finite_or_none(self._last_batch_logs.get(self.monitor)), None
+                value, completed = finite_value(self._last_batch_logs.get(self.monitor)), None
             self._pending_epoch = None
             if completed is None and self.step_in_epoch == 0 and self.epoch > 0:
                 completed = self.epoch - 1
@@ -1628,12 +1554,8 @@ class Checkpoint(StatefulCallback):
             meta["rng"] = rng_meta
             meta["callbacks"] = self._callback_states()
             meta["checkpoint"] = self.get_state()
-            sched = _schedules_module()
-            if sched is not None and getattr(model, "optimizer", None) is not None:
-                try:
-                    meta["lr_multiplier"] = float(sched.get_lr_multiplier(model.optimizer))
-                except Exception:
-                    pass
+            if getattr(model, "optimizer", None) is not None:
+                meta["lr_multiplier"] = get_lr_multiplier(model.optimizer)
         # Everything below (encoding, JSON, files) runs in the background with async_save.
         self._submit(self._write, arrays, names, meta, entry)
         return meta
@@ -1798,26 +1720,16 @@ class Checkpoint(StatefulCallback):
 
     def _best_entries(self, entries: list[dict]) -> list[dict]:
         valued = [
-            e for e in entries if _finite_or_none(e.get("value")) is not None and e.get("monitor") == self.monitor
+            e for e in entries if finite_value(e.get("value")) is not None and e.get("monitor") == self.monitor
         ]
         sign = -1.0 if (self._mode_resolved or self._resolve_mode(False)) == "max" else 1.0
         return sorted(valued, key=lambda e: (sign * float(e["value"]), -e.get("seq", 0)))
 
     def _resolve_mode(self, use_model: bool = True) -> str:
-        if self.mode != "auto":
-            return self.mode
-        name = self.monitor.removeprefix("val_")
-        if use_model and self.model is not None:
-            try:
-                for m in self.model.metrics:
-                    for sub in getattr(m, "metrics", [m]):
-                        if getattr(sub, "name", None) == name and hasattr(sub, "_direction"):
-                            return "max" if sub._direction == "up" else "min"
-            except Exception:  # pragma: no cover
-                pass
-        if any(t in name for t in ("acc", "auc", "precision", "recall", "f1", "iou", "top_k")):
-            return "max"
-        return "min"
+        """`trainwell.compat.metric_direction`: Keras's rule with the model, else by name; "min" if neither says."""
+        model = self.model if use_model else None
+        found = metric_direction(self.monitor, self.mode, model) if model is not None else None
+        return found or metric_direction(self.monitor, self.mode) or "min"
 
     def _clean_stale_temporaries(self) -> None:
         """Removes what a killed save left: `.tmp-ckpt-*` directories and atomic-write temporaries."""
@@ -1892,10 +1804,10 @@ class Checkpoint(StatefulCallback):
         stopped = bool(entry.get("stopped"))
         if stopped and epochs is not None:
             start_epoch = max(start_epoch, int(epochs))
-        model._initial_epoch = start_epoch
+        set_initial_epoch(model, start_epoch)
         self._announce_resume(path, pos, epochs, start_epoch, stopped)
         include_metrics = pos["step_in_epoch"] > 0
-        if _model_built(model):
+        if model_fully_built(model):
             self._apply_arrays(arrays, meta, path)
             if include_metrics and any(k.startswith("metric:") for k in arrays):
                 self._pending_metrics = {"arrays": arrays, "path": path}
@@ -1910,13 +1822,11 @@ class Checkpoint(StatefulCallback):
                     continue
                 cb.set_state(state)
             if "lr_multiplier" in meta:
-                sched = _schedules_module()
-                if sched is not None:
-                    try:
-                        sched.set_lr_multiplier(model.optimizer, float(meta["lr_multiplier"]))
-                    except Exception as e:
-                        if float(meta["lr_multiplier"]) != 1.0:
-                            warnings.warn(f"Could not restore the LR multiplier from {path!r}: {e}")
+                try:
+                    set_lr_multiplier(model.optimizer, float(meta["lr_multiplier"]))
+                except Exception as e:
+                    if float(meta["lr_multiplier"]) != 1.0:
+                        warnings.warn(f"Could not restore the LR multiplier from {path!r}: {e}")
         until = int(pos["step_in_epoch"]) if pos.get("hooks_done") else 0
         fast_forward = max(0, int(pos.get("data_position", 0)) - until)
         if pos.get("hooks_done") or fast_forward:
@@ -1964,12 +1874,12 @@ class Checkpoint(StatefulCallback):
                 "iterator has no element_spec. Build the model before calling fit()."
             )
         with model.distribute_strategy.scope():
-            model._symbolic_build(data_batch=spec)
+            symbolic_build(model, spec)
 
     def _apply_deferred(self, iterator) -> None:
         arrays, meta, path, include_metrics = self._deferred
         self._deferred = None
-        if not _model_built(self.model):
+        if not model_fully_built(self.model):
             self._element_spec_build(iterator)
         self._apply_arrays(arrays, meta, path)
         if include_metrics and any(k.startswith("metric:") for k in arrays):
@@ -1978,9 +1888,7 @@ class Checkpoint(StatefulCallback):
     def _restore_metrics(self, iterator) -> None:
         pending, self._pending_metrics = self._pending_metrics, None
         model = self.model
-        compiled = getattr(model, "_compile_metrics", None)
-        loss = getattr(model, "_compile_loss", None)
-        if (compiled is not None and not compiled.built) or (loss is not None and not loss.built):
+        if compiled_metrics_unbuilt(model):
             try:
                 self._element_spec_build(iterator)
             except Exception as e:  # metrics are cosmetic; never block a resume
@@ -2026,17 +1934,9 @@ class Checkpoint(StatefulCallback):
         total = int(w["total"])
         s = int(w["step"])
         factor = 1.0 if s >= total else (s + 1) / total
-        lr = getattr(opt, "_learning_rate", None)
         if w.get("kind") is None:
-            if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
-                w["kind"] = "multiplier" if _schedules_module() is not None else "none"
-                if w["kind"] == "none":
-                    warnings.warn(
-                        "Warm start: the learning rate is a schedule and trainwell.callbacks.schedules is "
-                        "unavailable, so no warmup is applied."
-                    )
-            else:
-                w["kind"] = "variable"
+            lr = raw_learning_rate(opt)
+            w["kind"] = "multiplier" if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule) else "variable"
         if w["kind"] == "variable":
             current = float(_to_numpy(opt.learning_rate))
             if w["base"] is None or w["last_set"] is None or not math.isclose(current, w["last_set"], rel_tol=1e-6):
@@ -2045,11 +1945,10 @@ class Checkpoint(StatefulCallback):
             opt.learning_rate = new
             w["last_set"] = float(_to_numpy(opt.learning_rate))
         elif w["kind"] == "multiplier":
-            sched = _schedules_module()
-            current = float(sched.get_lr_multiplier(opt))
+            current = get_lr_multiplier(opt)
             if w["base"] is None or w["last_set"] is None or not math.isclose(current, w["last_set"], rel_tol=1e-6):
                 w["base"] = current
-            sched.set_lr_multiplier(opt, w["base"] * factor)
+            set_lr_multiplier(opt, w["base"] * factor)
             w["last_set"] = w["base"] * factor
         w["step"] = s + spe
         if s >= total:
@@ -2136,7 +2035,7 @@ class Checkpoint(StatefulCallback):
         self._unwrap_train_function()
         self._end_replay()
         if self.model is not None:
-            self.model._initial_epoch = self._prev_initial_epoch
+            set_initial_epoch(self.model, self._prev_initial_epoch)
         self._exit_preempted()
 
     def _exit_preempted(self) -> None:

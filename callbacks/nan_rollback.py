@@ -24,8 +24,9 @@ from typing import Any
 import keras
 import numpy as np
 
-from trainwell.callbacks.schedules import inner_optimizer
 from trainwell.callbacks.base import StatefulCallback
+from trainwell.compat.keras_internals import loss_tracker
+from trainwell.compat.learning_rate import current_lr, learning_rate_variables, scale_learning_rate
 
 _EVENTS_FILE = "nan_rollback.jsonl"
 
@@ -451,11 +452,7 @@ class NaNRollback(StatefulCallback):
     def _state_variables(self) -> list:
         """Model weights + optimizer variables, minus the learning-rate variable(s)."""
         opt = self.model.optimizer
-        skip = set()
-        for o in (opt, inner_optimizer(opt)):
-            lr = getattr(o, "_learning_rate", None)
-            if isinstance(lr, keras.Variable):
-                skip.add(id(lr))
+        skip = {id(v) for v in learning_rate_variables(opt)}
         out, seen = [], set()
         for v in self._model_weights() + list(opt.variables if opt is not None else []):
             if id(v) in seen or id(v) in skip:
@@ -484,9 +481,9 @@ class NaNRollback(StatefulCallback):
         restore = tf.function(_Copy(raws, shadows), autograph=False)
 
         floats = [_raw(w) for w in self._model_weights() if keras.backend.is_float_dtype(w.dtype)]
-        tracker = getattr(model, "_loss_tracker", None)
+        tracker = loss_tracker(model)
         tracker_vars = None
-        if tracker is not None and hasattr(tracker, "total") and hasattr(tracker, "count"):
+        if tracker is not None:
             tracker_vars = (_raw(tracker.total), _raw(tracker.count))
         opt = model.optimizer
         scale_var = _raw(opt.dynamic_scale) if _is_lso(opt) and getattr(opt, "built", False) else None
@@ -756,7 +753,6 @@ class NaNRollback(StatefulCallback):
 
     def _diverged(self, causes: list[str], loss: float | None, scale: float | None, threshold: float | None) -> None:
         opt = self.model.optimizer
-        from trainwell.callbacks.schedules import current_lr, scale_learning_rate as scale_lr
         it_before = self._iterations()
         lr_before = float(current_lr(opt))
         recent = self._window_rollbacks()
@@ -785,7 +781,7 @@ class NaNRollback(StatefulCallback):
         if stop:
             event.update(action="stop", lr_after=lr_before)
         else:
-            old, new = scale_lr(opt, self.lr_factor)
+            old, new = scale_learning_rate(opt, self.lr_factor)
             event.update(action="rollback", lr_before=float(old), lr_after=float(new))
             self._take_snapshot()  # the restored state with the lower LR
         self.events.append(event)

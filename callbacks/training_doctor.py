@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -14,8 +13,9 @@ import keras
 import numpy as np
 
 from trainwell import diagnostics as dx
-from trainwell.callbacks.schedules import inner_optimizer
 from trainwell.callbacks.base import StatefulCallback
+from trainwell.compat.keras_internals import adapter_sample_source, fit_epoch_iterator
+from trainwell.compat.learning_rate import current_lr, inner_optimizer
 from trainwell.diagnostics import CODES, DEFAULT_THRESHOLDS, Finding
 
 __all__ = ["TrainingDoctor", "Finding"]
@@ -44,8 +44,6 @@ def _is_int(x: Any) -> bool:
 
 def _current_lr(optimizer) -> float | None:
     try:
-        from trainwell.callbacks.schedules import current_lr
-
         return float(current_lr(optimizer))
     except Exception:
         return None
@@ -66,25 +64,6 @@ def _momentum(optimizer) -> float | None:
     return None
 
 
-def _fit_epoch_iterator(model):
-    """The `EpochIterator` of the `fit` call now running on `model`, if it can be found.
-
-    Keras does not hand the training data to callbacks. `fit` keeps it in a local
-    variable, `epoch_iterator`, of the frame that calls `on_train_begin`; this
-    looks a few frames up for it. Returns `None` when it is not there (another
-    Keras version, a custom training loop).
-    """
-    frame = sys._getframe(1)
-    for _ in range(25):
-        if frame is None:
-            return None
-        loc = frame.f_locals
-        if frame.f_code.co_name == "fit" and loc.get("self") is model and "epoch_iterator" in loc:
-            return loc["epoch_iterator"]
-        frame = frame.f_back
-    return None
-
-
 def _batch_from_iterator(epoch_iterator):
     """`(batch, train_batch_size)` from a `fit` call's data, without consuming it.
 
@@ -95,16 +74,14 @@ def _batch_from_iterator(epoch_iterator):
     adapter = getattr(epoch_iterator, "data_adapter", None)
     if adapter is None:
         return None, None
-    kind = type(adapter).__name__
     try:
         train_bs = adapter.batch_size
     except Exception:
         train_bs = None
-    if kind == "ArrayDataAdapter":
-        inputs = getattr(adapter, "_inputs", None)
-        n = int(getattr(adapter, "_num_samples", 0) or 0)
-        bs = int(getattr(adapter, "_batch_size", 0) or 0)
-        if inputs is None or n <= 0 or bs <= 0:
+    kind, source = adapter_sample_source(adapter)
+    if kind == "arrays":
+        inputs, n, bs = source
+        if n <= 0 or bs <= 0:
             return None, train_bs
         idx = np.sort(np.random.default_rng(0).choice(n, size=min(bs, n, _AUTO_PROBE_SIZE), replace=False))
 
@@ -112,20 +89,17 @@ def _batch_from_iterator(epoch_iterator):
             if a is None:
                 return None
             if hasattr(a, "numpy") and not isinstance(a, np.ndarray):
-                import tensorflow as tf
+                import tensorflow as tf  # here: a tensor input means the TF backend; none imported otherwise
 
                 return tf.gather(a, idx)
             return np.asarray(a)[idx]
 
         return keras.tree.map_structure(take, inputs), bs
-    if kind == "TFDatasetAdapter":
-        ds = getattr(adapter, "_dataset", None)
-        if ds is None:
-            return None, train_bs
-        batch = next(iter(ds.take(1)))
+    if kind == "dataset":
+        batch = next(iter(source.take(1)))
         return _head(batch), train_bs or _batch_len(batch)
-    if kind == "PyDatasetAdapter":
-        batch = adapter.py_dataset[0]
+    if kind == "pydataset":
+        batch = source[0]
         return _head(batch), train_bs or _batch_len(batch)
     return None, train_bs
 
@@ -416,7 +390,7 @@ class TrainingDoctor(StatefulCallback):
                 self._last_scale = None
         batch = self.probe_batch
         try:
-            it = _fit_epoch_iterator(self.model)
+            it = fit_epoch_iterator(self.model)
             if it is not None:
                 auto, self._train_bs = _batch_from_iterator(it)
                 if batch is None:
@@ -435,7 +409,7 @@ class TrainingDoctor(StatefulCallback):
         self._writer = None
         if self.run_dir is not None and self._chief():
             try:
-                import tensorflow as tf
+                import tensorflow as tf  # here: only a run directory gets TensorBoard summaries
 
                 self._writer = tf.summary.create_file_writer(str(Path(self.run_dir) / "tensorboard" / "doctor"))
             except Exception:  # pragma: no cover
@@ -755,7 +729,7 @@ class TrainingDoctor(StatefulCallback):
             self._writer = None
 
     def _write_scalars(self, stats: dict[str, Any]) -> None:
-        import tensorflow as tf
+        import tensorflow as tf  # here: only a run directory gets TensorBoard summaries
 
         meta = _scalar_metadata()
 

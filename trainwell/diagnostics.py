@@ -1321,17 +1321,19 @@ class GradientProbe:
     def _loss_and_grads(self, loss_scale):
         import tensorflow as tf
 
+        from trainwell.compat.keras_internals import call_has_training_arg, compute_loss
+
         model = self.model
         with tf.GradientTape() as tape:
             if self.aux is not None:
                 out = self.aux(self.x, training=True)
                 y_pred, acts = out["y"], list(out["acts"])
             else:
-                y_pred = model(self.x, training=True) if model._call_has_training_arg else model(self.x)
+                y_pred = model(self.x, training=True) if call_has_training_arg(model) else model(self.x)
                 acts = []
             for a in acts:
                 tape.watch(a)
-            loss = model._compute_loss(x=self.x, y=self.y, y_pred=y_pred, sample_weight=self.sw, training=True)
+            loss = compute_loss(model, x=self.x, y=self.y, y_pred=y_pred, sample_weight=self.sw, training=True)
             loss = tf.cast(loss, tf.float32)
             scaled = loss * loss_scale
         targets = list(self.trainable) + acts
@@ -1342,7 +1344,7 @@ class GradientProbe:
             lambda t: tf.broadcast_to(tf.reduce_mean(t, axis=0, keepdims=True), tf.shape(t)), y_pred
         )
         null = tf.cast(
-            model._compute_loss(x=self.x, y=self.y, y_pred=null_pred, sample_weight=self.sw, training=False), tf.float32
+            compute_loss(model, x=self.x, y=self.y, y_pred=null_pred, sample_weight=self.sw, training=False), tf.float32
         )
         return loss, grads[: len(self.trainable)], grads[len(self.trainable):], acts, null
 
