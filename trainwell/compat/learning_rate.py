@@ -39,19 +39,6 @@ import numpy as np
 
 from trainwell.compat.versions import gate, upstream_changed
 
-__all__ = [
-    "inner_optimizer",
-    "raw_learning_rate",
-    "set_raw_learning_rate",
-    "learning_rate_variables",
-    "current_lr",
-    "has_multiplier",
-    "get_lr_multiplier",
-    "set_lr_multiplier",
-    "scale_learning_rate",
-    "install_schedule",
-]
-
 _LR_ATTR = "_learning_rate"
 # Attribute on an optimizer without a multiplier schedule that holds a multiplier
 # restored before `WarmupCosine` installed its schedule (restore order must not
