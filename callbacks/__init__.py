@@ -28,7 +28,7 @@ _LAZY = {
     "resume_checkpoint": "checkpoint",
     "EarlyStopping": "early_stopping",
     "StopAtStep": "early_stopping",
-    "TrainingDoctor": "training_doctor",
+    "TrainingDoctor": "doctor",
     "LRFinder": "lr_finder",
 }
 

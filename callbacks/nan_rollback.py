@@ -10,6 +10,11 @@ by hand (PaLM, Chowdhery et al. 2022, sec. 5.1, restarted from a checkpoint abou
 a device-side copy of the training state every `snapshot_every` steps, and on a
 non-finite loss, non-finite weights, a collapsed loss scale or a loss spike,
 restore it, skip ahead and lower the learning rate.
+
+One module of about 840 lines: the detection, the snapshot machinery (compiled
+copy/restore/probe functions, shared with the first-step hook) and the
+rollback act on one state per `fit`; about a third of it is the class docstring
+and argument checks.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from trainwell import runtime
 from trainwell.callbacks.base import StatefulCallback
 from trainwell.compat.keras_internals import loss_tracker
 from trainwell.compat.learning_rate import current_lr, learning_rate_variables, scale_learning_rate
@@ -93,7 +99,7 @@ class TrainingDivergedError(RuntimeError):
 
 # --------------------------------------------------------------------------- small utils
 def _tf():
-    import tensorflow as tf
+    import tensorflow as tf  # here: the snapshot machinery is TensorFlow's; built only inside a fit
 
     return tf
 
@@ -543,11 +549,9 @@ class NaNRollback(StatefulCallback):
         self._epoch_batches = 0
         self._prev_mean = None
         self._last_scale = None
-        from trainwell.runtime import num_workers
-
         self._strategy = getattr(self.model, "distribute_strategy", None)
         sync = self.sync_across_workers
-        self._sync = num_workers(self._strategy) > 1 if sync is None else sync
+        self._sync = runtime.num_workers(self._strategy) > 1 if sync is None else sync
         if not self._ready():  # builds the shadow copies; the first snapshot waits for the first batch
             self._hook_first_apply()
 
@@ -701,9 +705,7 @@ class NaNRollback(StatefulCallback):
     # ------------------------------------------------------------------ internals
     def _agree(self, loss_finite: bool, causes: list[str]) -> tuple[bool, list[str]]:
         """The check's verdict OR-reduced over every worker (the same on all of them)."""
-        from trainwell.runtime import any_across_workers
-
-        flags = any_across_workers(self._strategy, [not loss_finite] + [c in causes for c in CAUSES])
+        flags = runtime.any_across_workers(self._strategy, [not loss_finite] + [c in causes for c in CAUSES])
         return not flags[0], [c for c, f in zip(CAUSES, flags[1:]) if f]
 
     def _probe(self, check_weights: bool) -> np.ndarray:
@@ -831,10 +833,8 @@ class NaNRollback(StatefulCallback):
     def _write_event(self, event: dict) -> None:
         if self.run_dir is None:
             return
-        from trainwell.runtime import is_chief
-
         strategy = getattr(self.model, "distribute_strategy", None)
-        if not is_chief(strategy):
+        if not runtime.is_chief(strategy):
             return
         path = Path(self.run_dir) / _EVENTS_FILE
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from trainwell import runtime
 from trainwell.callbacks.schedules import (
     WarmupCosineDecay,
     WarmupLinearDecay,
@@ -247,8 +248,6 @@ class WarmupCosine(keras.callbacks.Callback):
             if getattr(self.model, "train_function", None) is not None:
                 self.model.make_train_function(force=True)
         if self.run_dir is not None:
-            from trainwell import runtime
-
             if runtime.is_chief(strategy):
                 self.plot(Path(self.run_dir) / "lr_schedule.png")
 
@@ -273,7 +272,8 @@ class WarmupCosine(keras.callbacks.Callback):
         """
         if self.schedule is None:
             raise ValueError("WarmupCosine.plot() needs an installed schedule: call it after `fit` has begun.")
-        # The Agg canvas directly: no pyplot, so the global backend is untouched.
+        # The Agg canvas directly: no pyplot, so the global backend is untouched. Imported
+        # here: matplotlib costs ~0.5 s and only a plot needs it.
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 

@@ -100,7 +100,7 @@ def _dtype_from_name(dtype_name: str) -> np.dtype:
     try:
         dtype = np.dtype(dtype_name)
     except TypeError:
-        import ml_dtypes
+        import ml_dtypes  # here: only a bfloat16/float8 array needs it
 
         dtype = np.dtype(getattr(ml_dtypes, str(dtype_name), None) or "O")
     if dtype.hasobject or (dtype.kind == "V" and dtype.isbuiltin != 2):  # only ml_dtypes' types are kind V

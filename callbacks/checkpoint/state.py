@@ -140,7 +140,7 @@ def _read_snapshot(plan: Plan, items: list[tuple[str, Any]]) -> list:
     keys = tuple(k for k, _ in items)
     variables = [v for _, v in items]
     try:
-        import tensorflow as tf
+        import tensorflow as tf  # here: the compiled read is TensorFlow's; another backend copies below
 
         fn = plan.readers.get(keys)
         if fn is None:
@@ -259,7 +259,7 @@ def rng_restore(arrays: dict, meta: dict) -> None:
     if "rng:keras_global" in arrays:
         keras_global_seed_state(create=True).assign(arrays["rng:keras_global"])
     if "rng:tf_global" in arrays:
-        import tensorflow as tf
+        import tensorflow as tf  # here: only a checkpoint written under TensorFlow holds its RNG
 
         alg = meta.get("tf_algorithm")
         gen = tf.random.get_global_generator()

@@ -1,4 +1,11 @@
-"""`TrainingDoctor`: says what is wrong with a training run, shows the evidence, says what to change."""
+"""`TrainingDoctor`: says what is wrong with a training run, shows the evidence, says what to change.
+
+The callback gathers the numbers during `fit` (per-step losses, step and compute
+times, the loss scale, the gradient probe's statistics) and hands them to the
+rules (`loss_rules`, `step_rules`), which decide. It is one module of about 800
+lines because it is one class whose hooks share that gathered state; the
+judging is already elsewhere.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +19,25 @@ from typing import Any
 import keras
 import numpy as np
 
-from trainwell import diagnostics as dx
+from trainwell import runtime
 from trainwell.callbacks.base import StatefulCallback
+from trainwell.callbacks.doctor.findings import CODES, DEFAULT_THRESHOLDS, Finding, LossTracker, jsonable, median, unjson
+from trainwell.callbacks.doctor.loss_rules import (
+    check_divergence,
+    check_oscillation,
+    check_overfitting,
+    check_slow_convergence,
+)
+from trainwell.callbacks.doctor.step_rules import (
+    check_amp,
+    check_dead_units,
+    check_gradients,
+    check_input_bound,
+    run_queue_delays,
+)
 from trainwell.compat.keras_internals import adapter_sample_source, fit_epoch_iterator
 from trainwell.compat.learning_rate import current_lr, inner_optimizer
-from trainwell.diagnostics import CODES, DEFAULT_THRESHOLDS, Finding
+from trainwell.io import atomic_write_json
 
 __all__ = ["TrainingDoctor", "Finding"]
 
@@ -280,7 +301,7 @@ class TrainingDoctor(StatefulCallback):
         self.findings: list[Finding] = []
         self.step = 0
         self.probes = 0
-        self.tracker = dx.LossTracker(window=self.window)
+        self.tracker = LossTracker(window=self.window)
         self.epoch_losses: list[float] = []
         self.epoch_val_losses: list[float] = []
         self.scale_history: list[list[float]] = []   # [step, scale] at each change
@@ -305,13 +326,13 @@ class TrainingDoctor(StatefulCallback):
             "step": self.step,
             "probes": self.probes,
             "tracker": self.tracker.get_state(),
-            "epoch_losses": [dx._jsonable(v) for v in self.epoch_losses],
-            "epoch_val_losses": [dx._jsonable(v) for v in self.epoch_val_losses],
-            "scale_history": [[int(s), dx._jsonable(v)] for s, v in self.scale_history],
+            "epoch_losses": [jsonable(v) for v in self.epoch_losses],
+            "epoch_val_losses": [jsonable(v) for v in self.epoch_val_losses],
+            "scale_history": [[int(s), jsonable(v)] for s, v in self.scale_history],
             "backoff_steps": list(self.backoff_steps),
-            "first_global_norm": dx._jsonable(self.first_global_norm),
+            "first_global_norm": jsonable(self.first_global_norm),
             "prev_dead": self.prev_dead,
-            "probe_losses": [[int(s), dx._jsonable(v)] for s, v in self.probe_losses],
+            "probe_losses": [[int(s), jsonable(v)] for s, v in self.probe_losses],
             "null_loss": self.null_loss,
             "located": self._located,
         }
@@ -325,14 +346,14 @@ class TrainingDoctor(StatefulCallback):
         self.step = int(state.get("step", 0))
         self.probes = int(state.get("probes", 0))
         self.tracker.set_state(state.get("tracker", {}))
-        self.epoch_losses = [float(dx._unjson(v)) for v in state.get("epoch_losses", [])]
-        self.epoch_val_losses = [float(dx._unjson(v)) for v in state.get("epoch_val_losses", [])]
-        self.scale_history = [[int(s), float(dx._unjson(v))] for s, v in state.get("scale_history", [])]
+        self.epoch_losses = [float(unjson(v)) for v in state.get("epoch_losses", [])]
+        self.epoch_val_losses = [float(unjson(v)) for v in state.get("epoch_val_losses", [])]
+        self.scale_history = [[int(s), float(unjson(v))] for s, v in state.get("scale_history", [])]
         self.backoff_steps = [int(s) for s in state.get("backoff_steps", [])]
         fg = state.get("first_global_norm")
-        self.first_global_norm = None if fg is None else float(dx._unjson(fg))
+        self.first_global_norm = None if fg is None else float(unjson(fg))
         self.prev_dead = state.get("prev_dead")
-        self.probe_losses = [[int(s), float(dx._unjson(v))] for s, v in state.get("probe_losses", [])]
+        self.probe_losses = [[int(s), float(unjson(v))] for s, v in state.get("probe_losses", [])]
         self.null_loss = state.get("null_loss")
         self._located = bool(state.get("located", False))
         if self.scale_history:
@@ -362,8 +383,6 @@ class TrainingDoctor(StatefulCallback):
 
     def _chief(self) -> bool:
         try:
-            from trainwell import runtime
-
             return runtime.is_chief(getattr(self.model, "distribute_strategy", None))
         except Exception:  # pragma: no cover
             return True
@@ -375,7 +394,7 @@ class TrainingDoctor(StatefulCallback):
         self._t_begin = None
         self._begin_batch = 0
         self._last_check = None
-        self._run_queue: deque[tuple[int, dict]] = deque(maxlen=16)  # (step, dx.run_queue_delays()) at checks
+        self._run_queue: deque[tuple[int, dict]] = deque(maxlen=16)  # (step, run_queue_delays()) at checks
         self._probe = None
         self._probe_error = None
         self._train_bs = None
@@ -399,7 +418,10 @@ class TrainingDoctor(StatefulCallback):
             self._probe_error = f"could not take a probe batch from the data: {e}"
         if batch is not None:
             try:
-                self._probe = dx.GradientProbe(self.model, batch, track_updates=self.track_updates)
+                # here, not at the top: the probe is TensorFlow's; a run that never probes never imports it
+                from trainwell.callbacks.doctor.probe import GradientProbe
+
+                self._probe = GradientProbe(self.model, batch, track_updates=self.track_updates)
             except Exception as e:
                 self._probe_error = f"probe disabled: {type(e).__name__}: {e}"
         elif self._probe_error is None:
@@ -458,9 +480,9 @@ class TrainingDoctor(StatefulCallback):
         if not (lso and not math.isfinite(step_loss)):
             # Under a LossScaleOptimizer a non-finite loss is a skipped step, not a divergence.
             if self._enabled("divergence") and "divergence" not in self.codes:
-                f = dx.check_divergence(self.tracker, self.step, thresholds=self._th)
+                f = check_divergence(self.tracker, self.step, thresholds=self._th)
                 if f is not None:
-                    self._report(self._with_lr(dx.check_divergence, self.tracker) or f)
+                    self._report(self._with_lr(check_divergence, self.tracker) or f)
         if lso and self._enabled("amp_instability") and "amp_instability" not in self.codes:
             if len(self.backoff_steps) != self._amp_checked_at:
                 self._amp_checked_at = len(self.backoff_steps)
@@ -487,13 +509,13 @@ class TrainingDoctor(StatefulCallback):
 
     def _check_amp(self, nonfinite: dict | None = None) -> None:
         scales = [s for _, s in self.scale_history]
-        f = dx.check_amp(scales, self.backoff_steps, self.step, window=self.window, nonfinite=nonfinite, thresholds=self._th)
+        f = check_amp(scales, self.backoff_steps, self.step, window=self.window, nonfinite=nonfinite, thresholds=self._th)
         if f is not None and nonfinite is None and self._probe is not None:
             # Unstable: name the layer that overflows now (one extra probe, once).
             self._nonfinite = None
             self._run_probe(locate_only=True)
             if self._nonfinite is not None:
-                f = dx.check_amp(
+                f = check_amp(
                     scales, self.backoff_steps, self.step, window=self.window,
                     nonfinite=self._nonfinite, thresholds=self._th,
                 )
@@ -514,7 +536,7 @@ class TrainingDoctor(StatefulCallback):
                 since = self.step - max(self.window, 3 * self.every_n_steps)
                 probe = [l for s, l in self.probe_losses if s > since]
             self._report(
-                dx.check_oscillation(
+                check_oscillation(
                     self.tracker, self.step, lr=lr, momentum=_momentum(self.model.optimizer),
                     probe_losses=probe, probe_every=self.every_n_steps, reference=self.null_loss,
                     thresholds=self._th,
@@ -528,7 +550,7 @@ class TrainingDoctor(StatefulCallback):
             and not {"oscillation", "divergence"} & set(self.codes)
         ):
             self._report(
-                dx.check_slow_convergence(
+                check_slow_convergence(
                     self.tracker, self.step, lr=lr, update_ratio=self.last_probe.get("update_ratio"), thresholds=self._th,
                     explained_by=[c for c in self.codes if c in ("vanishing_gradients", "dead_units", "exploding_gradients")],
                     reference=self.null_loss,
@@ -558,9 +580,9 @@ class TrainingDoctor(StatefulCallback):
         elif nonfinite is not None and not self._located:
             self._located = True
             if self._enabled("divergence"):
-                f = self._with_lr(dx.check_divergence, self.tracker)
+                f = self._with_lr(check_divergence, self.tracker)
                 if f is None and not stats["weights_finite"]:
-                    f = dx.check_divergence(self.tracker, self.step, weights_finite=False, thresholds=self._th)
+                    f = check_divergence(self.tracker, self.step, weights_finite=False, thresholds=self._th)
                 if f is not None:
                     f.evidence["first_nonfinite_layer"] = nonfinite["layer"]
                     f.evidence["first_nonfinite_pass"] = nonfinite["pass"]
@@ -583,7 +605,7 @@ class TrainingDoctor(StatefulCallback):
             "loss_scale": stats["loss_scale"],
         }
         if not stats["weights_finite"] and self._enabled("divergence"):
-            self._report(dx.check_divergence(self.tracker, self.step, weights_finite=False, thresholds=self._th))
+            self._report(check_divergence(self.tracker, self.step, weights_finite=False, thresholds=self._th))
         if self.first_global_norm is None and math.isfinite(stats["global_norm"]) and stats["global_norm"] > 0:
             self.first_global_norm = stats["global_norm"]
         self._write_tensorboard(stats)
@@ -599,7 +621,7 @@ class TrainingDoctor(StatefulCallback):
         largest run-queue delay any thread gathered, per step (see `check_input_bound`);
         `None` at the first check (whose span would hold the tracing) and where the
         statistics are not available."""
-        now = dx.run_queue_delays()
+        now = run_queue_delays()
         if now is None:
             return None
         since = self.step - len(self.step_times)
@@ -612,7 +634,7 @@ class TrainingDoctor(StatefulCallback):
     def _check_input_bound(self) -> None:
         cpu_wait = self._cpu_wait_per_step()
         if 0 < len(self.compute_times) < 3 and len(self.step_times) >= 5 and (
-            1e3 * dx._median(self.step_times) > self._th["input_wait_ms"]
+            1e3 * median(self.step_times) > self._th["input_wait_ms"]
         ):
             # A short run has timed its compute once or twice; one timing slowed down by
             # other work would hide the wait, so time the probe again (at most twice a run).
@@ -620,7 +642,7 @@ class TrainingDoctor(StatefulCallback):
                 t0 = time.perf_counter()
                 self._probe.run()
                 self._record_compute(time.perf_counter() - t0)
-        self._report(dx.check_input_bound(list(self.step_times), list(self.compute_times), self.step,
+        self._report(check_input_bound(list(self.step_times), list(self.compute_times), self.step,
                                           cpu_wait=cpu_wait, thresholds=self._th))
 
     def _probe_rules(self, stats: dict[str, Any], lr: float | None) -> None:
@@ -630,14 +652,14 @@ class TrainingDoctor(StatefulCallback):
         if lso:
             grad_stats["grads_finite"] = True  # float16 overflow is the loss scale's business
         if stats["weights_finite"] and (self._enabled("vanishing_gradients") or self._enabled("exploding_gradients")):
-            for f in dx.check_gradients(grad_stats, self.step, first_global_norm=self.first_global_norm, lr=lr, thresholds=self._th):
+            for f in check_gradients(grad_stats, self.step, first_global_norm=self.first_global_norm, lr=lr, thresholds=self._th):
                 if f.code == "exploding_gradients" and (
                     "divergence" in self.codes or (lso and not math.isfinite(stats["global_norm"]))
                 ):
                     continue  # a consequence of the divergence / the loss scale's business
                 self._report(f)
         if self._enabled("dead_units"):
-            self._report(dx.check_dead_units(
+            self._report(check_dead_units(
                 stats["dead"], self.prev_dead, self.step, lr=lr, thresholds=self._th,
                 explained_by=[c for c in self.codes if c == "oscillation"],
             ))
@@ -654,7 +676,7 @@ class TrainingDoctor(StatefulCallback):
             self.epoch_losses.append(float(loss))
             self.epoch_val_losses.append(float(val) if val is not None else math.nan)
             if val is not None and self._enabled("overfitting") and "overfitting" not in self.codes:
-                self._report(dx.check_overfitting(self.epoch_losses, self.epoch_val_losses, self.step, thresholds=self._th))
+                self._report(check_overfitting(self.epoch_losses, self.epoch_val_losses, self.step, thresholds=self._th))
         self._write_json()
         if self._writer is not None:
             try:
@@ -700,9 +722,9 @@ class TrainingDoctor(StatefulCallback):
             "findings": [f.to_dict() for f in self.findings],
             "steps": self.step,
             "probes": self.probes,
-            "loss_scale_history": [[int(s), dx._jsonable(v)] for s, v in self.scale_history],
+            "loss_scale_history": [[int(s), jsonable(v)] for s, v in self.scale_history],
             "loss_scale_backoffs": len(self.backoff_steps),
-            "last_probe": {k: dx._jsonable(v) for k, v in self.last_probe.items()},
+            "last_probe": {k: jsonable(v) for k, v in self.last_probe.items()},
             "probe": self._probe_error or "ok",
             "config": cfg,
         }
@@ -711,8 +733,6 @@ class TrainingDoctor(StatefulCallback):
         if self.run_dir is None or not self._chief():
             return
         try:
-            from trainwell.io import atomic_write_json
-
             atomic_write_json(Path(self.run_dir) / _DIAGNOSTICS_FILE, self.report())
         except OSError as e:  # pragma: no cover - a full disk must not stop training
             if self.verbose:
@@ -745,7 +765,7 @@ class TrainingDoctor(StatefulCallback):
             scalar("doctor/update_ratio", stats["update_ratio"])
             scalar("doctor/loss_scale", stats["loss_scale"] if self._is_lso() else None)
             if self.step_times:
-                scalar("doctor/step_ms", 1e3 * dx._median(self.step_times))
+                scalar("doctor/step_ms", 1e3 * median(self.step_times))
             for l in stats["layers"]:
                 scalar(f"doctor/grad_norm/{l['name']}", l["grad_norm"])
                 if "update_ratio" in l:
@@ -758,7 +778,7 @@ class TrainingDoctor(StatefulCallback):
 
 def _scalar_metadata() -> bytes:
     """Serialized `SummaryMetadata` of TensorBoard's scalars plugin."""
-    from tensorflow.core.framework import summary_pb2
+    from tensorflow.core.framework import summary_pb2  # here: only a run directory writes TensorBoard summaries
 
     return summary_pb2.SummaryMetadata(
         plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
