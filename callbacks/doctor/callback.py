@@ -147,7 +147,7 @@ class TrainingDoctor(StatefulCallback):
     Watches the losses and metrics every step and, every `every_n_steps` steps
     (and at the first step, and at the end of a run of at least 30 steps, so a
     run shorter than `every_n_steps` gets verdicts too), runs a
-    `trainwell.diagnostics.GradientProbe` on a
+    `trainwell.callbacks.doctor.probe.GradientProbe` on a
     fixed probe batch: per-layer gradient norms, update-to-weight ratios,
     activation saturation and dead-ReLU fractions, computed by a separate
     compiled function (the model's `train_step` is untouched, and the probe
@@ -221,9 +221,9 @@ class TrainingDoctor(StatefulCallback):
             Defaults to `1`.
         window: Steps in the loss windows (slow-convergence horizon,
             oscillation window, overflow-rate window). Defaults to `200`.
-        checks: The codes to check (a subset of `trainwell.diagnostics.CODES`);
+        checks: The codes to check (a subset of `trainwell.callbacks.doctor.CODES`);
             `None` checks all. Defaults to `None`.
-        thresholds: Overrides of `trainwell.diagnostics.DEFAULT_THRESHOLDS`.
+        thresholds: Overrides of `trainwell.callbacks.doctor.DEFAULT_THRESHOLDS`.
             Defaults to `None`.
         track_updates: Measure update-to-weight ratios (keeps one device-side
             copy of the trainable weights). Defaults to `True`.
