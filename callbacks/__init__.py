@@ -24,9 +24,11 @@ _LAZY = {
     "load_checkpoint": "checkpoint",
     "latest_checkpoint": "checkpoint",
     "list_checkpoints": "checkpoint",
+    "read_checkpoint": "checkpoint",
+    "resume_checkpoint": "checkpoint",
     "EarlyStopping": "early_stopping",
     "StopAtStep": "early_stopping",
-    "TrainingDoctor": "training_doctor",
+    "TrainingDoctor": "doctor",
     "LRFinder": "lr_finder",
 }
 

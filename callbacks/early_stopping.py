@@ -18,7 +18,9 @@ import keras
 import numpy as np
 
 from trainwell.callbacks.base import StatefulCallback, stateful_callbacks
+from trainwell.callbacks.checkpoint import Checkpoint, load_checkpoint
 from trainwell.callbacks.schedules import _is_int, _is_number
+from trainwell.compat.metrics import is_improvement, metric_direction, monitored_value
 
 logger = logging.getLogger("trainwell.early_stopping")
 
@@ -33,23 +35,6 @@ def _python(x):
 def _is_flag(x) -> bool:
     """A bool, or an integer 0/1 (Keras tests `restore_best_weights` for truth only)."""
     return isinstance(x, (bool, np.bool_)) or (isinstance(x, numbers.Integral) and x in (0, 1))
-
-
-def _scalar(name: str, value) -> float:
-    """The monitored value as a float: a number, or an array of one element.
-
-    Keras compares metrics with `ops.greater`/`ops.less`, so a 1-element array
-    (binary `keras.metrics.F1Score`, whose result has shape `(1,)`) works there;
-    it works here too. Larger arrays have no single best value.
-    """
-    arr = np.asarray(keras.ops.convert_to_numpy(value))
-    if arr.size != 1:
-        raise ValueError(
-            f"EarlyStopping cannot monitor `{name}`: its value has shape {arr.shape}, expected a scalar "
-            "(e.g. `F1Score(average='macro')` rather than one score per class). "
-            f"Received: {name}={arr.tolist()}"
-        )
-    return float(arr.reshape(-1)[0])
 
 
 class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
@@ -234,22 +219,39 @@ class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
         """The first epoch that counts towards patience and best."""
         return max(self.start_from_epoch, self.warmup_epochs)
 
-    def _lower_is_better(self) -> bool:
-        return bool(self.monitor_op(0.0, 1.0))
+    def _resolve_direction(self) -> str:
+        """Sets `monitor_op` as Keras does, from `trainwell.compat.metric_direction` (Keras's rule)."""
+        direction = metric_direction(self.monitor, self.mode, self.model)
+        if direction is None:  # Keras's own error, word for word
+            raise ValueError(
+                f"{self.__class__.__name__} callback received monitor={self.monitor}, but Keras isn't able to "
+                "automatically determine whether that metric should be maximized or minimized. Pass "
+                "`mode='max'` in order to monitor based on the highest metric value, or pass `mode='min'` "
+                "in order to use the lowest value."
+            )
+        self.monitor_op = keras.ops.greater if direction == "max" else keras.ops.less
+        return direction
+
+    def _direction(self) -> str:
+        if self.monitor_op is None:
+            return self._resolve_direction()
+        return "max" if self.monitor_op is keras.ops.greater else "min"
+
+    def _improves(self, current: float, reference) -> bool:
+        return is_improvement(current, reference, self._direction(), self.min_delta)
 
     def on_epoch_end(self, epoch, logs=None) -> None:
-        if self.monitor_op is None:
-            self._set_monitor_op()
+        direction = self._direction()
         current = self.get_monitor_value(logs)
         if current is None:
             return
-        current = _scalar(self.monitor, current)
+        current = monitored_value(current, self.monitor, type(self).__name__)
         if not math.isfinite(current):
             self._stop(epoch, "non_finite", current)
             return
         if self.divergence_threshold is not None:
             thr = float(self.divergence_threshold)
-            if (current > thr) if self._lower_is_better() else (current < thr):
+            if (current > thr) if direction == "min" else (current < thr):
                 self._stop(epoch, "divergence", current)
                 return
         if epoch < self.first_counted_epoch:
@@ -258,12 +260,12 @@ class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
             self.best_weights = self.model.get_weights()
             self.best_epoch = epoch
         self.wait += 1
-        if self._is_improvement(current, self.best):
+        if self._improves(current, self.best):
             self.best = current
             self.best_epoch = epoch
             if self.restore_best_weights:
                 self.best_weights = self.model.get_weights()
-            if self.baseline is None or self._is_improvement(current, self.baseline):
+            if self.baseline is None or self._improves(current, self.baseline):
                 self.wait = 0
             return
         if self.wait >= self.patience and epoch > 0:
@@ -300,18 +302,12 @@ class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
 
     # ------------------------------------------------------------ best weights
     def _checkpoint_callback(self):
-        try:
-            from trainwell.callbacks.checkpoint import Checkpoint
-        except ImportError:  # pragma: no cover
-            return None
         for cb in stateful_callbacks(self.model).values():
             if isinstance(cb, Checkpoint) and cb.model is self.model:
                 return cb
         return None
 
     def _restore_best(self) -> None:
-        from trainwell.callbacks.checkpoint import load_checkpoint
-
         ckpt = self._checkpoint_callback()
         entry = None
         if ckpt is not None:

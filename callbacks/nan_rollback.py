@@ -10,6 +10,11 @@ by hand (PaLM, Chowdhery et al. 2022, sec. 5.1, restarted from a checkpoint abou
 a device-side copy of the training state every `snapshot_every` steps, and on a
 non-finite loss, non-finite weights, a collapsed loss scale or a loss spike,
 restore it, skip ahead and lower the learning rate.
+
+One module of about 840 lines: the detection, the snapshot machinery (compiled
+copy/restore/probe functions, shared with the first-step hook) and the
+rollback act on one state per `fit`; about a third of it is the class docstring
+and argument checks.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ from typing import Any
 import keras
 import numpy as np
 
-from trainwell.callbacks.schedules import inner_optimizer
+from trainwell import runtime
 from trainwell.callbacks.base import StatefulCallback
+from trainwell.compat.keras_internals import loss_tracker
+from trainwell.compat.learning_rate import current_lr, learning_rate_variables, scale_learning_rate
 
 _EVENTS_FILE = "nan_rollback.jsonl"
 
@@ -92,7 +99,7 @@ class TrainingDivergedError(RuntimeError):
 
 # --------------------------------------------------------------------------- small utils
 def _tf():
-    import tensorflow as tf
+    import tensorflow as tf  # here: the snapshot machinery is TensorFlow's; built only inside a fit
 
     return tf
 
@@ -451,11 +458,7 @@ class NaNRollback(StatefulCallback):
     def _state_variables(self) -> list:
         """Model weights + optimizer variables, minus the learning-rate variable(s)."""
         opt = self.model.optimizer
-        skip = set()
-        for o in (opt, inner_optimizer(opt)):
-            lr = getattr(o, "_learning_rate", None)
-            if isinstance(lr, keras.Variable):
-                skip.add(id(lr))
+        skip = {id(v) for v in learning_rate_variables(opt)}
         out, seen = [], set()
         for v in self._model_weights() + list(opt.variables if opt is not None else []):
             if id(v) in seen or id(v) in skip:
@@ -484,9 +487,9 @@ class NaNRollback(StatefulCallback):
         restore = tf.function(_Copy(raws, shadows), autograph=False)
 
         floats = [_raw(w) for w in self._model_weights() if keras.backend.is_float_dtype(w.dtype)]
-        tracker = getattr(model, "_loss_tracker", None)
+        tracker = loss_tracker(model)
         tracker_vars = None
-        if tracker is not None and hasattr(tracker, "total") and hasattr(tracker, "count"):
+        if tracker is not None:
             tracker_vars = (_raw(tracker.total), _raw(tracker.count))
         opt = model.optimizer
         scale_var = _raw(opt.dynamic_scale) if _is_lso(opt) and getattr(opt, "built", False) else None
@@ -546,11 +549,9 @@ class NaNRollback(StatefulCallback):
         self._epoch_batches = 0
         self._prev_mean = None
         self._last_scale = None
-        from trainwell.runtime import num_workers
-
         self._strategy = getattr(self.model, "distribute_strategy", None)
         sync = self.sync_across_workers
-        self._sync = num_workers(self._strategy) > 1 if sync is None else sync
+        self._sync = runtime.num_workers(self._strategy) > 1 if sync is None else sync
         if not self._ready():  # builds the shadow copies; the first snapshot waits for the first batch
             self._hook_first_apply()
 
@@ -704,9 +705,7 @@ class NaNRollback(StatefulCallback):
     # ------------------------------------------------------------------ internals
     def _agree(self, loss_finite: bool, causes: list[str]) -> tuple[bool, list[str]]:
         """The check's verdict OR-reduced over every worker (the same on all of them)."""
-        from trainwell.runtime import any_across_workers
-
-        flags = any_across_workers(self._strategy, [not loss_finite] + [c in causes for c in CAUSES])
+        flags = runtime.any_across_workers(self._strategy, [not loss_finite] + [c in causes for c in CAUSES])
         return not flags[0], [c for c, f in zip(CAUSES, flags[1:]) if f]
 
     def _probe(self, check_weights: bool) -> np.ndarray:
@@ -756,7 +755,6 @@ class NaNRollback(StatefulCallback):
 
     def _diverged(self, causes: list[str], loss: float | None, scale: float | None, threshold: float | None) -> None:
         opt = self.model.optimizer
-        from trainwell.callbacks.schedules import current_lr, scale_learning_rate as scale_lr
         it_before = self._iterations()
         lr_before = float(current_lr(opt))
         recent = self._window_rollbacks()
@@ -785,7 +783,7 @@ class NaNRollback(StatefulCallback):
         if stop:
             event.update(action="stop", lr_after=lr_before)
         else:
-            old, new = scale_lr(opt, self.lr_factor)
+            old, new = scale_learning_rate(opt, self.lr_factor)
             event.update(action="rollback", lr_before=float(old), lr_after=float(new))
             self._take_snapshot()  # the restored state with the lower LR
         self.events.append(event)
@@ -835,10 +833,8 @@ class NaNRollback(StatefulCallback):
     def _write_event(self, event: dict) -> None:
         if self.run_dir is None:
             return
-        from trainwell.runtime import is_chief
-
         strategy = getattr(self.model, "distribute_strategy", None)
-        if not is_chief(strategy):
+        if not runtime.is_chief(strategy):
             return
         path = Path(self.run_dir) / _EVENTS_FILE
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,15 +6,18 @@ pure, graph-safe functions of the optimizer step written with `keras.ops`, whose
 by `schedule.multiplier`, a non-trainable float32 `keras.Variable` (initially
 1.0, not part of the config): Keras refuses a new learning rate on an optimizer
 built with a schedule, so lowering the LR after a NaN rollback goes through that
-variable (`scale_learning_rate`, `set_lr_multiplier`).
+variable (`scale_learning_rate`, `set_lr_multiplier`: `trainwell.compat`'s one
+LR get/set, re-exported here).
 
 Why not Keras's own `CosineDecay(warmup_target=..., warmup_steps=...)` and
 `CosineDecayRestarts`: they have no multiplier (an optimizer built with them can
 never have its LR lowered), `CosineDecayRestarts` has no warmup, and neither
 offers the BERT-style linear decay or the Goyal et al. step decay with warmup.
 
-The helpers see through `keras.optimizers.LossScaleOptimizer` (the wrapper that
-`mixed_float16` puts around the optimizer) by working on its `inner_optimizer`.
+The LR helpers (`current_lr`, `get_lr_multiplier`, `set_lr_multiplier`,
+`scale_learning_rate`, `inner_optimizer`) live in `trainwell.compat.learning_rate`
+and see through `keras.optimizers.LossScaleOptimizer` (the wrapper that
+`mixed_float16` puts around the optimizer).
 """
 
 from __future__ import annotations
@@ -24,8 +27,15 @@ import numbers
 from typing import Any
 
 import keras
-import numpy as np
 from keras import ops
+
+from trainwell.compat.learning_rate import (
+    current_lr,
+    get_lr_multiplier,
+    inner_optimizer,
+    scale_learning_rate,
+    set_lr_multiplier,
+)
 
 __all__ = [
     "WarmupCosineDecay",
@@ -37,12 +47,8 @@ __all__ = [
     "scale_learning_rate",
     "current_lr",
     "is_trainwell_schedule",
+    "inner_optimizer",
 ]
-
-# Attribute on an optimizer without a trainwell schedule that holds a multiplier
-# restored before `WarmupCosine` installed its schedule (restore order must not
-# matter); the schedule picks it up when it is installed.
-_PENDING_ATTR = "_trainwell_lr_multiplier"
 
 
 # ---------------------------------------------------------------- validation
@@ -448,44 +454,6 @@ def scaled_lr(base_lr: float, global_batch: int, base_batch: int = 256) -> float
     return float(base_lr) * int(global_batch) / int(base_batch)
 
 
-def _to_float(x) -> float:
-    """A scalar tensor or `keras.Variable` as a Python float."""
-    if isinstance(x, keras.Variable):
-        x = x.numpy()
-    return float(np.asarray(ops.convert_to_numpy(x)))
-
-
-def inner_optimizer(optimizer):
-    """The optimizer that owns the learning rate: unwraps `LossScaleOptimizer`s.
-
-    Example:
-    >>> opt = keras.optimizers.SGD(0.1)
-    >>> inner_optimizer(keras.optimizers.LossScaleOptimizer(opt)) is opt
-    True
-    """
-    seen = 0
-    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and seen < 8:
-        optimizer = optimizer.inner_optimizer
-        seen += 1
-    return optimizer
-
-
-def _inner(optimizer):
-    """`inner_optimizer`, checking that there is an optimizer at all."""
-    optimizer = inner_optimizer(optimizer)
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(
-            f"Expected a `keras.optimizers.Optimizer`. Received: optimizer={optimizer!r} "
-            "(compile the model with an optimizer first)"
-        )
-    return optimizer
-
-
-def _raw_lr(optimizer):
-    inner = _inner(optimizer)
-    return inner, getattr(inner, "_learning_rate", None)
-
-
 def is_trainwell_schedule(obj: Any) -> bool:
     """Whether `obj` is one of this module's schedules (it has a multiplier).
 
@@ -494,110 +462,3 @@ def is_trainwell_schedule(obj: Any) -> bool:
     (True, False)
     """
     return isinstance(obj, _WarmupSchedule)
-
-
-def get_lr_multiplier(optimizer) -> float:
-    """The LR multiplier of `optimizer`'s trainwell schedule.
-
-    For an optimizer without a trainwell schedule this is 1.0, or the value a
-    `set_lr_multiplier` left waiting for the schedule `WarmupCosine` installs.
-
-    Args:
-        optimizer: A Keras optimizer, possibly a `LossScaleOptimizer`. Required.
-
-    Returns:
-        The multiplier (float).
-
-    Example:
-    >>> opt = keras.optimizers.SGD(WarmupCosineDecay(0.1, 100))
-    >>> get_lr_multiplier(opt)
-    1.0
-    """
-    inner, lr = _raw_lr(optimizer)
-    if is_trainwell_schedule(lr):
-        return _to_float(lr.multiplier)
-    return float(getattr(inner, _PENDING_ATTR, 1.0))
-
-
-def set_lr_multiplier(optimizer, value: float) -> None:
-    """Sets the LR multiplier of `optimizer`'s trainwell schedule (checkpoint restore).
-
-    On an optimizer that has no trainwell schedule yet, the value is kept on the
-    optimizer and handed to the schedule `WarmupCosine` installs at
-    `on_train_begin`, so a checkpoint may restore it before or after that
-    callback runs; until then the optimizer's learning rate is unchanged (lower a
-    plain learning rate with `scale_learning_rate`).
-
-    Args:
-        optimizer: A Keras optimizer, possibly a `LossScaleOptimizer`. Required.
-        value: The multiplier, a float > 0. Required.
-
-    Example:
-    >>> opt = keras.optimizers.SGD(WarmupCosineDecay(0.1, 100))
-    >>> set_lr_multiplier(opt, 0.25); get_lr_multiplier(opt)
-    0.25
-    """
-    if not _is_number(value) or value <= 0:
-        raise _invalid("value", "a float > 0", value)
-    inner, lr = _raw_lr(optimizer)
-    if is_trainwell_schedule(lr):
-        lr.multiplier.assign(float(value))
-    else:
-        setattr(inner, _PENDING_ATTR, float(value))
-
-
-def current_lr(optimizer) -> float:
-    """The learning rate `optimizer` uses for its next step (at its `iterations`).
-
-    Args:
-        optimizer: A Keras optimizer, possibly a `LossScaleOptimizer`. Required.
-
-    Returns:
-        The learning rate (float).
-
-    Example:
-    >>> current_lr(keras.optimizers.SGD(WarmupCosineDecay(0.1, 100, warmup_steps=10)))
-    0.0
-    """
-    inner = _inner(optimizer)
-    return _to_float(inner.learning_rate)
-
-
-def scale_learning_rate(optimizer, factor: float) -> tuple[float, float]:
-    """Multiplies the current learning rate of `optimizer` by `factor`.
-
-    A trainwell schedule gets its multiplier scaled (the schedule keeps its
-    shape, lowered); a plain float/variable learning rate is assigned. Any other
-    `LearningRateSchedule` cannot be lowered once the optimizer is built, so it
-    raises a `ValueError` asking for a trainwell schedule.
-
-    Args:
-        optimizer: A Keras optimizer, possibly a `LossScaleOptimizer`. Required.
-        factor: The factor, a float > 0 (e.g. 0.5 after a NaN rollback).
-            Required.
-
-    Returns:
-        `(old_lr, new_lr)`: the current learning rate before and after.
-
-    Example:
-    >>> opt = keras.optimizers.SGD(learning_rate=0.1)
-    >>> [round(x, 6) for x in scale_learning_rate(opt, 0.5)]
-    [0.1, 0.05]
-    """
-    if not _is_number(factor) or factor <= 0:
-        raise _invalid("factor", "a float > 0", factor)
-    inner, lr = _raw_lr(optimizer)
-    old = current_lr(inner)
-    if is_trainwell_schedule(lr):
-        lr.multiplier.assign(_to_float(lr.multiplier) * float(factor))
-    elif isinstance(lr, keras.Variable):
-        lr.assign(old * float(factor))
-    else:
-        kind = type(lr).__name__
-        raise ValueError(
-            f"Cannot scale the learning rate of optimizer `{inner.name}`: it is a `{kind}`, which Keras "
-            "does not let you change once set. Use a trainwell schedule instead (`WarmupCosineDecay`, "
-            "`WarmupLinearDecay`, `WarmupStepDecay` from `trainwell.callbacks`, or the `WarmupCosine` "
-            f"callback), whose LR multiplier can be lowered. Received: learning_rate={lr!r}"
-        )
-    return old, current_lr(inner)

@@ -12,22 +12,18 @@ import keras
 import numpy as np
 from keras import ops
 
-from trainwell.io import atomic_write_bytes
-
+from trainwell import runtime
 from trainwell.callbacks.schedules import (
     WarmupCosineDecay,
     WarmupLinearDecay,
-    _PENDING_ATTR,
     _check_warmup_start,
-    _inner,
     _invalid,
     _is_number,
     _step_count,
-    _to_float,
-    current_lr,
-    get_lr_multiplier,
     is_trainwell_schedule,
 )
+from trainwell.compat.learning_rate import current_lr, install_schedule, raw_learning_rate
+from trainwell.io import atomic_write_bytes
 
 _DECAYS = ("cosine", "linear")
 
@@ -221,7 +217,7 @@ class WarmupCosine(keras.callbacks.Callback):
             return float(current.peak_lr)
         if isinstance(current, keras.Variable):
             # The variable is float32: take the shortest decimal (0.1, not 0.10000000149).
-            return float(str(np.float32(_to_float(current))))
+            return float(str(np.float32(current.numpy())))
         raise ValueError(
             "WarmupCosine(peak_lr=None) takes the peak from the optimizer's learning rate, but it is a "
             f"`{type(current).__name__}`. Pass `peak_lr=` explicitly. Received: learning_rate={current!r}"
@@ -232,8 +228,7 @@ class WarmupCosine(keras.callbacks.Callback):
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is None:
             raise ValueError("WarmupCosine needs a compiled model with an optimizer. Received: optimizer=None")
-        inner = _inner(optimizer)
-        current = getattr(inner, "_learning_rate", None)
+        current = raw_learning_rate(optimizer)
         peak = self._resolve_peak(current)
         strategy = getattr(self.model, "distribute_strategy", None)
         with strategy.scope() if strategy is not None else contextlib.nullcontext():
@@ -245,22 +240,14 @@ class WarmupCosine(keras.callbacks.Callback):
         ):
             self.schedule = current  # same curve: keep it (and its multiplier); no retrace
         else:
-            schedule.multiplier.assign(get_lr_multiplier(inner))
-            if hasattr(inner, _PENDING_ATTR):
-                delattr(inner, _PENDING_ATTR)
-            # Not the `learning_rate` setter: it would untrack the optimizer's LR
-            # variable and change the optimizer's variable list (checkpoint layout).
-            if hasattr(inner, "_learning_rate"):
-                inner._learning_rate = schedule
-            else:  # pragma: no cover - other Keras versions
-                inner.learning_rate = schedule
+            # Keeps the multiplier in force (a NaN rollback's, or a restored one) and the
+            # optimizer's variable list (checkpoint layout): see `install_schedule`.
+            install_schedule(optimizer, schedule)
             self.schedule = schedule
             # A traced train function has the old learning rate baked in.
             if getattr(self.model, "train_function", None) is not None:
                 self.model.make_train_function(force=True)
         if self.run_dir is not None:
-            from trainwell import runtime
-
             if runtime.is_chief(strategy):
                 self.plot(Path(self.run_dir) / "lr_schedule.png")
 
@@ -285,7 +272,8 @@ class WarmupCosine(keras.callbacks.Callback):
         """
         if self.schedule is None:
             raise ValueError("WarmupCosine.plot() needs an installed schedule: call it after `fit` has begun.")
-        # The Agg canvas directly: no pyplot, so the global backend is untouched.
+        # The Agg canvas directly: no pyplot, so the global backend is untouched. Imported
+        # here: matplotlib costs ~0.5 s and only a plot needs it.
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 

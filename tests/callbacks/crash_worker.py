@@ -45,8 +45,8 @@ def main(argv=None) -> int:
     import numpy as np
     import tensorflow as tf
 
-    from trainwell.callbacks import checkpoint as ckpt_mod
     from trainwell.callbacks.checkpoint import Checkpoint
+    from trainwell.callbacks.checkpoint import files as ckpt_files
     from trainwell.callbacks.early_stopping import EarlyStopping
 
     keras.utils.set_random_seed(1234)
@@ -108,14 +108,17 @@ def main(argv=None) -> int:
     if args.pause_at_save is not None:
         calls = {"n": 0}
 
-        def stall(tmp_dir):
+        real_commit = ckpt_files.commit_directory
+
+        def stall(tmp_dir, final):  # written and fsynced, not yet renamed into place
             calls["n"] += 1
             if calls["n"] == args.pause_at_save:
                 with open(args.marker, "w") as f:
-                    f.write(tmp_dir)
+                    f.write(str(tmp_dir))
                 time.sleep(120)
+            real_commit(tmp_dir, final)
 
-        ckpt_mod._BEFORE_COMMIT = stall
+        ckpt_files.commit_directory = stall
 
     callbacks = [
         Checkpoint(args.dir, save_every=args.save_every, keep_last=3, keep_best=1, monitor="loss"),

@@ -10,8 +10,8 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-import types
 from pathlib import Path
 
 import keras
@@ -20,6 +20,8 @@ import pytest
 import tensorflow as tf
 
 from trainwell.callbacks import checkpoint as ckpt_mod
+from trainwell.callbacks.checkpoint import files as ckpt_files
+from trainwell.callbacks.checkpoint import state as ckpt_state
 from trainwell.callbacks.base import StatefulCallback
 from trainwell.callbacks.checkpoint import (
     Checkpoint,
@@ -424,7 +426,7 @@ def test_epoch_commit_keeps_the_position_of_an_iterator_that_spans_epochs(tmp_pa
     with pytest.raises(crash_at.error):
         fit(_model(), [Checkpoint(d), crash_at(5)])  # dies in epoch 2
     (entry,) = list_checkpoints(d)
-    assert ckpt_mod._read_checkpoint(entry["path"])[0]["position"]["data_position"] == 3
+    assert ckpt_mod.read_checkpoint(entry["path"])[0]["position"]["data_position"] == 3
     m2 = _model(seed=4)
     fit(m2, [Checkpoint(d)])
     assert _weights_close(m2, ref)
@@ -448,7 +450,7 @@ def test_binary_f1_score_ranks_checkpoints(tmp_path):
 
 def test_failing_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     d = tmp_path / "ck"
-    real = ckpt_mod._write_npz
+    real = ckpt_files.write_npz
     calls = {"n": 0}
     snap = {}
 
@@ -459,7 +461,7 @@ def test_failing_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
         snap["arrays"] = {k: v.copy() for k, v in arrays.items()}
         return real(path, arrays)
 
-    monkeypatch.setattr(ckpt_mod, "_write_npz", failing)
+    monkeypatch.setattr(ckpt_files, "write_npz", failing)
     m = _model()
     with pytest.raises(CheckpointSaveError) as exc:
         _fit(m, [Checkpoint(d, save_every=4)], epochs=2)
@@ -473,7 +475,7 @@ def test_failing_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     entry = load_checkpoint(d, fresh)
     assert entry["global_step"] == 4
     saved = [snap["arrays"][k] for k in sorted(snap["arrays"]) if k.startswith("model:")]
-    loaded = ckpt_mod._read_checkpoint(entry["path"])[1]
+    loaded = ckpt_mod.read_checkpoint(entry["path"])[1]
     for k, v in loaded.items():
         assert np.array_equal(v, snap["arrays"][k]), k
     assert len(saved) == 4
@@ -485,7 +487,7 @@ def test_failing_async_save_raises_on_next_call(tmp_path, monkeypatch):
     def failing(path, arrays):
         raise OSError(errno.EACCES, "Permission denied", str(path))
 
-    monkeypatch.setattr(ckpt_mod, "_write_npz", failing)
+    monkeypatch.setattr(ckpt_files, "write_npz", failing)
     m = _model()
     cb = Checkpoint(d, save_every=4, async_save=True)
     with pytest.raises(CheckpointSaveError) as exc:
@@ -550,9 +552,10 @@ def test_non_chief_writes_nothing_shared(tmp_path, monkeypatch):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(runtime, "is_chief", lambda strategy=None: False)
-    monkeypatch.setattr(ckpt_mod.tempfile, "tempdir", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     written = []
-    monkeypatch.setattr(ckpt_mod, "_BEFORE_COMMIT", lambda tmp: written.append(tmp))
+    real = ckpt_files.write_npz
+    monkeypatch.setattr(ckpt_files, "write_npz", lambda path, arrays: (written.append(str(path)), real(path, arrays)))
     d = tmp_path / "ck"
     _fit(_model(), [Checkpoint(d, save_every=4)], epochs=1)
     assert len(written) == 3  # it did write (to scratch): steps 4, 8 and the final save at 10
@@ -572,7 +575,7 @@ def test_mixed_float16_loss_scale_saved_and_restored(tmp_path):
         _fit(m1, [Checkpoint(d)], epochs=1)
         scale1 = float(m1.optimizer.dynamic_scale.numpy())
         counter1 = int(m1.optimizer.step_counter.numpy())
-        meta, arrays = ckpt_mod._read_checkpoint(latest_checkpoint(d))
+        meta, arrays = ckpt_mod.read_checkpoint(latest_checkpoint(d))
         assert np.allclose(arrays["opt:dynamic_scale"], scale1) and scale1 <= 1024.0
         m2 = _model(seed=2, optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)))
         seen = {}
@@ -607,7 +610,7 @@ def test_weights_only_warm_start_applies_lr_warmup(tmp_path, crash_at):
     m1 = _model(optimizer=keras.optimizers.SGD(0.1))
     with pytest.raises(crash_at.error):
         _fit(m1, [Checkpoint(d, save_every=3, weights_only=True), Grab(), crash_at(7)], epochs=2)
-    meta, arrays = ckpt_mod._read_checkpoint(latest_checkpoint(d))
+    meta, arrays = ckpt_mod.read_checkpoint(latest_checkpoint(d))
     assert meta["weights_only"] and not any(k.startswith(("opt:", "rng:", "seed:")) for k in arrays)
 
     lrs, start = [], {}
@@ -659,7 +662,7 @@ def test_async_save_equals_sync_save(tmp_path):
         cb = Checkpoint(d, save_every=3, keep_last=10, async_save=mode)
         _fit(_model(), [cb], epochs=2)
         assert cb._worker is None and (cb._queue is None or cb._queue.unfinished_tasks == 0)  # waited, stopped
-        out[mode] = {e["name"]: ckpt_mod._read_checkpoint(e["path"]) for e in list_checkpoints(d)}
+        out[mode] = {e["name"]: ckpt_mod.read_checkpoint(e["path"]) for e in list_checkpoints(d)}
     assert list(out[False]) == list(out[True]) == ["ckpt-3", "ckpt-6", "ckpt-9", "ckpt-12", "ckpt-15", "ckpt-18",
                                                    "ckpt-20"]
     for name, (meta, arrays) in out[False].items():
@@ -670,14 +673,8 @@ def test_async_save_equals_sync_save(tmp_path):
         assert meta["position"] == meta2["position"]
 
 
-def test_callback_states_config_and_lr_multiplier_saved(tmp_path, monkeypatch):
-    import trainwell.callbacks as tcb
-
-    fake = types.ModuleType("trainwell.callbacks.schedules")
-    fake.get_lr_multiplier = lambda opt: getattr(opt, "_fake_mult", 1.0)
-    fake.set_lr_multiplier = lambda opt, v: setattr(opt, "_fake_mult", float(v))
-    monkeypatch.setitem(sys.modules, "trainwell.callbacks.schedules", fake)
-    monkeypatch.setattr(tcb, "schedules", fake, raising=False)
+def test_callback_states_config_and_lr_multiplier_saved(tmp_path):
+    from trainwell.compat import get_lr_multiplier, set_lr_multiplier
 
     @dataclasses.dataclass
     class Cfg:
@@ -688,26 +685,18 @@ def test_callback_states_config_and_lr_multiplier_saved(tmp_path, monkeypatch):
 
     d = tmp_path / "ck"
     m1 = _model()
-    m1.optimizer._fake_mult = 0.25
+    set_lr_multiplier(m1.optimizer, 0.25)  # pending: the model's LR is a plain float
     counter = Counter()
     _fit(m1, [counter, Checkpoint(d, config=Cfg())], epochs=1)
-    meta, _ = ckpt_mod._read_checkpoint(latest_checkpoint(d))
+    meta, _ = ckpt_mod.read_checkpoint(latest_checkpoint(d))
     assert meta["config"] == {"lr": 0.05}
     assert meta["callbacks"]["counter"] == {"batches": 10, "epoch_begins": 1}
     assert meta["lr_multiplier"] == 0.25
     m2 = _model(seed=3)
     c2 = Counter()
     _fit(m2, [Checkpoint(d, config={"lr": 0.05}), c2], epochs=2)
-    assert m2.optimizer._fake_mult == 0.25
+    assert get_lr_multiplier(m2.optimizer) == 0.25
     assert (c2.batches, c2.epoch_begins) == (20, 2)
-
-
-def test_without_schedules_module_multiplier_is_skipped(tmp_path, monkeypatch):
-    monkeypatch.setattr(ckpt_mod, "_schedules_module", lambda: None)
-    d = tmp_path / "ck"
-    _fit(_model(), [Checkpoint(d)], epochs=1)
-    meta, _ = ckpt_mod._read_checkpoint(latest_checkpoint(d))
-    assert "lr_multiplier" not in meta
 
 
 def test_rng_states_round_trip():
@@ -718,11 +707,11 @@ def test_rng_states_round_trip():
     np.random.seed(3)
     global_seed_generator()
     tf.random.get_global_generator()
-    arrays, meta = ckpt_mod._rng_capture()
+    arrays, meta = ckpt_state.rng_capture()
     assert json.loads(json.dumps(meta)) == meta
     first = (random.random(), np.random.rand(3).tolist(), keras.random.uniform((2,)).numpy().tolist(),
              tf.random.get_global_generator().uniform((2,)).numpy().tolist())
-    ckpt_mod._rng_restore(arrays, meta)
+    ckpt_state.rng_restore(arrays, meta)
     again = (random.random(), np.random.rand(3).tolist(), keras.random.uniform((2,)).numpy().tolist(),
              tf.random.get_global_generator().uniform((2,)).numpy().tolist())
     assert first == again

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 from trainwell.callbacks import TrainingDoctor
-from trainwell.diagnostics import CODES, Finding
+from trainwell.callbacks.doctor import CODES, Finding
 
 D = keras.layers.Dense
 CE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

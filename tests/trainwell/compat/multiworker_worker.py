@@ -3,7 +3,7 @@
 The parent sets `TF_CONFIG` (cluster on 127.0.0.1, this task's index). The worker
 limits TensorFlow to one thread, makes the strategy with
 `trainwell.runtime.make_strategy("multiworker")` (which applies
-`trainwell.keras_fixes`), then removes the fixes named in the environment variable
+`trainwell.compat.keras_fixes`), then removes the fixes named in the environment variable
 `TRAINWELL_DISABLE_KERAS_FIXES` (comma-separated), trains a tiny seeded classifier
 with `model.fit` (global batch 32 over 2 replicas, DATA sharding) and writes a JSON
 summary to the path given as the only argument:
@@ -52,7 +52,8 @@ def main(out_path: str) -> int:
         import keras
 
         keras.config.disable_traceback_filtering()  # keep Keras's frames in the reported traceback
-        from trainwell import keras_fixes, runtime
+        from trainwell import runtime
+        from trainwell.compat import keras_fixes
 
         strategy = runtime.make_strategy("multiworker" if tf_config else "cpu:2")
         disable = [n for n in os.environ.get("TRAINWELL_DISABLE_KERAS_FIXES", "").split(",") if n]

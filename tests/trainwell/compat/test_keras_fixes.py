@@ -1,6 +1,6 @@
-"""Tests of trainwell.keras_fixes: in-process patching, and real 2-worker jobs on 127.0.0.1.
+"""Tests of trainwell.compat.keras_fixes: in-process patching, and real 2-worker jobs on 127.0.0.1.
 
-The multi-worker jobs (tests/trainwell/multiworker_worker.py, one TF thread per
+The multi-worker jobs (tests/trainwell/compat/multiworker_worker.py, one TF thread per
 process) all start together in one module fixture so the file stays short on a
 busy machine:
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainwell import keras_fixes
+from trainwell.compat import keras_fixes
 
 WORKER = Path(__file__).with_name("multiworker_worker.py")
 DEADLINE_S = 150  # whole fixture, all jobs together

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from trainwell import diagnostics as dx
-from trainwell.diagnostics import Finding, GradientProbe, LossTracker
+from trainwell.callbacks import doctor as dx
+from trainwell.callbacks.doctor import Finding, LossTracker
+from trainwell.callbacks.doctor.probe import GradientProbe
 
 
 # ----------------------------------------------------------------------------- Finding

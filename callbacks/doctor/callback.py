@@ -1,10 +1,16 @@
-"""`TrainingDoctor`: says what is wrong with a training run, shows the evidence, says what to change."""
+"""`TrainingDoctor`: says what is wrong with a training run, shows the evidence, says what to change.
+
+The callback gathers the numbers during `fit` (per-step losses, step and compute
+times, the loss scale, the gradient probe's statistics) and hands them to the
+rules (`loss_rules`, `step_rules`), which decide. It is one module of about 800
+lines because it is one class whose hooks share that gathered state; the
+judging is already elsewhere.
+"""
 
 from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -13,10 +19,25 @@ from typing import Any
 import keras
 import numpy as np
 
-from trainwell import diagnostics as dx
-from trainwell.callbacks.schedules import inner_optimizer
+from trainwell import runtime
 from trainwell.callbacks.base import StatefulCallback
-from trainwell.diagnostics import CODES, DEFAULT_THRESHOLDS, Finding
+from trainwell.callbacks.doctor.findings import CODES, DEFAULT_THRESHOLDS, Finding, LossTracker, jsonable, median, unjson
+from trainwell.callbacks.doctor.loss_rules import (
+    check_divergence,
+    check_oscillation,
+    check_overfitting,
+    check_slow_convergence,
+)
+from trainwell.callbacks.doctor.step_rules import (
+    check_amp,
+    check_dead_units,
+    check_gradients,
+    check_input_bound,
+    run_queue_delays,
+)
+from trainwell.compat.keras_internals import adapter_sample_source, fit_epoch_iterator
+from trainwell.compat.learning_rate import current_lr, inner_optimizer
+from trainwell.io import atomic_write_json
 
 __all__ = ["TrainingDoctor", "Finding"]
 
@@ -44,8 +65,6 @@ def _is_int(x: Any) -> bool:
 
 def _current_lr(optimizer) -> float | None:
     try:
-        from trainwell.callbacks.schedules import current_lr
-
         return float(current_lr(optimizer))
     except Exception:
         return None
@@ -66,25 +85,6 @@ def _momentum(optimizer) -> float | None:
     return None
 
 
-def _fit_epoch_iterator(model):
-    """The `EpochIterator` of the `fit` call now running on `model`, if it can be found.
-
-    Keras does not hand the training data to callbacks. `fit` keeps it in a local
-    variable, `epoch_iterator`, of the frame that calls `on_train_begin`; this
-    looks a few frames up for it. Returns `None` when it is not there (another
-    Keras version, a custom training loop).
-    """
-    frame = sys._getframe(1)
-    for _ in range(25):
-        if frame is None:
-            return None
-        loc = frame.f_locals
-        if frame.f_code.co_name == "fit" and loc.get("self") is model and "epoch_iterator" in loc:
-            return loc["epoch_iterator"]
-        frame = frame.f_back
-    return None
-
-
 def _batch_from_iterator(epoch_iterator):
     """`(batch, train_batch_size)` from a `fit` call's data, without consuming it.
 
@@ -95,16 +95,14 @@ def _batch_from_iterator(epoch_iterator):
     adapter = getattr(epoch_iterator, "data_adapter", None)
     if adapter is None:
         return None, None
-    kind = type(adapter).__name__
     try:
         train_bs = adapter.batch_size
     except Exception:
         train_bs = None
-    if kind == "ArrayDataAdapter":
-        inputs = getattr(adapter, "_inputs", None)
-        n = int(getattr(adapter, "_num_samples", 0) or 0)
-        bs = int(getattr(adapter, "_batch_size", 0) or 0)
-        if inputs is None or n <= 0 or bs <= 0:
+    kind, source = adapter_sample_source(adapter)
+    if kind == "arrays":
+        inputs, n, bs = source
+        if n <= 0 or bs <= 0:
             return None, train_bs
         idx = np.sort(np.random.default_rng(0).choice(n, size=min(bs, n, _AUTO_PROBE_SIZE), replace=False))
 
@@ -112,20 +110,17 @@ def _batch_from_iterator(epoch_iterator):
             if a is None:
                 return None
             if hasattr(a, "numpy") and not isinstance(a, np.ndarray):
-                import tensorflow as tf
+                import tensorflow as tf  # here: a tensor input means the TF backend; none imported otherwise
 
                 return tf.gather(a, idx)
             return np.asarray(a)[idx]
 
         return keras.tree.map_structure(take, inputs), bs
-    if kind == "TFDatasetAdapter":
-        ds = getattr(adapter, "_dataset", None)
-        if ds is None:
-            return None, train_bs
-        batch = next(iter(ds.take(1)))
+    if kind == "dataset":
+        batch = next(iter(source.take(1)))
         return _head(batch), train_bs or _batch_len(batch)
-    if kind == "PyDatasetAdapter":
-        batch = adapter.py_dataset[0]
+    if kind == "pydataset":
+        batch = source[0]
         return _head(batch), train_bs or _batch_len(batch)
     return None, train_bs
 
@@ -152,7 +147,7 @@ class TrainingDoctor(StatefulCallback):
     Watches the losses and metrics every step and, every `every_n_steps` steps
     (and at the first step, and at the end of a run of at least 30 steps, so a
     run shorter than `every_n_steps` gets verdicts too), runs a
-    `trainwell.diagnostics.GradientProbe` on a
+    `trainwell.callbacks.doctor.probe.GradientProbe` on a
     fixed probe batch: per-layer gradient norms, update-to-weight ratios,
     activation saturation and dead-ReLU fractions, computed by a separate
     compiled function (the model's `train_step` is untouched, and the probe
@@ -226,9 +221,9 @@ class TrainingDoctor(StatefulCallback):
             Defaults to `1`.
         window: Steps in the loss windows (slow-convergence horizon,
             oscillation window, overflow-rate window). Defaults to `200`.
-        checks: The codes to check (a subset of `trainwell.diagnostics.CODES`);
+        checks: The codes to check (a subset of `trainwell.callbacks.doctor.CODES`);
             `None` checks all. Defaults to `None`.
-        thresholds: Overrides of `trainwell.diagnostics.DEFAULT_THRESHOLDS`.
+        thresholds: Overrides of `trainwell.callbacks.doctor.DEFAULT_THRESHOLDS`.
             Defaults to `None`.
         track_updates: Measure update-to-weight ratios (keeps one device-side
             copy of the trainable weights). Defaults to `True`.
@@ -306,7 +301,7 @@ class TrainingDoctor(StatefulCallback):
         self.findings: list[Finding] = []
         self.step = 0
         self.probes = 0
-        self.tracker = dx.LossTracker(window=self.window)
+        self.tracker = LossTracker(window=self.window)
         self.epoch_losses: list[float] = []
         self.epoch_val_losses: list[float] = []
         self.scale_history: list[list[float]] = []   # [step, scale] at each change
@@ -331,13 +326,13 @@ class TrainingDoctor(StatefulCallback):
             "step": self.step,
             "probes": self.probes,
             "tracker": self.tracker.get_state(),
-            "epoch_losses": [dx._jsonable(v) for v in self.epoch_losses],
-            "epoch_val_losses": [dx._jsonable(v) for v in self.epoch_val_losses],
-            "scale_history": [[int(s), dx._jsonable(v)] for s, v in self.scale_history],
+            "epoch_losses": [jsonable(v) for v in self.epoch_losses],
+            "epoch_val_losses": [jsonable(v) for v in self.epoch_val_losses],
+            "scale_history": [[int(s), jsonable(v)] for s, v in self.scale_history],
             "backoff_steps": list(self.backoff_steps),
-            "first_global_norm": dx._jsonable(self.first_global_norm),
+            "first_global_norm": jsonable(self.first_global_norm),
             "prev_dead": self.prev_dead,
-            "probe_losses": [[int(s), dx._jsonable(v)] for s, v in self.probe_losses],
+            "probe_losses": [[int(s), jsonable(v)] for s, v in self.probe_losses],
             "null_loss": self.null_loss,
             "located": self._located,
         }
@@ -351,14 +346,14 @@ class TrainingDoctor(StatefulCallback):
         self.step = int(state.get("step", 0))
         self.probes = int(state.get("probes", 0))
         self.tracker.set_state(state.get("tracker", {}))
-        self.epoch_losses = [float(dx._unjson(v)) for v in state.get("epoch_losses", [])]
-        self.epoch_val_losses = [float(dx._unjson(v)) for v in state.get("epoch_val_losses", [])]
-        self.scale_history = [[int(s), float(dx._unjson(v))] for s, v in state.get("scale_history", [])]
+        self.epoch_losses = [float(unjson(v)) for v in state.get("epoch_losses", [])]
+        self.epoch_val_losses = [float(unjson(v)) for v in state.get("epoch_val_losses", [])]
+        self.scale_history = [[int(s), float(unjson(v))] for s, v in state.get("scale_history", [])]
         self.backoff_steps = [int(s) for s in state.get("backoff_steps", [])]
         fg = state.get("first_global_norm")
-        self.first_global_norm = None if fg is None else float(dx._unjson(fg))
+        self.first_global_norm = None if fg is None else float(unjson(fg))
         self.prev_dead = state.get("prev_dead")
-        self.probe_losses = [[int(s), float(dx._unjson(v))] for s, v in state.get("probe_losses", [])]
+        self.probe_losses = [[int(s), float(unjson(v))] for s, v in state.get("probe_losses", [])]
         self.null_loss = state.get("null_loss")
         self._located = bool(state.get("located", False))
         if self.scale_history:
@@ -388,8 +383,6 @@ class TrainingDoctor(StatefulCallback):
 
     def _chief(self) -> bool:
         try:
-            from trainwell import runtime
-
             return runtime.is_chief(getattr(self.model, "distribute_strategy", None))
         except Exception:  # pragma: no cover
             return True
@@ -401,7 +394,7 @@ class TrainingDoctor(StatefulCallback):
         self._t_begin = None
         self._begin_batch = 0
         self._last_check = None
-        self._run_queue: deque[tuple[int, dict]] = deque(maxlen=16)  # (step, dx.run_queue_delays()) at checks
+        self._run_queue: deque[tuple[int, dict]] = deque(maxlen=16)  # (step, run_queue_delays()) at checks
         self._probe = None
         self._probe_error = None
         self._train_bs = None
@@ -416,7 +409,7 @@ class TrainingDoctor(StatefulCallback):
                 self._last_scale = None
         batch = self.probe_batch
         try:
-            it = _fit_epoch_iterator(self.model)
+            it = fit_epoch_iterator(self.model)
             if it is not None:
                 auto, self._train_bs = _batch_from_iterator(it)
                 if batch is None:
@@ -425,7 +418,10 @@ class TrainingDoctor(StatefulCallback):
             self._probe_error = f"could not take a probe batch from the data: {e}"
         if batch is not None:
             try:
-                self._probe = dx.GradientProbe(self.model, batch, track_updates=self.track_updates)
+                # here, not at the top: the probe is TensorFlow's; a run that never probes never imports it
+                from trainwell.callbacks.doctor.probe import GradientProbe
+
+                self._probe = GradientProbe(self.model, batch, track_updates=self.track_updates)
             except Exception as e:
                 self._probe_error = f"probe disabled: {type(e).__name__}: {e}"
         elif self._probe_error is None:
@@ -435,7 +431,7 @@ class TrainingDoctor(StatefulCallback):
         self._writer = None
         if self.run_dir is not None and self._chief():
             try:
-                import tensorflow as tf
+                import tensorflow as tf  # here: only a run directory gets TensorBoard summaries
 
                 self._writer = tf.summary.create_file_writer(str(Path(self.run_dir) / "tensorboard" / "doctor"))
             except Exception:  # pragma: no cover
@@ -484,9 +480,9 @@ class TrainingDoctor(StatefulCallback):
         if not (lso and not math.isfinite(step_loss)):
             # Under a LossScaleOptimizer a non-finite loss is a skipped step, not a divergence.
             if self._enabled("divergence") and "divergence" not in self.codes:
-                f = dx.check_divergence(self.tracker, self.step, thresholds=self._th)
+                f = check_divergence(self.tracker, self.step, thresholds=self._th)
                 if f is not None:
-                    self._report(self._with_lr(dx.check_divergence, self.tracker) or f)
+                    self._report(self._with_lr(check_divergence, self.tracker) or f)
         if lso and self._enabled("amp_instability") and "amp_instability" not in self.codes:
             if len(self.backoff_steps) != self._amp_checked_at:
                 self._amp_checked_at = len(self.backoff_steps)
@@ -513,13 +509,13 @@ class TrainingDoctor(StatefulCallback):
 
     def _check_amp(self, nonfinite: dict | None = None) -> None:
         scales = [s for _, s in self.scale_history]
-        f = dx.check_amp(scales, self.backoff_steps, self.step, window=self.window, nonfinite=nonfinite, thresholds=self._th)
+        f = check_amp(scales, self.backoff_steps, self.step, window=self.window, nonfinite=nonfinite, thresholds=self._th)
         if f is not None and nonfinite is None and self._probe is not None:
             # Unstable: name the layer that overflows now (one extra probe, once).
             self._nonfinite = None
             self._run_probe(locate_only=True)
             if self._nonfinite is not None:
-                f = dx.check_amp(
+                f = check_amp(
                     scales, self.backoff_steps, self.step, window=self.window,
                     nonfinite=self._nonfinite, thresholds=self._th,
                 )
@@ -540,7 +536,7 @@ class TrainingDoctor(StatefulCallback):
                 since = self.step - max(self.window, 3 * self.every_n_steps)
                 probe = [l for s, l in self.probe_losses if s > since]
             self._report(
-                dx.check_oscillation(
+                check_oscillation(
                     self.tracker, self.step, lr=lr, momentum=_momentum(self.model.optimizer),
                     probe_losses=probe, probe_every=self.every_n_steps, reference=self.null_loss,
                     thresholds=self._th,
@@ -554,7 +550,7 @@ class TrainingDoctor(StatefulCallback):
             and not {"oscillation", "divergence"} & set(self.codes)
         ):
             self._report(
-                dx.check_slow_convergence(
+                check_slow_convergence(
                     self.tracker, self.step, lr=lr, update_ratio=self.last_probe.get("update_ratio"), thresholds=self._th,
                     explained_by=[c for c in self.codes if c in ("vanishing_gradients", "dead_units", "exploding_gradients")],
                     reference=self.null_loss,
@@ -584,9 +580,9 @@ class TrainingDoctor(StatefulCallback):
         elif nonfinite is not None and not self._located:
             self._located = True
             if self._enabled("divergence"):
-                f = self._with_lr(dx.check_divergence, self.tracker)
+                f = self._with_lr(check_divergence, self.tracker)
                 if f is None and not stats["weights_finite"]:
-                    f = dx.check_divergence(self.tracker, self.step, weights_finite=False, thresholds=self._th)
+                    f = check_divergence(self.tracker, self.step, weights_finite=False, thresholds=self._th)
                 if f is not None:
                     f.evidence["first_nonfinite_layer"] = nonfinite["layer"]
                     f.evidence["first_nonfinite_pass"] = nonfinite["pass"]
@@ -609,7 +605,7 @@ class TrainingDoctor(StatefulCallback):
             "loss_scale": stats["loss_scale"],
         }
         if not stats["weights_finite"] and self._enabled("divergence"):
-            self._report(dx.check_divergence(self.tracker, self.step, weights_finite=False, thresholds=self._th))
+            self._report(check_divergence(self.tracker, self.step, weights_finite=False, thresholds=self._th))
         if self.first_global_norm is None and math.isfinite(stats["global_norm"]) and stats["global_norm"] > 0:
             self.first_global_norm = stats["global_norm"]
         self._write_tensorboard(stats)
@@ -625,7 +621,7 @@ class TrainingDoctor(StatefulCallback):
         largest run-queue delay any thread gathered, per step (see `check_input_bound`);
         `None` at the first check (whose span would hold the tracing) and where the
         statistics are not available."""
-        now = dx.run_queue_delays()
+        now = run_queue_delays()
         if now is None:
             return None
         since = self.step - len(self.step_times)
@@ -638,7 +634,7 @@ class TrainingDoctor(StatefulCallback):
     def _check_input_bound(self) -> None:
         cpu_wait = self._cpu_wait_per_step()
         if 0 < len(self.compute_times) < 3 and len(self.step_times) >= 5 and (
-            1e3 * dx._median(self.step_times) > self._th["input_wait_ms"]
+            1e3 * median(self.step_times) > self._th["input_wait_ms"]
         ):
             # A short run has timed its compute once or twice; one timing slowed down by
             # other work would hide the wait, so time the probe again (at most twice a run).
@@ -646,7 +642,7 @@ class TrainingDoctor(StatefulCallback):
                 t0 = time.perf_counter()
                 self._probe.run()
                 self._record_compute(time.perf_counter() - t0)
-        self._report(dx.check_input_bound(list(self.step_times), list(self.compute_times), self.step,
+        self._report(check_input_bound(list(self.step_times), list(self.compute_times), self.step,
                                           cpu_wait=cpu_wait, thresholds=self._th))
 
     def _probe_rules(self, stats: dict[str, Any], lr: float | None) -> None:
@@ -656,14 +652,14 @@ class TrainingDoctor(StatefulCallback):
         if lso:
             grad_stats["grads_finite"] = True  # float16 overflow is the loss scale's business
         if stats["weights_finite"] and (self._enabled("vanishing_gradients") or self._enabled("exploding_gradients")):
-            for f in dx.check_gradients(grad_stats, self.step, first_global_norm=self.first_global_norm, lr=lr, thresholds=self._th):
+            for f in check_gradients(grad_stats, self.step, first_global_norm=self.first_global_norm, lr=lr, thresholds=self._th):
                 if f.code == "exploding_gradients" and (
                     "divergence" in self.codes or (lso and not math.isfinite(stats["global_norm"]))
                 ):
                     continue  # a consequence of the divergence / the loss scale's business
                 self._report(f)
         if self._enabled("dead_units"):
-            self._report(dx.check_dead_units(
+            self._report(check_dead_units(
                 stats["dead"], self.prev_dead, self.step, lr=lr, thresholds=self._th,
                 explained_by=[c for c in self.codes if c == "oscillation"],
             ))
@@ -680,7 +676,7 @@ class TrainingDoctor(StatefulCallback):
             self.epoch_losses.append(float(loss))
             self.epoch_val_losses.append(float(val) if val is not None else math.nan)
             if val is not None and self._enabled("overfitting") and "overfitting" not in self.codes:
-                self._report(dx.check_overfitting(self.epoch_losses, self.epoch_val_losses, self.step, thresholds=self._th))
+                self._report(check_overfitting(self.epoch_losses, self.epoch_val_losses, self.step, thresholds=self._th))
         self._write_json()
         if self._writer is not None:
             try:
@@ -726,9 +722,9 @@ class TrainingDoctor(StatefulCallback):
             "findings": [f.to_dict() for f in self.findings],
             "steps": self.step,
             "probes": self.probes,
-            "loss_scale_history": [[int(s), dx._jsonable(v)] for s, v in self.scale_history],
+            "loss_scale_history": [[int(s), jsonable(v)] for s, v in self.scale_history],
             "loss_scale_backoffs": len(self.backoff_steps),
-            "last_probe": {k: dx._jsonable(v) for k, v in self.last_probe.items()},
+            "last_probe": {k: jsonable(v) for k, v in self.last_probe.items()},
             "probe": self._probe_error or "ok",
             "config": cfg,
         }
@@ -737,8 +733,6 @@ class TrainingDoctor(StatefulCallback):
         if self.run_dir is None or not self._chief():
             return
         try:
-            from trainwell.io import atomic_write_json
-
             atomic_write_json(Path(self.run_dir) / _DIAGNOSTICS_FILE, self.report())
         except OSError as e:  # pragma: no cover - a full disk must not stop training
             if self.verbose:
@@ -755,7 +749,7 @@ class TrainingDoctor(StatefulCallback):
             self._writer = None
 
     def _write_scalars(self, stats: dict[str, Any]) -> None:
-        import tensorflow as tf
+        import tensorflow as tf  # here: only a run directory gets TensorBoard summaries
 
         meta = _scalar_metadata()
 
@@ -771,7 +765,7 @@ class TrainingDoctor(StatefulCallback):
             scalar("doctor/update_ratio", stats["update_ratio"])
             scalar("doctor/loss_scale", stats["loss_scale"] if self._is_lso() else None)
             if self.step_times:
-                scalar("doctor/step_ms", 1e3 * dx._median(self.step_times))
+                scalar("doctor/step_ms", 1e3 * median(self.step_times))
             for l in stats["layers"]:
                 scalar(f"doctor/grad_norm/{l['name']}", l["grad_norm"])
                 if "update_ratio" in l:
@@ -784,7 +778,7 @@ class TrainingDoctor(StatefulCallback):
 
 def _scalar_metadata() -> bytes:
     """Serialized `SummaryMetadata` of TensorBoard's scalars plugin."""
-    from tensorflow.core.framework import summary_pb2
+    from tensorflow.core.framework import summary_pb2  # here: only a run directory writes TensorBoard summaries
 
     return summary_pb2.SummaryMetadata(
         plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")

@@ -1,0 +1,334 @@
+"""Capturing a model's training state into arrays, and putting it back.
+
+`Plan` maps every array key to a variable: model weights by the structural
+path Keras's own `.weights.h5` uses (`model:layers/dense_1/0`, so the keys do
+not depend on auto-generated layer names), optimizer slots by the path of their
+model variable (`opt:...`), seed generators (`seed:...`) and metric
+accumulators (`metric:...`). `capture` snapshots them in one compiled read (no
+copy); `restore_model_arrays`/`restore_vars` check every key and shape before
+assigning and raise `CheckpointMismatchError` naming the keys. `rng_capture` and
+`rng_restore` cover Python's, NumPy's, Keras's and TensorFlow's global RNGs.
+`load_checkpoint` is the public entry: a checkpoint's weights into a model.
+
+Example:
+>>> import keras
+>>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+>>> sorted(k for k, _ in Plan(model, include_optimizer=False).model_items())
+['model:layers/dense/0', 'model:layers/dense/1']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+from typing import Any
+
+import numpy as np
+
+from trainwell.callbacks.checkpoint.files import (
+    CheckpointMismatchError,
+    read_checkpoint,
+    resolve_checkpoint_path,
+)
+from trainwell.compat.keras_internals import (
+    keras_global_seed_state,
+    model_fully_built,
+    seed_generators,
+    walk_saveables,
+)
+
+def to_numpy(value) -> np.ndarray:
+    if hasattr(value, "numpy"):
+        value = value.numpy()
+    return np.asarray(value)
+
+
+def dedup(key: str, used: dict[str, int]) -> str:
+    if key in used:
+        used[key] += 1
+        return f"{key}#{used[key]}"
+    used[key] = 0
+    return key
+
+
+def _optimizer_objects(optimizer) -> list:
+    out = []
+    while optimizer is not None and optimizer not in out:
+        out.append(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return out
+
+
+class Plan:
+    """Which array key maps to which variable of a model (built once per model)."""
+
+    def __init__(self, model, include_optimizer: bool):
+        optimizer = getattr(model, "optimizer", None)
+        opt_objs = _optimizer_objects(optimizer)
+        skip = {id(o) for o in opt_objs}
+        self.layer_stores: list[tuple[str, Any, dict]] = []  # (path, saveable, {i: variable})
+        self.seed_vars: list[tuple[str, Any]] = []
+        var_key_by_path: dict[str, str] = {}
+        seen_sg: set[int] = set()
+        for path, obj in walk_saveables(model, skip):
+            if hasattr(obj, "save_own_variables"):
+                store: dict = {}
+                obj.save_own_variables(store)
+                if store:
+                    self.layer_stores.append((path, obj, store))
+                    for k, v in store.items():
+                        vpath = getattr(v, "path", None)
+                        if vpath:
+                            var_key_by_path[vpath] = f"{path}/{k}" if path else str(k)
+            for j, sg in enumerate(seed_generators(obj)):
+                if id(sg) in seen_sg or getattr(sg, "state", None) is None:
+                    continue
+                seen_sg.add(id(sg))
+                self.seed_vars.append((f"seed:{path}/{j}", sg.state))
+        self.opt_vars: list[tuple[str, Any]] = []
+        if include_optimizer and optimizer is not None:
+            mangled = sorted(
+                ((p.replace("/", "_"), key) for p, key in var_key_by_path.items()),
+                key=lambda t: -len(t[0]),
+            )
+            used: dict[str, int] = {}
+            for v in optimizer.variables:
+                name = str(v.name)
+                key = name
+                for m, mkey in mangled:
+                    if name.startswith(m + "_"):
+                        key = f"{mkey}~{name[len(m) + 1:]}"
+                        break
+                self.opt_vars.append((dedup(f"opt:{key}", used), v))
+        used = {}
+        self.metric_vars = [(dedup(f"metric:{v.path}", used), v) for v in model.metrics_variables]
+        self.readers: dict = {}
+        self.names: dict[str, str] = {}
+
+    def model_items(self):
+        for path, _, store in self.layer_stores:
+            for k, v in store.items():
+                yield (f"model:{path}/{k}" if path else f"model:{k}"), v
+
+
+def plan_signature(model):
+    opt = getattr(model, "optimizer", None)
+    return (len(model.variables), len(opt.variables) if opt is not None else 0, len(model.metrics_variables))
+
+
+def _plan_items(plan: Plan, *, weights_only: bool, include_metrics: bool) -> list[tuple[str, Any]]:
+    items = list(plan.model_items())
+    if not weights_only:
+        items += plan.opt_vars + plan.seed_vars
+        if include_metrics:
+            items += plan.metric_vars
+    return items
+
+
+def _read_snapshot(plan: Plan, items: list[tuple[str, Any]]) -> list:
+    """Immutable snapshots of the current values of `items`.
+
+    One compiled function reads every variable (a few ms for ResNet-50's ~540
+    variables, against ~30 ms for one eager read each) and returns tensors.
+    Tensors are values: TensorFlow updates a variable whose buffer is still
+    referenced by a read tensor copy-on-write, so the snapshot stays as it was
+    while training goes on, and no copy is made here. `host` turns them into
+    NumPy arrays (zero-copy on the CPU) when the checkpoint is written.
+    """
+    keys = tuple(k for k, _ in items)
+    variables = [v for _, v in items]
+    try:
+        import tensorflow as tf  # here: the compiled read is TensorFlow's; another backend copies below
+
+        fn = plan.readers.get(keys)
+        if fn is None:
+            tf_vars = [v.value for v in variables]
+
+            @tf.autograph.experimental.do_not_convert
+            def read_all():
+                return [tf.identity(v) for v in tf_vars]
+
+            fn = tf.function(read_all)
+            plan.readers[keys] = fn
+        return list(fn())
+    except Exception:  # another backend, or something tf.function cannot read: copy now
+        return [to_numpy(v) for v in variables]
+
+
+def host(value) -> np.ndarray:
+    """A snapshot (tensor or array) as a NumPy array; keep `value` alive while using it."""
+    try:
+        from trainwell.compat.tf_internals import host_array  # here: TensorFlow only, and only when writing
+    except ImportError:  # another backend
+        return to_numpy(value)
+    return host_array(value)
+
+
+def capture(plan: Plan, *, weights_only: bool, include_metrics: bool) -> tuple[dict, dict]:
+    """Snapshots of the model state; returns (values by key, variable names by key)."""
+    items = _plan_items(plan, weights_only=weights_only, include_metrics=include_metrics)
+    values = _read_snapshot(plan, items)
+    out, names = {}, {}
+    for (key, var), value in zip(items, values):
+        out[key] = value
+        name = plan.names.get(key)
+        if name is None:
+            name = plan.names[key] = str(getattr(var, "path", ""))
+        names[key] = name
+    return out, names
+
+
+def _check_section(ckpt: str, section: str, expected: dict[str, tuple], saved: dict[str, np.ndarray]) -> None:
+    missing = sorted(k for k in expected if k not in saved)
+    extra = sorted(k for k in saved if k not in expected)
+    bad = [
+        f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(expected[k])}"
+        for k in sorted(expected)
+        if k in saved and tuple(saved[k].shape) != tuple(expected[k])
+    ]
+    if missing or extra or bad:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if extra:
+            parts.append(f"not in the model: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+        if bad:
+            parts.append(f"shape mismatch: {bad[:8]}{' ...' if len(bad) > 8 else ''}")
+        raise CheckpointMismatchError(
+            f"Checkpoint {ckpt!r} does not match the {section} ({'; '.join(parts)}). "
+            "Was it written by a different model or optimizer?"
+        )
+
+
+def restore_model_arrays(plan: Plan, arrays: dict, ckpt: str) -> None:
+    expected = {k: tuple(_shape(v)) for k, v in plan.model_items()}
+    saved = {k: a for k, a in arrays.items() if k.startswith("model:")}
+    _check_section(ckpt, "model weights", expected, saved)
+    for path, obj, store in plan.layer_stores:
+        prefix = f"model:{path}/" if path else "model:"
+        obj.load_own_variables({k: arrays[prefix + str(k)] for k in store})
+
+
+def restore_vars(items: list[tuple[str, Any]], arrays: dict, ckpt: str, section: str, prefix: str) -> None:
+    expected = {k: tuple(_shape(v)) for k, v in items}
+    saved = {k: a for k, a in arrays.items() if k.startswith(prefix)}
+    _check_section(ckpt, section, expected, saved)
+    for k, v in items:
+        v.assign(arrays[k])
+
+
+def _shape(v):
+    return tuple(int(d) for d in v.shape)
+
+
+def rng_capture() -> tuple[dict, dict]:
+    arrays, meta = {}, {}
+    version, internal, gauss = random.getstate()
+    meta["python"] = [version, list(internal), gauss]
+    st = np.random.get_state()
+    arrays["rng:numpy"] = np.asarray(st[1])
+    meta["numpy"] = {"pos": int(st[2]), "has_gauss": int(st[3]), "cached_gaussian": float(st[4])}
+    state = keras_global_seed_state()
+    if state is not None:
+        arrays["rng:keras_global"] = to_numpy(state)
+    try:
+        from trainwell.compat.tf_internals import tf_global_generator  # here: TensorFlow only
+
+        g = tf_global_generator()
+        if g is not None:
+            arrays["rng:tf_global"] = g.state.numpy()
+            meta["tf_algorithm"] = int(g.algorithm)
+    except Exception:  # pragma: no cover
+        pass
+    return arrays, meta
+
+
+def rng_restore(arrays: dict, meta: dict) -> None:
+    if not meta:
+        return
+    if "python" in meta:
+        version, internal, gauss = meta["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "rng:numpy" in arrays and "numpy" in meta:
+        n = meta["numpy"]
+        np.random.set_state(
+            ("MT19937", arrays["rng:numpy"].astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+        )
+    if "rng:keras_global" in arrays:
+        keras_global_seed_state(create=True).assign(arrays["rng:keras_global"])
+    if "rng:tf_global" in arrays:
+        import tensorflow as tf  # here: only a checkpoint written under TensorFlow holds its RNG
+
+        alg = meta.get("tf_algorithm")
+        gen = tf.random.get_global_generator()
+        if alg is None or int(gen.algorithm) == int(alg):
+            gen.reset(arrays["rng:tf_global"])
+        else:
+            tf.random.set_global_generator(tf.random.Generator.from_state(arrays["rng:tf_global"], alg))
+
+
+def config_to_dict(config) -> dict | None:
+    if config is None:
+        return None
+    if isinstance(config, dict):
+        return dict(config)
+    if hasattr(config, "to_dict"):
+        return dict(config.to_dict())
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return dataclasses.asdict(config)
+    raise ValueError(
+        "Invalid value for argument `config`. Expected a dict, a dataclass or an object with "
+        f"`to_dict()`. Received: config={config!r}"
+    )
+
+
+def json_safe(obj):
+    """Round-trips `obj` through JSON, failing loudly on what JSON cannot hold."""
+    return json.loads(json.dumps(obj, allow_nan=True))
+
+
+def load_checkpoint(path: str | os.PathLike, model, include_optimizer: bool = False) -> dict:
+    """Loads the weights of a checkpoint into a built `model` (e.g. for inference).
+
+    Args:
+        path: A checkpoint (`.../ckpt-123`) or a `Checkpoint` directory, whose
+            newest usable checkpoint is used (see `resume_checkpoint`).
+        model: A built Keras model with the same architecture.
+        include_optimizer: Also restore the optimizer variables (building the
+            optimizer if needed). Defaults to `False`.
+
+    Returns:
+        The checkpoint's index entry (epoch, step, monitored value, path).
+
+    Raises:
+        FileNotFoundError: No checkpoint at `path`.
+        CheckpointCorruptError: The checkpoint (or, for a directory, every
+            checkpoint in it) is damaged.
+        CheckpointMismatchError: The arrays do not match the model's variables;
+            the message names the keys.
+
+    Example:
+    >>> load_checkpoint("runs/exp1/checkpoints", model)  # doctest: +SKIP
+    {'name': 'ckpt-1200', 'epoch': 3, ...}
+    """
+    ckpt = resolve_checkpoint_path(path)
+    if not model_fully_built(model):
+        raise ValueError(
+            f"Cannot load checkpoint {str(ckpt)!r} into an unbuilt model. Build it first, e.g. "
+            "`model.build(input_shape)` or by calling it on a batch."
+        )
+    meta, arrays = read_checkpoint(ckpt)
+    if include_optimizer and meta.get("weights_only"):
+        raise ValueError(f"Checkpoint {str(ckpt)!r} is weights-only: it holds no optimizer state.")
+    if include_optimizer and model.optimizer is not None and not model.optimizer.built:
+        with model.distribute_strategy.scope():
+            model.optimizer.build(model.trainable_variables)
+    plan = Plan(model, include_optimizer=include_optimizer)
+    restore_model_arrays(plan, arrays, str(ckpt))
+    if include_optimizer:
+        restore_vars(plan.opt_vars, arrays, str(ckpt), "optimizer", "opt:")
+    entry = dict(meta.get("entry", {}))
+    entry["path"] = str(ckpt)
+    return entry

@@ -1,0 +1,313 @@
+"""Writing checkpoints: snapshot, files, commit, index and rotation, in the background if asked.
+
+`CheckpointWriter` is the part of `Checkpoint` that turns the current training
+state into a committed checkpoint (`_save`): a snapshot of every array
+(`state.capture`, no copy), the JSON state, then the files written and
+committed through `files` (`write_npz`, `write_text`, `commit_directory`; the
+test suite stalls or fails a save by patching those), the index rewritten
+atomically, and the checkpoints beyond `keep_last`/`keep_best` removed. With
+`async_save` everything after the snapshot runs in one writer thread, in order.
+Only the chief writes into `directory`; other workers write to a scratch
+directory and delete it.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import keras
+import numpy as np
+
+from trainwell.callbacks.base import stateful_callbacks
+from trainwell.callbacks.checkpoint import files
+from trainwell.callbacks.checkpoint.files import (
+    ARRAYS_FILE,
+    FORMAT_VERSION,
+    INDEX_FILE,
+    STATE_FILE,
+    TMP_PREFIX,
+    CheckpointSaveError,
+    checkpoint_path,
+    encode_array,
+    int_or,
+    seal,
+    zip_crcs,
+)
+from trainwell.callbacks.checkpoint.state import Plan, capture, host, json_safe, plan_signature, rng_capture
+from trainwell.compat.learning_rate import get_lr_multiplier
+from trainwell.compat.metrics import finite_value, metric_direction
+from trainwell.io import atomic_write_json, atomic_write_text, fsync_dir
+
+
+class CheckpointWriter:
+    """Mixin of `Checkpoint`: how a checkpoint gets written (see the module docstring)."""
+
+    def _capture_arrays(self, include_metrics: bool) -> tuple[dict, dict, dict]:
+        """Snapshots of the state (no copy; see `_read_snapshot`), names and RNG metadata."""
+        values, names = capture(self._plan(), weights_only=self.weights_only, include_metrics=include_metrics)
+        rng_meta: dict = {}
+        if not self.weights_only:
+            rng_arrays, rng_meta = rng_capture()
+            for k, a in rng_arrays.items():
+                values[k] = a
+                names[k] = k
+        return values, names, rng_meta
+
+
+    def _plan(self) -> Plan:
+        model = self.model
+        sig = (id(model), plan_signature(model))
+        if self._plan_cache is None or self._plan_cache[0] != sig:
+            self._plan_cache = (sig, Plan(model, include_optimizer=not self.weights_only))
+        return self._plan_cache[1]
+
+
+    def _callback_states(self) -> dict:
+        """JSON states of the other `StatefulCallback`s of this fit."""
+        out = {}
+        for key, cb in stateful_callbacks(self.model).items():
+            if cb is self:
+                continue
+            try:
+                out[key] = json_safe(cb.get_state())
+            except (TypeError, ValueError) as e:
+                raise TypeError(
+                    f"The state of callback {key!r} ({type(cb).__name__}) is not JSON-serialisable: {e}"
+                ) from None
+        return out
+
+
+    def _save(
+        self, *, value, completed_epoch, hooks_done, arrays=None, epoch=None, step_in_epoch=None, data_position=None
+    ) -> dict:
+        """Writes a checkpoint (in the background with `async_save`); returns its state dict."""
+        self.wait()  # never two writes at once; surfaces a previous async error
+        model = self.model
+        if epoch is None:
+            epoch, step_in_epoch = self.epoch, self.step_in_epoch
+        if arrays is None:
+            arrays, names, rng_meta = self._capture_arrays(include_metrics=step_in_epoch > 0)
+        else:
+            arrays, names, rng_meta = arrays
+        if data_position is None:
+            data_position = int(self._consumed) if hooks_done else 0
+        step = int(self.global_step)
+        with self._lock:
+            seq = max([int_or(e.get("seq"), 0) for e in self._entries] + [0]) + 1
+        entry = {
+            "name": f"ckpt-{step}",
+            "seq": seq,
+            "epoch": int(epoch),
+            "step_in_epoch": int(step_in_epoch),
+            "global_step": step,
+            "completed_epoch": completed_epoch,
+            "monitor": self.monitor,
+            "value": value,
+            "weights_only": self.weights_only,
+            "stopped": bool(model.stop_training) and step_in_epoch == 0,
+            "time": time.time(),
+        }
+        self.last_save_step = step
+        meta = {
+            "format": FORMAT_VERSION,
+            "entry": entry,
+            "weights_only": self.weights_only,
+            "position": {
+                "epoch": int(epoch),
+                "step_in_epoch": int(step_in_epoch),
+                "global_step": step,
+                "data_position": int(data_position),
+                "hooks_done": bool(hooks_done),
+            },
+            "config": self.config,
+            "keras_version": keras.__version__,
+            "arrays": {},
+        }
+        if not self.weights_only:
+            meta["rng"] = rng_meta
+            meta["callbacks"] = self._callback_states()
+            meta["checkpoint"] = self.get_state()
+            if getattr(model, "optimizer", None) is not None:
+                meta["lr_multiplier"] = get_lr_multiplier(model.optimizer)
+        # Everything below (encoding, JSON, files) runs in the background with async_save.
+        self._submit(self._write, arrays, names, meta, entry)
+        return meta
+
+
+    def _submit(self, fn, *args) -> None:
+        """Runs a write now, or queues it for the writer thread (in order) with `async_save`."""
+        if self.async_save:
+            self._start_worker()
+            self._queue.put((fn, args))  # no wait: a thread start would cost ~10 ms of GIL hand-over
+        else:
+            fn(*args)
+
+
+    def _start_worker(self) -> None:
+        if self._worker is not None and self._worker.is_alive():
+            return
+        self._queue = queue.Queue()
+        self._worker = threading.Thread(
+            target=self._worker_loop, args=(self._queue,), name="trainwell-checkpoint-writer", daemon=True
+        )
+        self._worker.start()
+
+
+    def _stop_worker(self) -> None:
+        if self._worker is not None and self._worker.is_alive():
+            self._queue.put(None)
+            self._worker.join()
+        self._worker = None
+
+
+    def _worker_loop(self, q: queue.Queue) -> None:
+        while True:
+            job = q.get()
+            try:
+                if job is None:
+                    return
+                fn, args = job
+                fn(*args)
+            except BaseException as e:  # surfaced by the next save, wait() or on_train_end
+                self._async_error = e
+            finally:
+                q.task_done()
+
+
+    def _save_error(self, name: str, current, e: BaseException) -> Exception:
+        directory = str(self.directory)
+        if isinstance(e, OSError):
+            return CheckpointSaveError(
+                e.errno if e.errno is not None else _errno.EIO,
+                f"Could not save checkpoint {name!r}: writing {str(current)!r} failed "
+                f"({e.strerror or e}). Previous checkpoints in {directory!r} are intact",
+                str(current),
+            )
+        return RuntimeError(
+            f"Could not save checkpoint {name!r}: writing {str(current)!r} failed ({e}). "
+            f"Previous checkpoints in {directory!r} are intact"
+        )
+
+
+    def _write(self, arrays: dict, names: dict, meta: dict, entry: dict) -> None:
+        directory = Path(self.directory)
+        tmp = None
+        base = None
+        current = directory
+        try:
+            encoded = {}
+            for k, value in arrays.items():
+                a = host(value)
+                enc, dtype_name = encode_array(np.asarray(a, order="C"))
+                encoded[k] = enc
+                meta["arrays"][k] = {"shape": list(a.shape), "dtype": dtype_name, "name": names.get(k, "")}
+            if self._is_chief:
+                base = directory
+            else:
+                # The pid in the name: a SIGKILLed worker's leftover is recognisable.
+                base = current = Path(tempfile.mkdtemp(prefix=f"trainwell-ckpt-scratch-{os.getpid()}-"))
+            tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=base))
+            current = tmp / ARRAYS_FILE
+            files.write_npz(current, encoded)
+            del encoded
+            with zipfile.ZipFile(current) as zf:
+                meta["arrays_crc32"] = zip_crcs(zf)  # computed by zipfile while it wrote them
+            current = tmp / STATE_FILE
+            files.write_text(current, seal(meta))
+            current = tmp
+            fsync_dir(tmp)
+            if not self._is_chief:
+                return
+            current = directory / entry["name"]
+            files.commit_directory(tmp, current)
+            tmp = None
+            self._last_written = (entry["name"], meta)
+            current = directory / INDEX_FILE
+            self._commit_index(entry)
+        except Exception as e:
+            raise self._save_error(entry["name"], current, e) from e
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if not self._is_chief and base is not None:
+                shutil.rmtree(base, ignore_errors=True)
+
+
+    def _amend_state(self, name: str, updates: dict) -> None:
+        """Rewrites state.json of the checkpoint `name` just committed (writer thread or inline).
+
+        `updates` may hold `callbacks` (the other callbacks' states), `stopped`,
+        `data_position` and `iterator_continues`. The file is replaced atomically
+        and resealed; the arrays are untouched.
+        """
+        last = self._last_written
+        if not self._is_chief or last is None or last[0] != name:
+            return
+        meta = last[1]
+        if "callbacks" in updates:
+            meta["callbacks"] = updates["callbacks"]
+        if "data_position" in updates:
+            meta["position"]["data_position"] = int(updates["data_position"])
+        if "iterator_continues" in updates and isinstance(meta.get("checkpoint"), dict):
+            meta["checkpoint"]["iterator_continues"] = bool(updates["iterator_continues"])
+        if "stopped" in updates:
+            meta["entry"]["stopped"] = bool(updates["stopped"])
+        path = Path(self.directory) / name / STATE_FILE
+        try:
+            atomic_write_text(path, seal(meta))
+            if "stopped" in updates:
+                path = Path(self.directory) / INDEX_FILE
+                self._commit_index(meta["entry"])
+        except Exception as e:
+            raise self._save_error(name, path, e) from e
+
+
+    def _commit_index(self, entry: dict) -> None:
+        directory = Path(self.directory)
+        with self._lock:
+            entries = [e for e in self._entries if e["name"] != entry["name"]]
+            e = dict(entry)
+            e["path"] = str(directory / entry["name"])
+            entries.append(e)
+            keep = {x["name"] for x in entries[-self.keep_last:]}
+            keep |= {x["name"] for x in self._best_entries(entries)[: self.keep_best]}
+            kept = [x for x in entries if x["name"] in keep]
+            dropped = [x for x in entries if x["name"] not in keep]
+            atomic_write_json(
+                directory / INDEX_FILE,
+                {
+                    "format": FORMAT_VERSION,
+                    "monitor": self.monitor,
+                    "mode": self._mode_resolved or self.mode,
+                    "checkpoints": [{k: v for k, v in x.items() if k != "path"} for x in kept],
+                    "best": [x["name"] for x in self._best_entries(kept)[: max(self.keep_best, 1)]],
+                },
+            )
+            self._entries = kept
+        for x in dropped:
+            path = checkpoint_path(directory, x["name"])  # never a name from disk that leaves the directory
+            if path is not None:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+    def _best_entries(self, entries: list[dict]) -> list[dict]:
+        valued = [
+            e for e in entries if finite_value(e.get("value")) is not None and e.get("monitor") == self.monitor
+        ]
+        sign = -1.0 if (self._mode_resolved or self._resolve_mode(False)) == "max" else 1.0
+        return sorted(valued, key=lambda e: (sign * float(e["value"]), -e.get("seq", 0)))
+
+
+    def _resolve_mode(self, use_model: bool = True) -> str:
+        """`trainwell.compat.metric_direction`: Keras's rule with the model, else by name; "min" if neither says."""
+        model = self.model if use_model else None
+        found = metric_direction(self.monitor, self.mode, model) if model is not None else None
+        return found or metric_direction(self.monitor, self.mode) or "min"

@@ -1,0 +1,345 @@
+"""The doctor's records: finding codes, thresholds, `Finding`, and the loss history the rules read.
+
+- `Finding`, the record of one diagnosed problem (a code, a severity, the evidence
+  in numbers, likely causes and concrete fixes).
+- `LossTracker`, the per-step loss history the loss rules read (recovered from the
+  epoch's running mean that Keras passes to batch callbacks).
+- `DEFAULT_THRESHOLDS`, each with the reason for its value.
+
+Backend-free: plain Python numbers, no Keras or TensorFlow.
+
+Example:
+>>> f = Finding("divergence", "error", {"loss": 1e9}, ["lower the learning rate 10x"], step=120)
+>>> Finding.from_dict(f.to_dict()) == f
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections import deque
+from typing import Any, Iterable
+
+#: The finding codes, in the order a summary lists them.
+CODES = (
+    "divergence",
+    "exploding_gradients",
+    "amp_instability",
+    "oscillation",
+    "vanishing_gradients",
+    "dead_units",
+    "slow_convergence",
+    "overfitting",
+    "input_bound",
+)
+
+SEVERITIES = ("info", "warning", "error")
+
+#: Default thresholds of the rules. Override any of them with
+#: `TrainingDoctor(thresholds={...})`.
+DEFAULT_THRESHOLDS: dict[str, float] = {
+    # divergence: the recent median loss above `diverge_factor` x its best (fastai's
+    # LR finder stops at 4x the best smoothed loss), above the initial loss, and a
+    # new high (twice any earlier level), so that an oscillation that comes back
+    # down is not called a divergence.
+    "diverge_factor": 4.0,
+    # oscillation: on 5-step medians, a swing counts when it moves by at least
+    # `oscillation_swing` x the initial loss and by a factor `oscillation_ratio`;
+    # `oscillation_peaks` peaks (a rise then a fall) within the window. Minibatch
+    # noise near a low loss swings by factors of 2-4 but rarely by 0.4 x the
+    # initial loss (at most 2 such peaks in 200 steps, measured on small MLPs with
+    # batch 8-32 and SGD/Adam); momentum 0.99 sends the loss back up to about its
+    # initial value again and again (4-6 such peaks in 200 steps).
+    # A swing must also stand out of the minibatch noise: at least
+    # `oscillation_noise_z` x the noise of a 5-step median (`chunk_noise`). Measured by
+    # replaying the rule on the per-step losses of the runs of bench/doctor_zoo.py:
+    # single noise swings of healthy runs with batch 2-4 reach 4.7-4.8 x (at x4 such a
+    # run counts at most one peak, at x0 two), the swings of the heavy-momentum runs
+    # 4.2-28 x (3-10 peaks).
+    "oscillation_swing": 0.4,
+    "oscillation_ratio": 1.5,
+    "oscillation_peaks": 3,
+    "oscillation_noise_z": 4.0,
+    # The probe batch's loss (no sampling noise) confirms an oscillation where the
+    # probes sample it at least twice per period: one probe loss `oscillation_probe_rise`
+    # x the one before.
+    "oscillation_probe_rise": 1.5,
+    # slow convergence: after `window` steps the loss is less than
+    # `slow_progress` below its initial value; a plateau: over the last two windows
+    # less than `plateau_progress` improvement while above `plateau_level` x the
+    # initial loss. Neither below `slow_level` x the null-model loss (the loss of
+    # predicting the batch-mean output): that model has learned already.
+    "slow_progress": 0.05,
+    "plateau_progress": 0.01,
+    "plateau_level": 0.5,
+    "slow_level": 0.5,
+    # update-to-weight ratio per step below this is "LR too low" evidence
+    # (about 1e-3 is the usual healthy value; Karpathy, CS231n notes).
+    "update_ratio_low": 1e-5,
+    # vanishing: per-parameter RMS gradient of the first weighted layer below
+    # `vanish_ratio` x that of the last one.
+    "vanish_ratio": 1e-4,
+    # exploding: a layer whose gradient norm exceeds `explode_ratio` x its weight
+    # norm (one SGD step at LR 0.01 would change it by more than the weights
+    # themselves), or a global gradient norm `explode_growth` x its first value.
+    "explode_ratio": 100.0,
+    "explode_growth": 100.0,
+    # dead units: a ReLU layer (>= 8 units) with more than this fraction of its
+    # units zero for every example of the probe batch, at two probes in a row.
+    "dead_fraction": 0.6,
+    # overfitting: validation loss `overfit_rise` above its best (on average over
+    # the last `overfit_patience` epochs, at least that many epochs after the best)
+    # while the training loss kept falling and is `overfit_gap` x below the
+    # validation loss (epoch-to-epoch noise of a well-fit model moves the
+    # validation loss by 10-20% with no gap).
+    "overfit_rise": 0.1,
+    "overfit_patience": 2,
+    "overfit_gap": 0.2,
+    # input bound: the median step spends this fraction waiting for data, and
+    # at least `input_wait_ms` per step (tiny models have ~1 ms of Python
+    # overhead per step that is not data waiting).
+    "input_wait_fraction": 0.4,
+    "input_wait_ms": 3.0,
+    # amp: the loss scale backed off on more than this fraction of the last
+    # `window` steps (at least `amp_min_backoffs` times), or fell below
+    # `amp_min_scale` (float16 then cannot hold the gradients). A LossScaleOptimizer
+    # starts at 2**15 and halves on overflow until it finds its level (a few
+    # back-offs at the start are normal), then doubles after 2000 good steps and
+    # backs off about once per 2000 steps.
+    "amp_overflow_rate": 0.05,
+    "amp_min_backoffs": 8,
+    "amp_min_scale": 1.0,
+}
+
+
+# --------------------------------------------------------------------------- Finding
+@dataclasses.dataclass
+class Finding:
+    """One diagnosed training problem.
+
+    Args:
+        code: One of `CODES`, e.g. `"divergence"`.
+        severity: `"info"`, `"warning"` or `"error"`.
+        evidence: The numbers behind the diagnosis (a layer name where one is
+            named), e.g. `{"loss": 812.0, "best_loss": 0.41}`.
+        fixes: Concrete changes to try, most likely first.
+        step: The training step (batches since the run began) at diagnosis.
+        causes: Likely causes, most likely first. Defaults to `[]`.
+        summary: One line that says what was seen. Defaults to `""`.
+
+    Example:
+    >>> f = Finding("divergence", "error", {"loss": float("nan")}, ["lower the LR"], 12)
+    >>> Finding.from_dict(f.to_dict()).code
+    'divergence'
+    """
+
+    code: str
+    severity: str
+    evidence: dict[str, Any]
+    fixes: list[str]
+    step: int
+    causes: list[str] = dataclasses.field(default_factory=list)
+    summary: str = ""
+
+    def __post_init__(self) -> None:
+        if self.code not in CODES:
+            raise ValueError(f"Invalid value for argument `code`. Expected one of {CODES}. Received: code={self.code!r}")
+        if self.severity not in SEVERITIES:
+            raise ValueError(
+                f"Invalid value for argument `severity`. Expected one of {SEVERITIES}. "
+                f"Received: severity={self.severity!r}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (non-finite numbers become strings)."""
+        return {
+            "code": self.code,
+            "severity": self.severity,
+            "evidence": {k: jsonable(v) for k, v in self.evidence.items()},
+            "fixes": list(self.fixes),
+            "step": int(self.step),
+            "causes": list(self.causes),
+            "summary": self.summary,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Finding":
+        """Inverse of `to_dict`."""
+        return cls(
+            code=d["code"],
+            severity=d["severity"],
+            evidence={k: unjson(v) for k, v in dict(d.get("evidence") or {}).items()},
+            fixes=list(d.get("fixes") or []),
+            step=int(d.get("step", 0)),
+            causes=list(d.get("causes") or []),
+            summary=str(d.get("summary") or ""),
+        )
+
+    def line(self) -> str:
+        """One printable line: severity, code, step, what was seen, the first fix."""
+        fix = f" Fix: {self.fixes[0]}" if self.fixes else ""
+        return f"[{self.severity}] {self.code} at step {self.step}: {self.summary}{fix}"
+
+
+def jsonable(v: Any) -> Any:
+    if isinstance(v, bool) or v is None or isinstance(v, str):
+        return v
+    if isinstance(v, (int,)) and not isinstance(v, bool):
+        return int(v)
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    if math.isfinite(f):
+        return f
+    return "nan" if math.isnan(f) else ("inf" if f > 0 else "-inf")
+
+
+def unjson(v: Any) -> Any:
+    if v in ("nan", "inf", "-inf"):
+        return float(v)
+    return v
+
+
+def fmt(x: float) -> str:
+    if x is None:
+        return "n/a"
+    if not math.isfinite(x):
+        return str(x)
+    return f"{x:.3g}"
+
+
+def median(xs: Iterable[float]) -> float:
+    xs = [x for x in xs if math.isfinite(x)]
+    return statistics.median(xs) if xs else math.nan
+
+
+# --------------------------------------------------------------------------- loss history
+class LossTracker:
+    """Per-step losses recovered from Keras's running epoch mean, with summaries.
+
+    Keras passes batch callbacks `logs["loss"]`, the mean over the epoch so far
+    (sample-weighted by batch size). With equal batches the loss of batch `b`
+    (0-based in the epoch) is `(b + 1) * m_b - (b_prev + 1) * m_prev`, divided by
+    the number of batches in between (`steps_per_execution > 1`).
+
+    Args:
+        window: Number of recent step losses kept. Defaults to `200`.
+        chunk: Steps averaged into one point of the chunk series the
+            oscillation rule reads. Defaults to `5`.
+
+    Example:
+    >>> t = LossTracker(window=10)
+    >>> for b, m in enumerate([4.0, 3.0, 2.5]):   # running means of 4, 2, 1.5
+    ...     _ = t.update_from_running_mean(b, m)
+    >>> t.recent()
+    [4.0, 2.0, 1.5]
+    """
+
+    def __init__(self, window: int = 200, chunk: int = 5) -> None:
+        self.window = int(window)
+        self.chunk = int(chunk)
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.first: list[float] = []           # first 10 finite step losses
+        self.losses: deque[float] = deque(maxlen=self.window)
+        self.chunks: deque[float] = deque(maxlen=max(4, self.window // self.chunk))
+        self._chunk_buf: list[float] = []
+        self.best_median = math.inf            # best median of 10 consecutive losses
+        self.high_water = -math.inf            # highest 10-step median before the last 10
+        self.nonfinite_steps = 0
+        self._prev_mean: float | None = None
+        self._prev_batch = -1
+        self._history_medians: deque[float] = deque(maxlen=10)
+
+    # ------------------------------------------------------------ updates
+    def new_epoch(self) -> None:
+        self._prev_mean = None
+        self._prev_batch = -1
+
+    def update_from_running_mean(self, batch: int, mean: float) -> float:
+        """Records the running mean after `batch`; returns the recovered step loss."""
+        mean = float(mean)
+        n = batch - self._prev_batch
+        if self._prev_mean is None or batch <= self._prev_batch:
+            loss = mean
+            n = batch + 1 if self._prev_mean is None else 1
+        else:
+            loss = ((batch + 1) * mean - (self._prev_batch + 1) * self._prev_mean) / max(n, 1)
+        self._prev_mean, self._prev_batch = mean, batch
+        if not math.isfinite(loss) and math.isfinite(mean):
+            loss = mean
+        self.add(loss, max(int(n), 1))
+        return loss
+
+    def add(self, loss: float, n: int = 1) -> None:
+        """Records the loss of the last `n` steps (their mean)."""
+        self.steps += n
+        if not math.isfinite(loss):
+            self.nonfinite_steps += n
+        self.losses.append(loss)
+        if math.isfinite(loss) and len(self.first) < 10:
+            self.first.append(loss)
+        self._chunk_buf.append(loss)
+        if len(self._chunk_buf) >= self.chunk:
+            self.chunks.append(median(self._chunk_buf) if any(map(math.isfinite, self._chunk_buf)) else math.nan)
+            self._chunk_buf = []
+        if len(self.losses) >= 10:
+            med = self.recent_median(10)
+            if math.isfinite(med):
+                self.best_median = min(self.best_median, med)
+                self._history_medians.append(med)
+                if len(self._history_medians) == self._history_medians.maxlen:
+                    self.high_water = max(self.high_water, self._history_medians[0])
+
+    # ------------------------------------------------------------ reads
+    @property
+    def initial(self) -> float:
+        """Median of the first 10 finite step losses (nan before any)."""
+        return median(self.first)
+
+    def recent(self, n: int | None = None) -> list[float]:
+        xs = list(self.losses)
+        return xs if n is None else xs[-n:]
+
+    def recent_median(self, n: int = 10) -> float:
+        return median(self.recent(n))
+
+    # ------------------------------------------------------------ state
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "first": [jsonable(x) for x in self.first],
+            "losses": [jsonable(x) for x in self.losses],
+            "chunks": [jsonable(x) for x in self.chunks],
+            "chunk_buf": [jsonable(x) for x in self._chunk_buf],
+            "best_median": jsonable(self.best_median),
+            "high_water": jsonable(self.high_water),
+            "nonfinite_steps": self.nonfinite_steps,
+            "history_medians": [jsonable(x) for x in self._history_medians],
+        }
+
+    def set_state(self, s: dict[str, Any]) -> None:
+        self.reset()
+        f = lambda v: float(unjson(v))  # noqa: E731
+        self.steps = int(s.get("steps", 0))
+        self.first = [f(x) for x in s.get("first", [])]
+        self.losses.extend(f(x) for x in s.get("losses", []))
+        self.chunks.extend(f(x) for x in s.get("chunks", []))
+        self._chunk_buf = [f(x) for x in s.get("chunk_buf", [])]
+        self.best_median = f(s.get("best_median", "inf"))
+        self.high_water = f(s.get("high_water", "-inf"))
+        self.nonfinite_steps = int(s.get("nonfinite_steps", 0))
+        self._history_medians.extend(f(x) for x in s.get("history_medians", []))
+
+
+
+
+def lr_text(lr: float | None) -> str:
+    return f" (now {lr:.3g})" if lr is not None and math.isfinite(lr) else ""
+
+

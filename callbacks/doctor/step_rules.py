@@ -1,0 +1,394 @@
+"""The doctor's rules on per-step measurements: input-bound steps, mixed precision, gradients, dead units.
+
+Pure functions of numbers (step and compute times, the loss-scale history, the
+gradient probe's statistics): each returns a `Finding` or `None`. Backend-free;
+the statistics come from `probe.GradientProbe` (TensorFlow), or any other probe
+that reports the same dict.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Sequence
+
+from trainwell.callbacks.doctor.findings import DEFAULT_THRESHOLDS, Finding, fmt, lr_text, median
+
+def check_input_bound(
+    step_times: Sequence[float],
+    compute_times: Sequence[float],
+    step: int,
+    *,
+    cpu_wait: float | None = None,
+    thresholds: dict | None = None,
+) -> Finding | None:
+    """Input bound: steps take much longer than their compute, so they wait for data.
+
+    The wait is the median step time less the compute time (the fastest of its
+    timings: interference only ever slows one down) and less `cpu_wait`, the time
+    per step the run's threads spent waiting for a CPU: on a machine shared with
+    other busy processes the steps are slow because the process does not get the
+    CPU, not because the data is late. (Measured on a 2-core machine at load 5-7,
+    the largest run-queue delay of any thread per step: a small CNN's steps took
+    150-200 ms with 70-160 ms of it; a tiny MLP's 2-3 ms with 0.5-2 ms; behind a
+    pipeline that sleeps 30 ms per batch, 31 ms with 1-2 ms.)
+
+    Args:
+        step_times: Recent wall times of one training step, seconds (from
+            `on_train_batch_begin` to `on_train_batch_end`: the data fetch is
+            inside Keras's compiled train function).
+        compute_times: Wall times of the same computation (forward + backward of
+            one batch of the training batch size) on data already in memory.
+        step: The current step.
+        cpu_wait: Seconds per step the run waited for a CPU, over about the
+            same steps (from `run_queue_delays`); `None` where unknown. Defaults
+            to `None`.
+        thresholds: Overrides of `DEFAULT_THRESHOLDS`. Defaults to `None`.
+
+    Example:
+    >>> check_input_bound([0.050] * 20, [0.004] * 3, 100).code
+    'input_bound'
+    >>> check_input_bound([0.050] * 20, [0.004] * 3, 100, cpu_wait=0.045) is None
+    True
+    """
+    th = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
+    if len(step_times) < 5 or not compute_times:
+        return None
+    t_step, t_comp = median(step_times), min(compute_times)
+    if not (math.isfinite(t_step) and math.isfinite(t_comp)) or t_step <= 0:
+        return None
+    t_cpu = cpu_wait if cpu_wait is not None and math.isfinite(cpu_wait) else 0.0
+    wait = max(t_step - t_comp - t_cpu, 0.0)
+    frac = wait / max(t_step - t_cpu, 1e-9)  # of the step as it would take on an idle machine
+    if frac < th["input_wait_fraction"] or 1e3 * wait < th["input_wait_ms"]:
+        return None
+    ev = {
+        "step_ms": 1e3 * t_step,
+        "compute_ms": 1e3 * t_comp,
+        "cpu_wait_ms": 1e3 * t_cpu,
+        "wait_ms": 1e3 * wait,
+        "wait_fraction": frac,
+        "possible_speedup": t_step / max(t_comp, 1e-9),
+    }
+    return Finding(
+        "input_bound",
+        "warning",
+        ev,
+        [
+            "prefetch: `dataset.prefetch(tf.data.AUTOTUNE)` as the last step of the pipeline",
+            "parallelise preprocessing: `dataset.map(fn, num_parallel_calls=tf.data.AUTOTUNE)`",
+            "cache decoded data: `dataset.cache()` (in memory or to a file) before augmentation",
+            "move augmentation onto the accelerator (Keras preprocessing layers inside the model)",
+            "for Python generators use keras.utils.PyDataset(workers=N, use_multiprocessing=True)",
+        ],
+        step,
+        ["slow data pipeline (decoding, augmentation, Python generator) without prefetch or parallelism"],
+        f"steps wait for data {fmt(100 * frac)}% of the time "
+        f"({fmt(1e3 * t_step)} ms per step, {fmt(1e3 * t_comp)} ms of compute"
+        + (f", {fmt(1e3 * t_cpu)} ms waiting for a CPU" if t_cpu >= 5e-4 else "")
+        + ").",
+    )
+
+
+def check_amp(
+    scale_history: Sequence[float],
+    backoff_steps: Sequence[int],
+    step: int,
+    *,
+    window: int = 200,
+    nonfinite: dict | None = None,
+    thresholds: dict | None = None,
+) -> Finding | None:
+    """Mixed-precision instability: the loss scale backs off again and again.
+
+    Args:
+        scale_history: Recent loss-scale values (latest last).
+        backoff_steps: Steps at which the scale was halved (one entry per halving).
+        step: The current step.
+        window: Steps over which the overflow rate is computed. Defaults to `200`.
+        nonfinite: The probe's `nonfinite` result (the first layer that
+            produced NaN/Inf). A forward-pass one is a finding by itself (loss
+            scaling cannot help); a backward-pass one only names the layer of an
+            unstable scale (backing off is the scale's normal job). Defaults to
+            `None`.
+        thresholds: Overrides of `DEFAULT_THRESHOLDS`. Defaults to `None`.
+
+    Example:
+    >>> check_amp([2.0 ** (15 - i) for i in range(20)], list(range(1, 21)), 20, window=100).code
+    'amp_instability'
+    """
+    th = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
+    recent = [s for s in backoff_steps if s > step - window]
+    span = max(int(window), 1)  # a fixed span: the first back-offs that find the scale's level are normal
+    rate = len(recent) / span
+    scale = scale_history[-1] if scale_history else math.nan
+    unstable = (len(recent) >= th["amp_min_backoffs"] and rate > th["amp_overflow_rate"]) or (
+        math.isfinite(scale) and scale < th["amp_min_scale"]
+    )
+    located = bool(nonfinite and nonfinite.get("layer"))
+    forward = located and nonfinite.get("pass") == "forward"
+    if not (unstable or forward):
+        return None
+    ev: dict[str, Any] = {
+        "loss_scale": scale,
+        "min_loss_scale": min(scale_history) if scale_history else math.nan,
+        "backoffs": len(backoff_steps),
+        "recent_backoffs": len(recent),
+        "overflow_rate": rate,
+        "window_steps": span,
+    }
+    fixes: list[str] = []
+    causes: list[str] = []
+    where = ""
+    if located:
+        layer = nonfinite["layer"]
+        ev["layer"] = layer
+        ev["layer_index"] = nonfinite.get("index", -1)
+        ev["pass"] = nonfinite.get("pass", "")
+        ev["layer_compute_dtype"] = nonfinite.get("compute_dtype", "")
+        if "max_abs" in nonfinite:
+            ev["max_abs_before"] = nonfinite["max_abs"]
+        fixes.append(
+            f'keep layer "{layer}" in float32: build it with `dtype="float32"` '
+            f"(its {nonfinite.get('pass', 'forward')} pass overflows float16, max 65504)"
+        )
+        causes.append(f'layer "{layer}" produces values beyond float16\'s range in the {nonfinite.get("pass")} pass')
+        where = f' First non-finite values: layer "{layer}" ({nonfinite.get("pass")} pass).'
+    fixes += [
+        "keep the final softmax/logits and any normalisation statistics in float32",
+        "clip gradients (optimizer `global_clipnorm=1.0`) and lower the learning rate",
+        "use mixed_bfloat16 where the hardware supports it (same range as float32)",
+    ]
+    causes += ["activations or gradients overflow float16", "learning rate too high"]
+    return Finding(
+        "amp_instability",
+        "error" if (located or (math.isfinite(scale) and scale < th["amp_min_scale"])) else "warning",
+        ev,
+        fixes,
+        step,
+        causes,
+        (
+            f'mixed_float16: layer "{nonfinite["layer"]}" overflows float16 in the forward pass '
+            f"(loss scale {fmt(scale)}, {len(recent)} back-offs in {span} steps)."
+            if forward
+            else f"mixed_float16: the loss scale backed off {len(recent)} times in {span} steps "
+            f"(overflow rate {fmt(100 * rate)}%), now {fmt(scale)}.{where}"
+        ),
+    )
+
+
+# --------------------------------------------------------------------------- rules: probe
+def check_gradients(
+    stats: dict[str, Any],
+    step: int,
+    *,
+    first_global_norm: float | None = None,
+    lr: float | None = None,
+    thresholds: dict | None = None,
+) -> list[Finding]:
+    """Vanishing and exploding gradients from one probe's statistics.
+
+    Args:
+        stats: A `GradientProbe.run()` result: `layers` (per weighted layer:
+            `name`, `grad_norm`, `weight_norm`, `grad_rms`, `kernel`), `global_norm`,
+            `grads_finite`, `loss_finite`, `saturation` (per activation layer).
+        step: The current step.
+        first_global_norm: The global gradient norm at the run's first probe.
+            Defaults to `None`.
+        lr: The current learning rate. Defaults to `None`.
+        thresholds: Overrides of `DEFAULT_THRESHOLDS`. Defaults to `None`.
+
+    Returns:
+        A list of zero, one or two findings.
+
+    Example:
+    >>> layers = [dict(name="d1", grad_norm=1e-12, weight_norm=1.0, grad_rms=1e-13, kernel=True),
+    ...           dict(name="d2", grad_norm=1e-2, weight_norm=1.0, grad_rms=1e-3, kernel=True)]
+    >>> [f.code for f in check_gradients({"layers": layers, "global_norm": 1e-2}, 1)]
+    ['vanishing_gradients']
+    """
+    th = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
+    out: list[Finding] = []
+    layers = [l for l in stats.get("layers", []) if l.get("kernel")]
+    gnorm = stats.get("global_norm", math.nan)
+    if len(layers) >= 2:
+        first, last = layers[0], layers[-1]
+        ratio = first["grad_rms"] / max(last["grad_rms"], 1e-30)
+        sat = stats.get("saturation") or {}
+        if (
+            math.isfinite(ratio)
+            and ratio < th["vanish_ratio"]
+            and math.isfinite(last["grad_rms"])
+            and last["grad_rms"] > 0
+        ):
+            ev: dict[str, Any] = {
+                "first_layer": first["name"],
+                "last_layer": last["name"],
+                "first_grad_rms": first["grad_rms"],
+                "last_grad_rms": last["grad_rms"],
+                "ratio": ratio,
+                "weighted_layers": len(layers),
+            }
+            if sat:
+                ev["max_saturation"] = max(sat.values())
+            out.append(
+                Finding(
+                    "vanishing_gradients",
+                    "warning",
+                    ev,
+                    [
+                        "use ReLU/GELU activations instead of sigmoid/tanh in hidden layers",
+                        "use He (ReLU) or Glorot (tanh) initialisation instead of tiny weights",
+                        "add BatchNormalization/LayerNormalization between layers",
+                        "add skip (residual) connections",
+                    ],
+                    step,
+                    ["saturating activations (sigmoid/tanh)", "initial weights too small", "a deep stack without normalisation or skip connections"],
+                    f'gradients shrink {fmt(1 / max(ratio, 1e-300))}x from the last weighted layer ("{last["name"]}") '
+                    f'to the first ("{first["name"]}") over {len(layers)} layers.',
+                )
+            )
+    worst = None
+    for l in layers:
+        r = l["grad_norm"] / max(l["weight_norm"], 1e-12)
+        if worst is None or not math.isfinite(r) or r > worst[1]:
+            worst = (l, r)
+            if not math.isfinite(r):
+                break
+    growth = (
+        gnorm / first_global_norm
+        if first_global_norm and math.isfinite(first_global_norm) and first_global_norm > 0
+        else math.nan
+    )
+    nonfinite = not stats.get("grads_finite", True) and stats.get("loss_finite", True)
+    big_ratio = worst is not None and (not math.isfinite(worst[1]) or worst[1] > th["explode_ratio"])
+    grew = math.isfinite(growth) and growth > th["explode_growth"]
+    if nonfinite or big_ratio or grew:
+        ev = {"global_grad_norm": gnorm, "grads_finite": int(bool(stats.get("grads_finite", True)))}
+        if worst is not None:
+            ev.update({"layer": worst[0]["name"], "grad_norm": worst[0]["grad_norm"],
+                       "weight_norm": worst[0]["weight_norm"], "grad_over_weight": worst[1]})
+        if math.isfinite(growth):
+            ev["growth_since_start"] = growth
+        if lr is not None:
+            ev["lr"] = lr
+        what = (
+            "gradients are non-finite while the loss is finite"
+            if nonfinite
+            else f'layer "{worst[0]["name"]}" has a gradient {fmt(worst[1])}x its weight norm'
+            if big_ratio
+            else f"the gradient norm grew {fmt(growth)}x since the start"
+        )
+        out.append(
+            Finding(
+                "exploding_gradients",
+                "error" if nonfinite else "warning",
+                ev,
+                [
+                    "clip gradients: optimizer `global_clipnorm=1.0`",
+                    "use He (ReLU) / Glorot (tanh) initialisation scaled to the fan-in, not large weights",
+                    "add BatchNormalization/LayerNormalization (and residual connections in deep stacks)",
+                    f"lower the learning rate{lr_text(lr)} and add a warmup",
+                ],
+                step,
+                ["initial weights too large", "no normalisation in a deep network", "learning rate too high"],
+                f"exploding gradients: {what} (global norm {fmt(gnorm)}).",
+            )
+        )
+    return out
+
+
+def check_dead_units(
+    dead: dict[str, float],
+    previous: dict[str, float] | None,
+    step: int,
+    *,
+    lr: float | None = None,
+    thresholds: dict | None = None,
+    explained_by: Sequence[str] = (),
+) -> Finding | None:
+    """Dead ReLU units: a layer whose units are zero for the whole probe batch.
+
+    Args:
+        dead: Fraction of dead units per ReLU layer at this probe.
+        previous: The same at the previous probe (the finding needs two probes
+            in a row), or `None`.
+        step: The current step.
+        lr: The current learning rate. Defaults to `None`.
+        thresholds: Overrides of `DEFAULT_THRESHOLDS`. Defaults to `None`.
+        explained_by: Findings already made that kill units, e.g.
+            `["oscillation"]` (its large steps push the units' inputs below zero
+            for good); the causes and the first fix then point there. Defaults to
+            `()`.
+
+    Example:
+    >>> check_dead_units({"dense": 0.9}, {"dense": 0.8}, 200).code
+    'dead_units'
+    """
+    th = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
+    if previous is None:
+        return None
+    bad = {
+        k: v for k, v in dead.items()
+        if v > th["dead_fraction"] and previous.get(k, 0.0) > th["dead_fraction"]
+    }
+    if not bad:
+        return None
+    worst = max(bad, key=bad.get)
+    ev: dict[str, Any] = {"layer": worst, "dead_fraction": bad[worst], "layers_affected": len(bad)}
+    ev.update({f"dead_fraction/{k}": v for k, v in bad.items()})
+    if lr is not None:
+        ev["lr"] = lr
+    fixes = [
+        "use LeakyReLU/GELU/ELU instead of ReLU",
+        f"lower the learning rate{lr_text(lr)} (a large step can push biases so negative a unit never fires again)",
+        "use He initialisation with zero biases; add BatchNormalization before the activation",
+    ]
+    causes = ["learning rate too high", "large negative biases", "poor initialisation"]
+    if explained_by:
+        ev["explained_by"] = ", ".join(explained_by)
+        fixes.insert(0, f"fix the {explained_by[0]} finding first (see its fixes), then train again from scratch")
+        causes.insert(0, f"{explained_by[0]}: its large steps pushed the units' inputs below zero for every example")
+    return Finding(
+        "dead_units",
+        "warning",
+        ev,
+        fixes,
+        step,
+        causes,
+        f'{fmt(100 * bad[worst])}% of the units of layer "{worst}" output zero for every example'
+        + (f" ({len(bad)} layers affected)" if len(bad) > 1 else "")
+        + (f", after the {explained_by[0]}" if explained_by else "")
+        + ".",
+    )
+
+
+def run_queue_delays() -> dict[int, float] | None:
+    """Seconds each thread of this process has spent runnable but waiting for a CPU.
+
+    Linux's scheduler statistics (`/proc/self/task/<tid>/schedstat`, the second
+    field), by thread id. A step waits for a CPU when a thread it waits on does
+    (`fit`'s, or a compute or data thread), so `TrainingDoctor` takes the largest
+    increase of any thread over a span as the CPU wait of that span. `None` where
+    the statistics are not available (other systems, or a kernel without them).
+    Reading them costs about 10 microseconds per thread.
+
+    Example:
+    >>> d = run_queue_delays()
+    >>> d is None or all(v >= 0 for v in d.values())
+    True
+    """
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):  # a thread that just ended, or no schedstats
+            continue
+    return out or None
+
+

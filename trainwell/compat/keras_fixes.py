@@ -1,0 +1,249 @@
+"""Fixes for Keras bugs that break trainwell, kept in one place and version-gated.
+
+Today this holds the two fixes that make `model.fit` work under
+`tf.distribute.MultiWorkerMirroredStrategy` with Keras 3 on the TensorFlow
+backend (keras-team/keras#20585). Both live in
+`keras.src.backend.tensorflow.trainer`:
+
+- `"symbolic_build"`: `TensorFlowTrainer._maybe_symbolic_build` draws one batch to
+  build the model and reduces that per-replica *data* batch with
+  `strategy.reduce("MEAN", batch, axis=None)`. Under multi-worker, `fit` fails
+  there before the first step with `ValueError: Attempt to convert a value
+  (PerReplica...) with an unsupported type ... to a Tensor` (TF 2.21). The fix
+  takes `strategy.experimental_local_results(x)[0]`, a local batch with the
+  right shapes, and communicates nothing.
+- `"scalar_reduce"`: `reduce_per_replica` reduces the metric results of each
+  step with `strategy.reduce("MEAN", v, axis=0)` when running multi-worker. The
+  results are scalars, for which `axis=0` does not exist: tracing the train
+  function fails with `ValueError: Invalid reduction dimension 0 for input with
+  0 dimensions`. The fix reduces rank-0 values with `axis=None` (a mean across
+  replicas, so every worker reports the same logs) and leaves every other case
+  to the original function.
+
+The module patches those two attributes only, and only for the Keras versions
+known to be broken (`KNOWN_BROKEN`: `3.0 <= keras < 3.16`; tested with 3.15.1). A
+newer Keras runs unpatched: re-run `tests/trainwell/compat/test_keras_fixes.py` with it
+before widening the range. `apply()` and `remove()` are idempotent and
+`patched()` is a context manager, so tests can run with and without a fix.
+`trainwell.runtime.make_strategy("multiworker")` calls `apply()`.
+
+A fix changes what gets traced: apply it before the first `fit`/`evaluate` of a
+model (a `train_function` already traced keeps the code it was traced with).
+
+Example:
+>>> from trainwell.compat import keras_fixes
+>>> applied = keras_fixes.apply()  # names of the fixes now active
+>>> keras_fixes.remove() == applied
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import threading
+from typing import Iterable, Iterator
+
+from trainwell.compat.versions import keras_version
+
+#: Names of the fixes, in the order they are applied.
+FIXES = ("symbolic_build", "scalar_reduce")
+
+#: Keras versions with the bugs, as `(lowest, first fixed-or-untested)`: `lo <= v < hi`.
+KNOWN_BROKEN = ((3, 0), (3, 16))
+
+_TRAINER_MODULE = "keras.src.backend.tensorflow.trainer"
+_lock = threading.RLock()
+# name -> (owner object, attribute name, original value); present while applied.
+_originals: dict[str, tuple[object, str, object]] = {}
+
+
+def needed(version: tuple[int, int] | None = None) -> bool:
+    """Whether `version` (default: the installed Keras) is in `KNOWN_BROKEN`.
+
+    Args:
+        version: `(major, minor)`. Defaults to `None` (the installed Keras).
+
+    Example:
+    >>> needed((3, 15)), needed((3, 16))
+    (True, False)
+    """
+    v = keras_version() if version is None else tuple(version)
+    lo, hi = KNOWN_BROKEN
+    return lo <= v < hi
+
+
+def applied() -> tuple[str, ...]:
+    """Names of the fixes currently applied, in `FIXES` order.
+
+    Example:
+    >>> isinstance(applied(), tuple)
+    True
+    """
+    with _lock:
+        return tuple(n for n in FIXES if n in _originals)
+
+
+def _names(fixes: str | Iterable[str] | None) -> tuple[str, ...]:
+    if fixes is None:
+        return FIXES
+    names = (fixes,) if isinstance(fixes, str) else tuple(fixes)
+    bad = [n for n in names if n not in FIXES]
+    if bad:
+        raise ValueError(
+            f"Invalid value for argument `fixes`. Expected names from {FIXES}. Received: fixes={fixes!r}"
+        )
+    return names
+
+
+# --------------------------------------------------------------------------- the fixes
+
+
+def _fixed_maybe_symbolic_build(self, iterator=None, data_batch=None):
+    """`TensorFlowTrainer._maybe_symbolic_build` taking a local batch, not a reduced one."""
+    import tensorflow as tf  # here: runs only on the TF backend, inside `fit`; module import stays TF-free
+    from keras.src import tree
+
+    if self._distribute_strategy is None:
+        return
+    if iterator is not None:
+        for _, _, it in iterator:
+            batch = next(it)
+            is_distributed = tree.map_structure(
+                lambda x: isinstance(x, tf.distribute.DistributedValues), batch
+            )
+            if all(tree.flatten(is_distributed)):
+                strategy = self.distribute_strategy
+                # Shapes are all the build needs: the first local replica's batch
+                # has them, and taking it needs no cross-worker communication.
+                data_batch = tree.map_structure(
+                    lambda x: strategy.experimental_local_results(x)[0], batch
+                )
+            else:
+                data_batch = batch
+            break
+    with self.distribute_strategy.scope():
+        self._symbolic_build(data_batch=data_batch)
+
+
+def _make_fixed_reduce_per_replica(original):
+    def reduce_per_replica(values, strategy, reduction):
+        """`reduce_per_replica` reducing rank-0 values with `axis=None` under multi-worker."""
+        import tensorflow as tf  # here: runs only on the TF backend, inside `fit`
+        from keras.src import tree
+        from keras.src.backend.tensorflow import trainer as tf_trainer
+
+        if reduction == "auto" and not isinstance(strategy, tf.distribute.TPUStrategy):
+            reduction = "mean"
+        if reduction != "mean" or not tf_trainer._collective_all_reduce_multi_worker(strategy):
+            return original(values, strategy, reduction)
+
+        def _reduce(v):
+            local = strategy.experimental_local_results(v)[0] if isinstance(
+                v, tf.distribute.DistributedValues
+            ) else v
+            if getattr(getattr(local, "shape", None), "rank", None) == 0:
+                return strategy.reduce("MEAN", v, axis=None)
+            return original(v, strategy, reduction)
+
+        return tree.map_structure(_reduce, values)
+
+    reduce_per_replica._trainwell_fix = "scalar_reduce"
+    return reduce_per_replica
+
+
+def _target(name: str):
+    """(owner, attribute, replacement factory) for fix `name`."""
+    mod = importlib.import_module(_TRAINER_MODULE)
+    if name == "symbolic_build":
+        return mod.TensorFlowTrainer, "_maybe_symbolic_build", lambda _orig: _fixed_maybe_symbolic_build
+    return mod, "reduce_per_replica", _make_fixed_reduce_per_replica
+
+
+# --------------------------------------------------------------------------- apply / remove
+
+
+def apply(fixes: str | Iterable[str] | None = None, force: bool = False) -> tuple[str, ...]:
+    """Applies the fixes (idempotent) and returns the names now applied.
+
+    Does nothing for a Keras version outside `KNOWN_BROKEN` unless `force=True`,
+    and skips a fix whose target no longer exists in Keras.
+
+    Args:
+        fixes: A name or names from `FIXES`. Defaults to `None` (all of them).
+        force: Apply even when the Keras version is not known to be broken.
+            Defaults to `False`.
+
+    Returns:
+        The names of all fixes applied after the call (see `applied()`).
+
+    Example:
+    >>> apply("scalar_reduce")  # doctest: +SKIP
+    ('scalar_reduce',)
+    """
+    names = _names(fixes)
+    if not (force or needed()):
+        return applied()
+    with _lock:
+        for name in names:
+            if name in _originals:
+                continue
+            try:
+                owner, attr, make = _target(name)
+            except ImportError:  # not the TensorFlow backend's trainer
+                continue
+            # `vars()` so a subclass-inherited attribute is never mistaken for the original.
+            original = vars(owner).get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+            if original is None:
+                continue
+            setattr(owner, attr, make(original))
+            _originals[name] = (owner, attr, original)
+    return applied()
+
+
+def remove(fixes: str | Iterable[str] | None = None) -> tuple[str, ...]:
+    """Restores Keras's original code for the fixes (idempotent).
+
+    Args:
+        fixes: A name or names from `FIXES`. Defaults to `None` (all of them).
+
+    Returns:
+        The names of the fixes that were removed by this call.
+
+    Example:
+    >>> remove()  # doctest: +SKIP
+    ('symbolic_build', 'scalar_reduce')
+    """
+    names = _names(fixes)
+    removed = []
+    with _lock:
+        for name in names:
+            entry = _originals.pop(name, None)
+            if entry is None:
+                continue
+            owner, attr, original = entry
+            setattr(owner, attr, original)
+            removed.append(name)
+    return tuple(n for n in FIXES if n in removed)
+
+
+@contextlib.contextmanager
+def patched(fixes: str | Iterable[str] | None = None, force: bool = False) -> Iterator[tuple[str, ...]]:
+    """Context manager: the fixes are applied inside, and the previous state restored after.
+
+    Fixes that were already applied before entering stay applied on exit.
+
+    Args:
+        fixes: A name or names from `FIXES`. Defaults to `None` (all of them).
+        force: As in `apply`. Defaults to `False`.
+
+    Example:
+    >>> with patched():  # doctest: +SKIP
+    ...     model.fit(dataset, epochs=1)
+    """
+    before = set(applied())
+    now = apply(fixes, force=force)
+    try:
+        yield now
+    finally:
+        remove([n for n in now if n not in before])

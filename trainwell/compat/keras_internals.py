@@ -1,0 +1,379 @@
+"""Every private Keras name trainwell's callbacks read or write, behind one accessor each.
+
+Keras 3 gives callbacks no public way to do what an exact-resume checkpoint, a
+NaN rollback and a training doctor need: walk a model's saveables the way
+`.weights.h5` names them, set the epoch `fit` starts at, build a model from an
+input spec, read the loss tracker, compute the loss the way `fit` does, or see
+the data `fit` was given. Each such access is one function here; each calls
+`versions.gate(name)` (a warning on an untested Keras) and raises
+`versions.UpstreamChanged` when the name is gone. `audit()` lists the names the
+installed Keras lacks; `tests/trainwell/compat/test_keras_internals.py` fails on
+any, and checks each accessor's behaviour on a tiny model.
+
+Example:
+>>> import keras
+>>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+>>> model_fully_built(model)
+True
+>>> [path for path, _ in walk_saveables(model, set())]
+['', 'layers/dense']
+>>> audit()
+[]
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any, Callable
+
+import keras  # noqa: F401 - the examples use it
+
+from trainwell.compat.versions import gate, upstream_changed
+
+__all__ = [
+    "audit",
+    "walk_saveables",
+    "model_fully_built",
+    "seed_generators",
+    "keras_global_seed_state",
+    "get_initial_epoch",
+    "set_initial_epoch",
+    "symbolic_build",
+    "compiled_metrics_unbuilt",
+    "loss_tracker",
+    "call_has_training_arg",
+    "compute_loss",
+    "fit_epoch_iterator",
+    "adapter_sample_source",
+]
+
+
+def _required(obj, attr: str, name: str):
+    """`getattr(obj, attr)` behind the gate; `UpstreamChanged` when it is gone."""
+    gate(name)
+    try:
+        return getattr(obj, attr)
+    except AttributeError:
+        raise upstream_changed(name) from None
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def walk_saveables(root, skip_ids: set[int]) -> list[tuple[str, Any]]:
+    """(path, object) for every Keras saveable under `root`, skipping the ids in `skip_ids`.
+
+    Paths are the ones Keras's own `.weights.h5` uses (`layers/dense_1/...`):
+    attribute names and class-based names made unique among siblings, so they do
+    not depend on the auto-generated layer names of the process. Uses
+    `keras.src.saving.saving_lib._walk_saveable` and `_get_unique_name`.
+
+    Args:
+        root: A model (or any Keras saveable). Required.
+        skip_ids: `id()`s of objects not to visit (e.g. the optimizer). Required.
+
+    Example:
+    >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1), keras.layers.Dense(1)])
+    >>> [p for p, _ in walk_saveables(m, set())]
+    ['', 'layers/dense', 'layers/dense_1']
+    """
+    gate("saving_lib._walk_saveable")
+    try:  # here, not at the top: a moved keras.src path fails only the accessor that needs it
+        from keras.src.saving import saving_lib
+        from keras.src.saving.keras_saveable import KerasSaveable
+        from keras.src.utils import naming
+    except ImportError as e:  # pragma: no cover - moved upstream
+        raise upstream_changed("keras.src.saving.saving_lib", detail=str(e)) from None
+    walk = _required(saving_lib, "_walk_saveable", "saving_lib._walk_saveable")
+    unique = _required(saving_lib, "_get_unique_name", "saving_lib._get_unique_name")
+
+    out: list[tuple[str, Any]] = []
+    visited = set(skip_ids)
+
+    def join(a, b):
+        return f"{a}/{b}" if a else b
+
+    def visit(obj, path):
+        if id(obj) in visited:
+            return
+        visited.add(id(obj))
+        out.append((path, obj))
+        for attr, child in walk(obj):
+            if isinstance(child, KerasSaveable):
+                visit(child, join(path, attr))
+            elif isinstance(child, (list, dict, tuple)):
+                visit_container(child, join(path, attr), set())
+
+    def visit_container(container, path, seen):
+        if id(container) in seen:
+            return
+        seen.add(id(container))
+        used: dict[str, int] = {}
+        items = list(container.values()) if isinstance(container, dict) else container
+        for item in items:
+            if isinstance(item, KerasSaveable):
+                visit(item, join(path, unique(naming.to_snake_case(type(item).__name__), used)))
+            elif isinstance(item, (list, dict, tuple)):
+                visit_container(item, join(path, unique("container", used)), seen)
+
+    visit(root, "")
+    return out
+
+
+def model_fully_built(model) -> bool:
+    """Whether `model` and every layer in it are built (`Layer._flatten_layers`).
+
+    Example:
+    >>> model_fully_built(keras.Sequential([keras.layers.Dense(1)]))
+    False
+    """
+    if not getattr(model, "built", False):
+        return False
+    layers = _required(model, "_flatten_layers", "Layer._flatten_layers")
+    return all(layer.built for layer in layers())
+
+
+def seed_generators(layer) -> list:
+    """The `SeedGenerator`s a layer owns (dropout's), from `Layer._seed_generators`.
+
+    Example:
+    >>> len(seed_generators(keras.layers.Dropout(0.5, seed=1)))
+    1
+    """
+    gate("Layer._seed_generators")
+    return list(getattr(layer, "_seed_generators", None) or [])
+
+
+def keras_global_seed_state(create: bool = False):
+    """The state variable of Keras's global `SeedGenerator` (`keras.random` without a seed).
+
+    Args:
+        create: Create the generator if none exists yet (restoring a
+            checkpoint); otherwise return `None` then. Defaults to `False`.
+
+    Example:
+    >>> state = keras_global_seed_state()  # None until something draws from keras.random
+    >>> state is None or tuple(state.shape) == (2,)
+    True
+    """
+    gate("backend.common.global_state / random.seed_generator.global_seed_generator")
+    try:  # here, not at the top: a moved keras.src path fails only the accessor that needs it
+        from keras.src.backend.common import global_state
+        from keras.src.random.seed_generator import global_seed_generator
+    except ImportError as e:  # pragma: no cover - moved upstream
+        raise upstream_changed("keras.src.random.seed_generator.global_seed_generator", detail=str(e)) from None
+    if create:
+        return global_seed_generator().state
+    g = global_state.get_global_attribute("global_seed_generator")
+    return None if g is None else g.state
+
+
+# --------------------------------------------------------------------------- fit
+
+
+def get_initial_epoch(model):
+    """The epoch `fit` will start at when a callback set one (`Trainer._initial_epoch`), else None.
+
+    Example:
+    >>> get_initial_epoch(keras.Sequential()) is None
+    True
+    """
+    gate("Trainer._initial_epoch")
+    return getattr(model, "_initial_epoch", None)
+
+
+def set_initial_epoch(model, epoch) -> None:
+    """Makes the running `fit` start at `epoch` (what `BackupAndRestore` sets); `None` clears it.
+
+    Keras's `fit` reads `self._initial_epoch` after `on_train_begin`.
+
+    Example:
+    >>> m = keras.Sequential(); set_initial_epoch(m, 3); get_initial_epoch(m)
+    3
+    """
+    gate("Trainer._initial_epoch")
+    model._initial_epoch = epoch
+
+
+def symbolic_build(model, data_batch) -> None:
+    """Builds `model` (and its compiled metrics) from a batch or an element spec (`Trainer._symbolic_build`).
+
+    Args:
+        model: A compiled Keras model. Required.
+        data_batch: A batch, or a `tf.data` element spec. Required.
+
+    Example:
+    >>> m = keras.Sequential([keras.layers.Dense(1)]); m.compile("sgd", "mse")
+    >>> import numpy as np; symbolic_build(m, (np.zeros((2, 3)), np.zeros((2, 1)))); m.built
+    True
+    """
+    build = _required(model, "_symbolic_build", "Trainer._symbolic_build")
+    build(data_batch=data_batch)
+
+
+def compiled_metrics_unbuilt(model) -> bool:
+    """Whether the compiled metrics or loss of `model` are not built yet (`_compile_metrics`, `_compile_loss`).
+
+    Example:
+    >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> m.compile("sgd", "mse", metrics=["mae"]); compiled_metrics_unbuilt(m)
+    True
+    """
+    gate("Trainer._compile_metrics")
+    compiled = getattr(model, "_compile_metrics", None)
+    loss = getattr(model, "_compile_loss", None)
+    return (compiled is not None and not compiled.built) or (loss is not None and not loss.built)
+
+
+def loss_tracker(model):
+    """The `keras.metrics.Mean` behind `logs["loss"]` (`Trainer._loss_tracker`), or None.
+
+    Its `total` and `count` variables give the running mean's parts.
+
+    Example:
+    >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]); m.compile("sgd", "mse")
+    >>> type(loss_tracker(m)).__name__
+    'Mean'
+    """
+    gate("Trainer._loss_tracker")
+    tracker = getattr(model, "_loss_tracker", None)
+    if tracker is not None and hasattr(tracker, "total") and hasattr(tracker, "count"):
+        return tracker
+    return None
+
+
+def call_has_training_arg(model) -> bool:
+    """Whether `model.call` takes `training` (`Layer._call_has_training_arg`).
+
+    Example:
+    >>> call_has_training_arg(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
+    True
+    """
+    return bool(_required(model, "_call_has_training_arg", "Layer._call_has_training_arg"))
+
+
+def compute_loss(model, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+    """The loss as `fit`'s train step computes it, incl. regularization losses (`Trainer._compute_loss`).
+
+    Example:
+    >>> import numpy as np
+    >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]); m.compile("sgd", "mse")
+    >>> float(compute_loss(m, y=np.ones((1, 1)), y_pred=np.zeros((1, 1))))
+    1.0
+    """
+    fn = _required(model, "_compute_loss", "Trainer._compute_loss")
+    return fn(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+
+
+def fit_epoch_iterator(model, max_depth: int = 25):
+    """The `EpochIterator` of the `fit` call now running on `model`, or None.
+
+    Keras does not hand the training data to callbacks. `fit` keeps it in a local
+    variable, `epoch_iterator`, of the frame that calls the callbacks; this looks
+    up the stack (at most `max_depth` frames) for a frame of `fit` on `model`.
+    Returns `None` when there is none (another Keras version, a custom loop).
+
+    Args:
+        model: The model being fitted. Required.
+        max_depth: Frames to look through. Defaults to `25`.
+
+    Example:
+    >>> fit_epoch_iterator(keras.Sequential()) is None  # not inside fit
+    True
+    """
+    gate("fit's local `epoch_iterator`")
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        loc = frame.f_locals
+        if frame.f_code.co_name == "fit" and loc.get("self") is model and "epoch_iterator" in loc:
+            return loc["epoch_iterator"]
+        frame = frame.f_back
+    return None
+
+
+def adapter_sample_source(adapter) -> tuple[str, Any]:
+    """What a data adapter of `fit` holds, to draw a probe batch without consuming it.
+
+    Returns one of `("arrays", (inputs, num_samples, batch_size))` for an
+    `ArrayDataAdapter` (its `_inputs`, `_num_samples`, `_batch_size`),
+    `("dataset", tf.data.Dataset)` for a `TFDatasetAdapter` (`_dataset`),
+    `("pydataset", keras.utils.PyDataset)` for a `PyDatasetAdapter` (public
+    `py_dataset`), or `("none", None)` (a generator, which reading would consume).
+
+    Args:
+        adapter: `epoch_iterator.data_adapter`. Required.
+
+    Example:
+    >>> adapter_sample_source(object())
+    ('none', None)
+    """
+    kind = type(adapter).__name__
+    if kind == "ArrayDataAdapter":
+        gate("ArrayDataAdapter._inputs")
+        inputs = getattr(adapter, "_inputs", None)
+        n = int(getattr(adapter, "_num_samples", 0) or 0)
+        bs = int(getattr(adapter, "_batch_size", 0) or 0)
+        return ("arrays", (inputs, n, bs)) if inputs is not None else ("none", None)
+    if kind == "TFDatasetAdapter":
+        gate("TFDatasetAdapter._dataset")
+        ds = getattr(adapter, "_dataset", None)
+        return ("dataset", ds) if ds is not None else ("none", None)
+    if kind == "PyDatasetAdapter":
+        return "pydataset", adapter.py_dataset
+    return "none", None
+
+
+# --------------------------------------------------------------------------- audit
+
+def _has_module_attr(module: str, attr: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            return hasattr(importlib.import_module(module), attr)
+        except ImportError:
+            return False
+
+    return check
+
+
+def _has_class_attr(module: str, cls: str, attr: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            return hasattr(getattr(importlib.import_module(module), cls), attr)
+        except (ImportError, AttributeError):
+            return False
+
+    return check
+
+
+#: `(name, check)` for every private Keras name above: `check()` is True while Keras has it.
+_CHECKS: tuple[tuple[str, Callable[[], bool]], ...] = (
+    ("saving_lib._walk_saveable", _has_module_attr("keras.src.saving.saving_lib", "_walk_saveable")),
+    ("saving_lib._get_unique_name", _has_module_attr("keras.src.saving.saving_lib", "_get_unique_name")),
+    ("keras_saveable.KerasSaveable", _has_module_attr("keras.src.saving.keras_saveable", "KerasSaveable")),
+    ("naming.to_snake_case", _has_module_attr("keras.src.utils.naming", "to_snake_case")),
+    ("global_state.get_global_attribute", _has_module_attr("keras.src.backend.common.global_state", "get_global_attribute")),
+    ("seed_generator.global_seed_generator", _has_module_attr("keras.src.random.seed_generator", "global_seed_generator")),
+    ("Layer._flatten_layers", _has_class_attr("keras", "Layer", "_flatten_layers")),
+    ("Model._symbolic_build", _has_class_attr("keras", "Model", "_symbolic_build")),
+    ("Model._compute_loss", _has_class_attr("keras", "Model", "_compute_loss")),
+    ("ArrayDataAdapter", _has_module_attr("keras.src.trainers.data_adapters.array_data_adapter", "ArrayDataAdapter")),
+    ("TFDatasetAdapter", _has_module_attr("keras.src.trainers.data_adapters.tf_dataset_adapter", "TFDatasetAdapter")),
+)
+
+
+def audit() -> list[str]:
+    """The private Keras names this module uses that the installed Keras lacks (`[]`: all there).
+
+    Instance attributes set in `__init__` or `compile` (`_initial_epoch`,
+    `_loss_tracker`, `_compile_metrics`, `_seed_generators`, an adapter's
+    `_inputs`...) cannot be checked on the class; the behaviour tests in
+    `tests/trainwell/compat/` check them on a tiny model.
+
+    Example:
+    >>> audit()
+    []
+    """
+    return [name for name, check in _CHECKS if not check()]
