@@ -18,7 +18,7 @@ def test_non_editable_install_imports_from_another_directory(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     (wheel,) = wheel_dir.glob("trainwell-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"trainwell/recipes/resnet_imagenet.py", "trainwell/callbacks/checkpoint.py", "trainwell/runtime.py",
+    assert {"trainwell/recipes/resnet_imagenet.py", "trainwell/callbacks/checkpoint/__init__.py", "trainwell/runtime.py",
             "trainwell/data/embedded.py", "trainwell/models/resnet.py"} <= names
     assert not any(n.startswith(("recipes/", "callbacks/", "tests/")) for n in names)  # never top-level import names
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],

@@ -73,15 +73,15 @@ _WRITES: list = []
 
 
 def _record_checkpoint_writes():
-    from trainwell.callbacks import checkpoint
+    from trainwell.callbacks.checkpoint import files
 
-    orig = checkpoint._write_npz
+    orig = files.write_npz
 
     def write_npz(path, arrays):
         _WRITES.append(str(path))
         return orig(path, arrays)
 
-    checkpoint._write_npz = write_npz
+    files.write_npz = write_npz  # the writer calls files.write_npz at each write
 
 
 def main(recipe_name: str, overrides_json: str, out_prefix: str) -> int:
