@@ -60,6 +60,7 @@ import numpy as np
 from trainwell.callbacks.schedules import inner_optimizer
 from trainwell.diagnostics import step_noise
 from trainwell.io import atomic_write_bytes
+from trainwell.validation import invalid_argument, is_int, is_number
 
 __all__ = ["LRFinder", "LRFindResult", "lr_find", "cli_main", "suggest", "valley", "steep", "minimum", "peak",
            "write_config_value", "judge_probes", "METHODS", "PROBE_SCHEDULES", "MIN_GAIN", "NOISE_Z"]
@@ -75,16 +76,6 @@ CLI_PROBE_SCHEDULE = "warmup_cosine"
 #: Config fields `cli_main` writes the suggestion into, in order of preference
 #: (a recipe overrides with a module attribute `LR_FIELD`).
 LR_FIELDS = ("peak_lr", "learning_rate", "lr", "base_lr")
-
-
-def _invalid(name: str, expected: str, value: Any) -> ValueError:
-    return ValueError(f"Invalid value for argument `{name}`. Expected {expected}. Received: {name}={value!r}")
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and math.isfinite(float(x))
-
-
 
 
 # --------------------------------------------------------------------------- suggestions
@@ -532,20 +523,20 @@ class LRFinder(keras.callbacks.Callback):
         method: str = "minimum",
     ) -> None:
         super().__init__()
-        if not _is_number(start_lr) or start_lr <= 0:
-            raise _invalid("start_lr", "a float > 0", start_lr)
-        if not _is_number(end_lr) or end_lr <= start_lr:
-            raise _invalid("end_lr", f"a float > start_lr ({start_lr})", end_lr)
-        if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 2:
-            raise _invalid("steps", "an integer >= 2", steps)
-        if not _is_number(smooth) or not 0.0 <= smooth < 1.0:
-            raise _invalid("smooth", "a float in [0, 1)", smooth)
-        if diverge_factor is not None and (not _is_number(diverge_factor) or diverge_factor <= 1.0):
-            raise _invalid("diverge_factor", "None or a float > 1", diverge_factor)
+        if not is_number(start_lr) or start_lr <= 0:
+            raise invalid_argument("start_lr", "a float > 0", start_lr)
+        if not is_number(end_lr) or end_lr <= start_lr:
+            raise invalid_argument("end_lr", f"a float > start_lr ({start_lr})", end_lr)
+        if not is_int(steps) or steps < 2:
+            raise invalid_argument("steps", "an integer >= 2", steps)
+        if not is_number(smooth) or not 0.0 <= smooth < 1.0:
+            raise invalid_argument("smooth", "a float in [0, 1)", smooth)
+        if diverge_factor is not None and (not is_number(diverge_factor) or diverge_factor <= 1.0):
+            raise invalid_argument("diverge_factor", "None or a float > 1", diverge_factor)
         if not isinstance(restore, bool):
-            raise _invalid("restore", "a bool", restore)
+            raise invalid_argument("restore", "a bool", restore)
         if method not in _SUGGESTERS:
-            raise _invalid("method", f"one of {tuple(_SUGGESTERS)}", method)
+            raise invalid_argument("method", f"one of {tuple(_SUGGESTERS)}", method)
         self.start_lr = float(start_lr)
         self.end_lr = float(end_lr)
         self.steps = int(steps)
@@ -771,7 +762,7 @@ def compiled_schedule_shape(model) -> str:
     """
     opt = getattr(model, "optimizer", None)
     if opt is None:
-        raise _invalid("model", "a compiled model (call `model.compile` first)", model)
+        raise invalid_argument("model", "a compiled model (call `model.compile` first)", model)
     lr = getattr(inner_optimizer(opt), "_learning_rate", None)
     return "warmup_cosine" if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule) else "constant"
 
@@ -959,16 +950,15 @@ def lr_find(
     if method is None:
         method = "probe" if restore and not one_shot else "minimum"
     if method not in METHODS:
-        raise _invalid("method", f"one of {METHODS}", method)
+        raise invalid_argument("method", f"one of {METHODS}", method)
     if probe_schedule is not None and probe_schedule not in PROBE_SCHEDULES:
-        raise _invalid("probe_schedule", f"None or one of {PROBE_SCHEDULES}", probe_schedule)
-    if probe_steps is not None and (not isinstance(probe_steps, (int, np.integer)) or isinstance(probe_steps, bool)
-                                    or probe_steps < 2):
-        raise _invalid("probe_steps", "None or an integer >= 2", probe_steps)
+        raise invalid_argument("probe_schedule", f"None or one of {PROBE_SCHEDULES}", probe_schedule)
+    if probe_steps is not None and (not is_int(probe_steps) or probe_steps < 2):
+        raise invalid_argument("probe_steps", "None or an integer >= 2", probe_steps)
     if method == "probe" and not restore:
-        raise _invalid("restore", "True with method='probe' (each probe starts from the model's state)", restore)
+        raise invalid_argument("restore", "True with method='probe' (each probe starts from the model's state)", restore)
     if method == "probe" and one_shot:
-        raise _invalid("data", "data that can be iterated again with method='probe' (a tf.data.Dataset, arrays, "
+        raise invalid_argument("data", "data that can be iterated again with method='probe' (a tf.data.Dataset, arrays, "
                        "a PyDataset), or method='minimum'", data)
     finder = LRFinder(start_lr, end_lr, steps, smooth, diverge_factor, restore, "minimum" if method == "probe" else method)
     try:
@@ -1123,7 +1113,7 @@ def cli_main(recipe_module, cfg, args) -> int:
     >>> cli_main(resnet_imagenet, cfg, args)  # doctest: +SKIP
     Suggested peak learning rate (probe): 0.158
     """
-    from trainwell import runtime
+    from trainwell import rundir, runtime
     from trainwell.config import ConfigError
 
     write = bool(getattr(args, "write", False))
@@ -1186,7 +1176,7 @@ def cli_main(recipe_module, cfg, args) -> int:
         print(f"Suggested peak learning rate ({result.method}): {result.suggestion:.3g}   {details}")
     else:
         print(f"No reliable learning rate: {result.reason}.   {details}")
-    run_dir = runtime.make_run_dir(getattr(cfg, "run_dir", None), prefix="lr-find")
+    run_dir = rundir.make_run_dir(getattr(cfg, "run_dir", None), prefix="lr-find")
     if runtime.is_chief(strategy):
         from trainwell.io import atomic_write_json
 

@@ -18,7 +18,7 @@ import dataclasses
 import math
 from typing import Literal, Optional
 
-from trainwell.config import BaseConfig, _fail, check_choice, check_positive, check_range, check_reliability_fields
+from trainwell.config import BaseConfig, check_choice, check_positive, check_range, check_reliability_fields, raise_invalid
 
 RECIPE = "resnet-imagenet"
 
@@ -150,7 +150,7 @@ class Config(BaseConfig):
         check_positive(self, "lr_base_batch")
         self._derive()
         from trainwell.data.sources import AUGMENTATIONS, check_image_source
-        from trainwell.models.resnet import RESNET_DEPTHS
+        from trainwell.models.specs import RESNET_DEPTHS
 
         names = [f"resnet{d}" for d in RESNET_DEPTHS]
         check_choice(self, "model", names)
@@ -162,16 +162,16 @@ class Config(BaseConfig):
         check_positive(self, "weight_decay", allow_zero=True)
         check_positive(self, "warmup_epochs", allow_zero=True)
         if self.warmup_epochs >= self.epochs:
-            _fail("warmup_epochs", self.warmup_epochs,
+            raise_invalid("warmup_epochs", self.warmup_epochs,
                   f"fewer than epochs={self.epochs} (or null: {WARMUP_FRACTION * 100:.1f}% of the run)")
         bounds = list(self.step_boundaries)
         if (not bounds or bounds != sorted(set(bounds)) or bounds[0] <= 0 or bounds[-1] >= self.epochs
                 or (self.schedule == "step" and bounds[0] <= self.warmup_epochs)):
-            _fail("step_boundaries", bounds, f"increasing epochs after the warmup ({self.warmup_epochs}) and before "
+            raise_invalid("step_boundaries", bounds, f"increasing epochs after the warmup ({self.warmup_epochs}) and before "
                   f"epochs={self.epochs} (or null: 1/3, 2/3 and 8/9 of the run)")
         check_positive(self, "min_lr", allow_zero=True)
         if self.min_lr > self.peak_lr:
-            _fail("min_lr", self.min_lr, f"at most the peak LR {self.peak_lr:g} (base_lr x batch_size / lr_base_batch)")
+            raise_invalid("min_lr", self.min_lr, f"at most the peak LR {self.peak_lr:g} (base_lr x batch_size / lr_base_batch)")
         check_range(self, "label_smoothing", 0.0, 1.0, hi_open=True)
         check_range(self, "ema_momentum", 0.0, 1.0, lo_open=True, hi_open=True)
         check_positive(self, "mixup_alpha", allow_zero=True)
@@ -193,7 +193,7 @@ class Config(BaseConfig):
             return
         n = self.train_examples()
         if self.batch_size > n:
-            _fail("batch_size", self.batch_size, f"at most the {n} training examples of {self.dataset!r}")
+            raise_invalid("batch_size", self.batch_size, f"at most the {n} training examples of {self.dataset!r}")
 
     @property
     def embedded_name(self) -> Optional[str]:
@@ -282,7 +282,7 @@ def training_steps(cfg: Config, data) -> int:
     """
     steps = data.steps_per_epoch
     if steps == 0:
-        _fail("batch_size", cfg.batch_size, f"at most the {data.counts['train']} training examples of {cfg.dataset!r}")
+        raise_invalid("batch_size", cfg.batch_size, f"at most the {data.counts['train']} training examples of {cfg.dataset!r}")
     if steps is None:
         raise ValueError(f"Cannot tell the number of training batches of {cfg.dataset!r}; set a sized source.")
     return steps

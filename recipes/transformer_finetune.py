@@ -23,7 +23,7 @@ What the recipe adds to a plain `TextClassifier.from_preset(...).fit(...)`:
   precision (head and loss in float32), `MirroredStrategy`.
 
 Layer-wise LR decay and freeze-then-unfreeze have no Keras built-in: both are a
-learning-rate factor per variable in `LayerwiseAdamW` (an `AdamW` subclass). With
+learning-rate factor per variable in `trainwell.optimizers.LayerwiseAdamW` (an `AdamW` subclass). With
 `layerwise_lr_decay=d`, the classifier head (and the pooler) learn at the full LR, the
 top transformer layer at `d` times it, the one below at `d**2`, ..., the embeddings at
 `d**(num_layers + 1)` (Clark et al. 2020, ELECTRA; Sun et al. 2019). With
@@ -53,7 +53,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
-from trainwell.config import BaseConfig, _fail, check_choice, check_positive, check_range, check_reliability_fields
+from trainwell.config import BaseConfig, check_choice, check_positive, check_range, check_reliability_fields, raise_invalid
 
 RECIPE = "transformer-finetune"
 EXPORT_DIR = "model"
@@ -131,21 +131,21 @@ class Config(BaseConfig):
     def validate(self) -> None:
         super().validate()
         if not self.preset.strip():
-            _fail("preset", self.preset, "a keras-hub preset name, a preset directory or 'minilm'")
+            raise_invalid("preset", self.preset, "a keras-hub preset name, a preset directory or 'minilm'")
         if self.sequence_length < 8:
-            _fail("sequence_length", self.sequence_length, "an integer >= 8")
+            raise_invalid("sequence_length", self.sequence_length, "an integer >= 8")
         check_range(self, "dropout", 0.0, 1.0, hi_open=True)
         if not self.label_field.strip():
-            _fail("label_field", self.label_field, "a non-empty field name")
+            raise_invalid("label_field", self.label_field, "a non-empty field name")
         check_range(self, "val_fraction", 0.0, 1.0, hi_open=True)
         check_range(self, "test_fraction", 0.0, 1.0, hi_open=True)
         if self.val_fraction + self.test_fraction >= 1:
-            _fail("test_fraction", self.test_fraction, f"val_fraction + test_fraction < 1 (val_fraction={self.val_fraction})")
+            raise_invalid("test_fraction", self.test_fraction, f"val_fraction + test_fraction < 1 (val_fraction={self.val_fraction})")
         if self.split_seed < 0:
-            _fail("split_seed", self.split_seed, "an integer >= 0")
+            raise_invalid("split_seed", self.split_seed, "an integer >= 0")
         check_positive(self, "max_train_examples")
         if self.max_train_examples is not None and self.batch_size > self.max_train_examples:
-            _fail("batch_size", self.batch_size, f"at most max_train_examples={self.max_train_examples}")
+            raise_invalid("batch_size", self.batch_size, f"at most max_train_examples={self.max_train_examples}")
         check_positive(self, "max_steps")
         check_positive(self, "peak_lr")
         check_positive(self, "weight_decay", allow_zero=True)
@@ -158,10 +158,10 @@ class Config(BaseConfig):
         check_range(self, "layerwise_lr_decay", 0.0, 1.0, lo_open=True)
         check_positive(self, "freeze_epochs", allow_zero=True)
         if self.freeze_epochs >= self.epochs:
-            _fail("freeze_epochs", self.freeze_epochs, f"fewer than epochs={self.epochs}")
+            raise_invalid("freeze_epochs", self.freeze_epochs, f"fewer than epochs={self.epochs}")
         check_positive(self, "head_lr")
         if self.gradient_accumulation_steps is not None and self.gradient_accumulation_steps < 2:
-            _fail("gradient_accumulation_steps", self.gradient_accumulation_steps, "null or an integer >= 2")
+            raise_invalid("gradient_accumulation_steps", self.gradient_accumulation_steps, "null or an integer >= 2")
         check_reliability_fields(self)
         check_choice(self, "verbose", ("auto", "0", "1", "2"))
         from trainwell.data.sources import check_preset, check_text_source
@@ -280,137 +280,6 @@ def layerwise_lr_scales(model, decay: float) -> dict[str, float]:
     return scales
 
 
-def _layerwise_adamw_class():
-    import keras
-    import tensorflow as tf
-    from keras import ops
-
-    @keras.saving.register_keras_serializable(package="trainwell")
-    class LayerwiseAdamW(keras.optimizers.AdamW):
-        """`keras.optimizers.AdamW` with a learning-rate factor per variable.
-
-        Extends Keras's `AdamW` (same arguments): Keras has no per-variable learning
-        rate (no parameter groups), which layer-wise LR decay and a head-only phase
-        need. Each variable's update and decoupled weight decay use
-        `learning_rate * lr_scales[variable.path]` (1.0 for paths not listed), and the
-        variables in `frozen_variables` have factor 0 until the optimizer has taken
-        `freeze_steps` steps. During those steps the learning rate is `head_lr`
-        (times the schedule's LR multiplier, so NaN rollback can lower it); afterwards
-        the schedule runs from its step 0, i.e. a fresh warmup.
-
-        Args:
-            lr_scales: `{variable path: factor >= 0}`. Defaults to `None` (all 1).
-            frozen_variables: Paths trained only after `freeze_steps`. Defaults to `None`.
-            freeze_steps: Steps (optimizer iterations, micro-steps under gradient
-                accumulation) of the head-only phase. Defaults to `0`.
-            head_lr: Learning rate of the head-only phase. Defaults to `None` (the
-                schedule's value at step 0).
-            **kwargs: `keras.optimizers.AdamW` arguments.
-
-        Example:
-        >>> opt = LayerwiseAdamW(learning_rate=3e-5, weight_decay=0.01,
-        ...                      lr_scales={"transformer_layer_0/query/kernel": 0.5})  # doctest: +SKIP
-        """
-
-        def __init__(self, *args, lr_scales=None, frozen_variables=None, freeze_steps=0, head_lr=None, **kwargs):
-            super().__init__(*args, **kwargs)
-            scales = dict(lr_scales or {})
-            for k, s in scales.items():
-                if not isinstance(s, (int, float)) or isinstance(s, bool) or s < 0:
-                    raise ValueError(
-                        f"Invalid value for argument `lr_scales`. Expected factors >= 0. Received: {k}={s!r}"
-                    )
-            if isinstance(freeze_steps, bool) or not isinstance(freeze_steps, int) or freeze_steps < 0:
-                raise ValueError(
-                    f"Invalid value for argument `freeze_steps`. Expected an int >= 0. Received: freeze_steps={freeze_steps!r}"
-                )
-            if head_lr is not None and (not isinstance(head_lr, (int, float)) or head_lr <= 0):
-                raise ValueError(f"Invalid value for argument `head_lr`. Expected a float > 0. Received: head_lr={head_lr!r}")
-            self.lr_scales = {str(k): float(v) for k, v in scales.items()}
-            self.frozen_variables = [str(p) for p in (frozen_variables or [])]
-            self.freeze_steps = int(freeze_steps)
-            self.head_lr = None if head_lr is None else float(head_lr)
-
-        def build(self, variables):
-            super().build(variables)
-            frozen = set(self.frozen_variables)
-            self._tw_scales = [self.lr_scales.get(v.path, 1.0) for v in variables]
-            self._tw_frozen = [v.path in frozen and self.freeze_steps > 0 for v in variables]
-
-        def _scale(self, variable):
-            """The factor of `variable`: a Python float, or a tensor during the freeze."""
-            i = self._get_variable_index(variable)
-            s = self._tw_scales[i]
-            if self._tw_frozen[i]:
-                gate = ops.cast(ops.greater_equal(self._iterations, self.freeze_steps), "float32")
-                return gate * s
-            return s
-
-        def _get_current_learning_rate(self):
-            lr = super()._get_current_learning_rate()
-            if self.freeze_steps <= 0:
-                return lr
-            sched = self._learning_rate
-            it = self._iterations
-            if isinstance(sched, keras.optimizers.schedules.LearningRateSchedule):
-                later = sched(ops.maximum(it - self.freeze_steps, 0))
-                mult = ops.cast(getattr(sched, "multiplier", 1.0), "float32")
-            else:
-                later, mult = ops.cast(lr, "float32"), 1.0
-            head = (self.head_lr if self.head_lr is not None else ops.cast(later, "float32")) * mult
-            return ops.where(it < self.freeze_steps, ops.cast(head, "float32"), ops.cast(later, "float32"))
-
-        def update_step(self, gradient, variable, learning_rate):
-            s = self._scale(variable)
-            if not (isinstance(s, float) and s == 1.0):
-                learning_rate = ops.cast(learning_rate, "float32") * s
-            return super().update_step(gradient, variable, learning_rate)
-
-        def _apply_weight_decay(self, variables):
-            if self.weight_decay is None:
-                return
-
-            def distributed_apply_weight_decay(distribution, variables, **kwargs):
-                def weight_decay_fn(variable):
-                    if self._use_weight_decay(variable):
-                        s = self._scale(variable)
-                        lr = tf.cast(self.learning_rate, variable.dtype) * tf.cast(s, variable.dtype)
-                        wd = tf.cast(self.weight_decay, variable.dtype)
-                        variable.assign_sub(variable * wd * lr)
-
-                for variable in variables:
-                    if isinstance(variable, keras.Variable):
-                        variable = variable.value
-                    distribution.extended.update(variable, weight_decay_fn, group=False)
-
-            tf.__internal__.distribute.interim.maybe_merge_call(
-                distributed_apply_weight_decay, self._distribution_strategy, variables
-            )
-
-        def get_config(self):
-            config = super().get_config()
-            config.update(
-                lr_scales=dict(self.lr_scales), frozen_variables=list(self.frozen_variables),
-                freeze_steps=self.freeze_steps, head_lr=self.head_lr,
-            )
-            return config
-
-    return LayerwiseAdamW
-
-
-_LAYERWISE_ADAMW = None
-
-
-def __getattr__(name: str):
-    # `LayerwiseAdamW` is built on first use so importing the recipe stays cheap.
-    if name == "LayerwiseAdamW":
-        global _LAYERWISE_ADAMW
-        if _LAYERWISE_ADAMW is None:
-            _LAYERWISE_ADAMW = _layerwise_adamw_class()
-        return _LAYERWISE_ADAMW
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # --------------------------------------------------------------------------- data
 def build_data(cfg: Config, preprocessor, data: Any = None):
     """The tokenising train/val/test pipelines (`trainwell.data.text`).
@@ -492,7 +361,9 @@ def build_optimizer(cfg: Config, steps_per_epoch: int, model=None):
     Example:
     >>> opt = build_optimizer(Config(), steps_per_epoch=280)  # doctest: +SKIP
     """
+    # lazy: Keras loads when an optimizer is built, not when the recipe is imported
     from trainwell.callbacks.schedules import WarmupCosineDecay, WarmupLinearDecay
+    from trainwell.optimizers import LayerwiseAdamW
 
     total, freeze, warmup = phase_steps(cfg, steps_per_epoch)
     cls = WarmupLinearDecay if cfg.schedule == "linear" else WarmupCosineDecay
@@ -505,7 +376,7 @@ def build_optimizer(cfg: Config, steps_per_epoch: int, model=None):
             scales = layerwise_lr_scales(model, cfg.layerwise_lr_decay)
         if freeze:
             frozen = [v.path for v in model.backbone.trainable_variables]
-    opt = __getattr__("LayerwiseAdamW")(
+    opt = LayerwiseAdamW(
         learning_rate=lr, weight_decay=cfg.weight_decay, beta_1=cfg.beta_1, beta_2=cfg.beta_2,
         epsilon=cfg.epsilon, global_clipnorm=cfg.global_clipnorm,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,

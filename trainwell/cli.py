@@ -221,10 +221,10 @@ def cmd_train(args) -> int:
         print(json.dumps(cfg.to_dict(), indent=2))
         return EXIT_OK
     if getattr(args, "workers", None):
-        from trainwell import runtime
+        from trainwell import rundir
 
         # One run directory for every worker: named here, passed to all.
-        run_dir = runtime.make_run_dir(cfg.run_dir, prefix=args.recipe)
+        run_dir = rundir.make_run_dir(cfg.run_dir, prefix=args.recipe)
         argv = ["train", args.recipe] + (["--config", args.config] if args.config else [])
         args.set = list(args.set) + [f"run_dir={run_dir}"]
         return _launch_workers(args, argv)
@@ -292,12 +292,12 @@ def cmd_lr_find(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from trainwell import runtime
+    from trainwell import rundir, runtime
     from trainwell.data import embedded
 
-    info = {"versions": runtime.package_versions()}
+    info = {"versions": rundir.package_versions()}
     try:
-        info["devices"] = [f"{d['type']} {d['name']}" for d in runtime.device_summary()]
+        info["devices"] = [f"{d['type']} {d['name']}" for d in rundir.device_summary()]
         caps = runtime.gpu_compute_capabilities()
         info["precision"] = {
             "auto": runtime.resolve_precision("auto"),

@@ -59,25 +59,22 @@ from typing import Any, Sequence
 import numpy as np
 
 from trainwell.tuning import META_PREFIXES, hp_values
+from trainwell.validation import is_int
 
 META_KEYS = ("pbt/member", "pbt/generation", "pbt/initial_epoch", "pbt/epochs", "pbt/parent", "pbt/donor", "pbt/action")
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 def _check_args(population_size, ready_interval, generations, truncation_fraction, perturb_factors, resample_probability):
-    if not (_is_int(population_size) and population_size >= 2):
+    if not (is_int(population_size) and population_size >= 2):
         raise ValueError(
             "Invalid value for argument `population_size`. Expected an int >= 2. "
             f"Received: population_size={population_size!r}"
         )
-    if not (_is_int(ready_interval) and ready_interval >= 1):
+    if not (is_int(ready_interval) and ready_interval >= 1):
         raise ValueError(
             f"Invalid value for argument `ready_interval`. Expected an int >= 1. Received: ready_interval={ready_interval!r}"
         )
-    if not (_is_int(generations) and generations >= 1):
+    if not (is_int(generations) and generations >= 1):
         raise ValueError(
             f"Invalid value for argument `generations`. Expected an int >= 1. Received: generations={generations!r}"
         )
@@ -157,7 +154,7 @@ def _make_classes():
                         resample_probability)
             if max_trials is None:
                 max_trials = 2 * population_size * generations
-            if not (_is_int(max_trials) and max_trials >= population_size * generations):
+            if not (is_int(max_trials) and max_trials >= population_size * generations):
                 raise ValueError(
                     "Invalid value for argument `max_trials`. Expected an int >= population_size * generations "
                     f"({population_size * generations}). Received: max_trials={max_trials!r}"

@@ -18,7 +18,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from trainwell import runtime
+from trainwell import rundir, runtime
 from trainwell.config import ConfigError
 from trainwell.io import atomic_write_json, remove_stale_temporaries, save_figure
 
@@ -52,7 +52,7 @@ class RunResult:
 class RunContext:
     """The runtime of one run: strategy, precision policy, run directory, chief flag.
 
-    The chief holds the run directory's lock (`trainwell.runtime.lock_run_dir`)
+    The chief holds the run directory's lock (`trainwell.rundir.lock_run_dir`)
     from `setup_run` until `close()`, which also removes a run directory that
     this run created and left without any result (a run that failed before it
     trained anything, so that no half-made run is left to resume). `close()` runs
@@ -93,7 +93,7 @@ def _verbose(cfg) -> bool:
 
 #: Files a run writes before its first training step; a run directory holding only these
 #: (and empty files, and TensorBoard files with no event yet) holds no result of the run.
-_SETUP_FILES = {"manifest.json", "config.yaml", runtime.LOCK_FILE, "lr_schedule.png", "labels.json"}
+_SETUP_FILES = {"manifest.json", "config.yaml", rundir.LOCK_FILE, "lr_schedule.png", "labels.json"}
 
 
 def _event_records(path: Path, limit: int = 2) -> int:
@@ -145,7 +145,7 @@ def _end_run(run_dir: Path, fresh: str | None, lock) -> None:
                 for child in run_dir.iterdir():
                     if child.is_dir():
                         shutil.rmtree(child, ignore_errors=True)
-                    elif child.name != runtime.LOCK_FILE:  # released (and deleted) below
+                    elif child.name != rundir.LOCK_FILE:  # released (and deleted) below
                         child.unlink(missing_ok=True)
     finally:
         if lock is not None:
@@ -175,7 +175,7 @@ def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext
 
     The strategy comes first: `"cpu:N"` must split the CPU before any TensorFlow op.
     Under multi-worker every worker gets the chief's run directory
-    (`runtime.shared_run_dir`); only the chief locks it and writes the manifest.
+    (`rundir.shared_run_dir`); only the chief locks it and writes the manifest.
     The first lines printed (unless `cfg.verbose` is 0) name the run directory and
     whether the run is new or resumes; a run directory whose checkpoints are all
     damaged is refused here, in one line.
@@ -191,7 +191,7 @@ def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext
         A `RunContext`; its `close()` releases the run directory.
 
     Raises:
-        trainwell.runtime.RunDirInUseError: Another process is running in that
+        trainwell.rundir.RunDirInUseError: Another process is running in that
             run directory (a `ConfigError`).
         trainwell.config.ConfigError: No checkpoint in the run directory is usable.
 
@@ -216,17 +216,17 @@ def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext
     if given is not None and given.is_dir() and not any(given.iterdir()):
         fresh = "empty"  # e.g. named by `trainwell train --workers N` for its workers
     # Every worker must use the chief's run directory (not its own timestamp).
-    run_dir = runtime.shared_run_dir(cfg.run_dir, strategy, prefix=recipe)
+    run_dir = rundir.shared_run_dir(cfg.run_dir, strategy, prefix=recipe)
     if cfg.run_dir is None:
         cfg.run_dir = str(run_dir)
     if not chief:
         return RunContext(strategy=strategy, precision=precision, run_dir=run_dir, is_chief=False)
     lock = None
     try:
-        lock = runtime.lock_run_dir(run_dir)
+        lock = rundir.lock_run_dir(run_dir)
         remove_stale_temporaries(run_dir)
         _announce(cfg, run_dir, fresh)
-        runtime.write_manifest(run_dir, cfg, strategy=strategy, precision=precision, seed=cfg.seed, recipe=recipe)
+        rundir.write_manifest(run_dir, cfg, strategy=strategy, precision=precision, seed=cfg.seed, recipe=recipe)
     except BaseException:
         _end_run(run_dir, fresh if lock is not None else None, lock)  # without the lock, touch nothing
         raise

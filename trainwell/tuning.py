@@ -51,16 +51,14 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
+from trainwell.validation import is_int
+
 TUNERS = ("random", "bayesian", "hyperband", "pbt")
 #: Hyperparameter names KerasTuner (`tuner/...`) and PBT (`pbt/...`) add to a trial's
 #: values to pass bookkeeping to the worker; they are not part of the search space.
 META_PREFIXES = ("tuner/", "pbt/")
 RUN_SUBDIR = "run"
 BEST_MODEL_DIR = "best_model"
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def hp_values(hp) -> dict:
@@ -1031,9 +1029,9 @@ def make_tuner(
     """
     if tuner not in TUNERS:
         raise ValueError(f"Invalid value for argument `tuner`. Expected one of {TUNERS}. Received: tuner={tuner!r}")
-    if not (_is_int(max_trials) and max_trials >= 1):
+    if not (is_int(max_trials) and max_trials >= 1):
         raise ValueError(f"Invalid value for argument `max_trials`. Expected an int >= 1. Received: max_trials={max_trials!r}")
-    if max_epochs is not None and not (_is_int(max_epochs) and max_epochs >= 1):
+    if max_epochs is not None and not (is_int(max_epochs) and max_epochs >= 1):
         raise ValueError(f"Invalid value for argument `max_epochs`. Expected an int >= 1. Received: max_epochs={max_epochs!r}")
     import keras_tuner
 
@@ -1417,7 +1415,7 @@ def launch_distributed(
     >>> launch_distributed(["tune", "resnet-imagenet", "--tuner", "random"], workers=2)  # doctest: +SKIP
     0
     """
-    if not (_is_int(workers) and workers >= 1):
+    if not (is_int(workers) and workers >= 1):
         raise ValueError(f"Invalid value for argument `workers`. Expected an int >= 1. Received: workers={workers!r}")
     from trainwell.launch import free_ports
 

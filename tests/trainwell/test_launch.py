@@ -347,10 +347,10 @@ def test_collective_timeout_from_the_environment(monkeypatch):
 
 
 def test_shared_run_dir_single_process(tmp_path):
-    from trainwell import runtime
+    from trainwell import rundir, runtime
 
-    assert runtime.shared_run_dir(tmp_path / "given") == tmp_path / "given"
-    made = runtime.shared_run_dir(None, None, prefix="x", root=str(tmp_path))
+    assert rundir.shared_run_dir(tmp_path / "given") == tmp_path / "given"
+    made = rundir.shared_run_dir(None, None, prefix="x", root=str(tmp_path))
     assert made.parent == tmp_path and made.name.startswith("x-") and made.is_dir()
     assert runtime.any_across_workers(None, [True, False]) == [True, False]
     assert runtime.num_workers(None) == 1

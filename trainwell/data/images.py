@@ -77,6 +77,7 @@ from trainwell.data.sources import (
     list_images,
     resolve_path,
 )
+from trainwell.validation import invalid_argument
 
 logger = logging.getLogger("trainwell.data")
 
@@ -224,10 +225,6 @@ class ImageDatasets:
 
 
 # --------------------------------------------------------------------------- helpers
-def _fail(arg: str, value: Any, expected: str):
-    raise ValueError(f"Invalid value for argument `{arg}`. Expected {expected}. Received: {arg}={value!r}")
-
-
 def _num_workers_from_tf_config() -> int:
     try:
         cluster = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster") or {}
@@ -868,35 +865,35 @@ def build_image_datasets(
     (TensorShape([128, 28, 28, 1]), TensorShape([128, 10]))
     """
     if not isinstance(source, str) or not source.strip():
-        _fail("source", source, "a non-empty string such as 'tfds:cifar10', 'folder:PATH', 'tfrecord:GLOB', "
-              "'mnist5k', 'digits' or 'synthetic'")
+        raise invalid_argument("source", "a non-empty string such as 'tfds:cifar10', 'folder:PATH', 'tfrecord:GLOB', "
+              "'mnist5k', 'digits' or 'synthetic'", source)
     if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
-        _fail("image_size", image_size, "an int >= 1")
+        raise invalid_argument("image_size", "an int >= 1", image_size)
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-        _fail("global_batch_size", global_batch_size, "an int >= 1")
+        raise invalid_argument("global_batch_size", "an int >= 1", global_batch_size)
     if augment is None or augment is True:
         augment = "auto"
     if augment is False:
         augment = "none"
     if augment not in AUGMENTATIONS:
-        _fail("augment", augment, f"one of {', '.join(map(repr, AUGMENTATIONS))}, None or False")
+        raise invalid_argument("augment", f"one of {', '.join(map(repr, AUGMENTATIONS))}, None or False", augment)
     for arg, v in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
-            _fail(arg, v, "a float in [0, 1)")
+            raise invalid_argument(arg, "a float in [0, 1)", v)
     if val_fraction + test_fraction >= 1:
-        _fail("test_fraction", test_fraction, f"val_fraction + test_fraction < 1 (val_fraction={val_fraction})")
+        raise invalid_argument("test_fraction", f"val_fraction + test_fraction < 1 (val_fraction={val_fraction})", test_fraction)
     if eval_crop_fraction is not None and not 0 < eval_crop_fraction <= 1:
-        _fail("eval_crop_fraction", eval_crop_fraction, "None or a float in (0, 1]")
+        raise invalid_argument("eval_crop_fraction", "None or a float in (0, 1]", eval_crop_fraction)
     if num_classes is not None and (not isinstance(num_classes, int) or num_classes < 1):
-        _fail("num_classes", num_classes, "None or an int >= 1")
+        raise invalid_argument("num_classes", "None or an int >= 1", num_classes)
     if crop_padding is not None and (isinstance(crop_padding, bool) or not isinstance(crop_padding, int) or crop_padding < 0):
-        _fail("crop_padding", crop_padding, "None or an int >= 0")
+        raise invalid_argument("crop_padding", "None or an int >= 0", crop_padding)
     if not isinstance(shuffle_buffer, int) or shuffle_buffer < 1:
-        _fail("shuffle_buffer", shuffle_buffer, "an int >= 1")
+        raise invalid_argument("shuffle_buffer", "an int >= 1", shuffle_buffer)
     if not isinstance(cycle_length, int) or cycle_length < 1:
-        _fail("cycle_length", cycle_length, "an int >= 1")
+        raise invalid_argument("cycle_length", "an int >= 1", cycle_length)
     if not isinstance(cache, (bool, str)):
-        _fail("cache", cache, "a bool or a file path prefix")
+        raise invalid_argument("cache", "a bool or a file path prefix", cache)
 
     batch_size = global_batch_size
     num_pipelines, pipeline_id = 1, 0
@@ -922,7 +919,7 @@ def build_image_datasets(
         src = _tfds_source(rest, data_dir=data_dir, input_context=input_context if shard else None,
                            cycle_length=cycle_length, **common)
     else:
-        _fail("source", source, "'tfds:NAME', 'folder:PATH', 'tfrecord:GLOB', 'mnist5k', 'digits' or 'synthetic'")
+        raise invalid_argument("source", "'tfds:NAME', 'folder:PATH', 'tfrecord:GLOB', 'mnist5k', 'digits' or 'synthetic'", source)
     n_classes = src.num_classes
     channels = src.channels
     if augment == "auto":
@@ -1082,7 +1079,7 @@ def build_image_datasets(
 def _synthetic(source, image_size, global_batch_size, batch_size, seed, num_classes, one_hot, sizes):
     train_n, test_n = (int(v) for v in sizes)
     if train_n < global_batch_size:
-        _fail("synthetic_examples", sizes, f"a train size >= global_batch_size ({global_batch_size})")
+        raise invalid_argument("synthetic_examples", f"a train size >= global_batch_size ({global_batch_size})", sizes)
     images = tf.random.stateless_normal([batch_size, image_size, image_size, 3], seed=[seed, 1])
     labels = tf.random.stateless_uniform([batch_size], seed=[seed, 2], maxval=num_classes, dtype=tf.int32)
     if one_hot:

@@ -33,7 +33,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from trainwell.config import ConfigError, close_matches, did_you_mean, suggest
+from trainwell.config import ConfigError, close_matches, config_error, did_you_mean, suggest
 
 
 class DataError(ValueError):
@@ -98,10 +98,6 @@ def _path_hint(path: Path) -> str:
     return suggest(str(parent / name) for name in close_matches(path.name, siblings, n=1))
 
 
-def _invalid(field: str, value: str, problem: str, hint: str = ""):
-    raise ConfigError(f"Invalid value for `{field}`: {problem}.{hint} Received: {field}={value!r}")
-
-
 @contextlib.contextmanager
 def _as_config_error(field: str, value: str):
     """Data problems found while a config is checked become `ConfigError`s naming the field."""
@@ -149,7 +145,7 @@ def check_image_source(source: str, data_dir: str | None = None, field: str = "d
     ConfigError: Invalid value for `dataset`: expected 'mnist5k', ... Did you mean 'mnist5k' or 'tfds:mnist'? Received: dataset='mnist'
     """
     if not isinstance(source, str) or not source.strip():
-        _invalid(field, source, f"expected {_expected(IMAGE_SOURCE_FORMS)}")
+        raise config_error(field, source, f"expected {_expected(IMAGE_SOURCE_FORMS)}")
     kind, rest = _kind(source)
     if not kind and rest in EMBEDDED_IMAGE_DATASETS:
         from trainwell.data.embedded import embedded_path
@@ -173,7 +169,7 @@ def check_image_source(source: str, data_dir: str | None = None, field: str = "d
     hint = _source_hint(source, IMAGE_SOURCE_FORMS, ("tfds", "folder", "tfrecord", "synthetic"), data_dir)
     if kind == "embedded":
         hint = did_you_mean(rest, EMBEDDED_IMAGE_DATASETS)
-    _invalid(field, source, f"expected {_expected(IMAGE_SOURCE_FORMS)}", hint)
+    raise config_error(field, source, f"expected {_expected(IMAGE_SOURCE_FORMS)}", hint)
 
 
 def _check_tfrecord_glob(pattern: str, data_dir: str | None, field: str, source: str) -> None:
@@ -185,8 +181,8 @@ def _check_tfrecord_glob(pattern: str, data_dir: str | None, field: str, source:
     if not [f for f in glob.glob(str(full)) if os.path.isfile(f)]:
         where = full.parent
         if not where.is_dir():
-            _invalid(field, source, f"no directory {str(where)!r}", _path_hint(where))
-        _invalid(field, source, f"no TFRecord files match {str(full)!r}")
+            raise config_error(field, source, f"no directory {str(where)!r}", _path_hint(where))
+        raise config_error(field, source, f"no TFRecord files match {str(full)!r}")
 
 
 def list_images(class_dir: str | os.PathLike, limit: int | None = None) -> tuple[list[str], bool]:
@@ -350,17 +346,17 @@ def check_tfds_name(name: str, data_dir: str | None = None, field: str = "datase
     try:
         import tensorflow_datasets as tfds
     except ImportError:
-        _invalid(field, source, "tensorflow-datasets, which is not installed (pip install tensorflow-datasets)")
+        raise config_error(field, source, "tensorflow-datasets, which is not installed (pip install tensorflow-datasets)")
     try:
         tfds.builder(name, data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError:
         base = name.split(":")[0].split("/")[0]
         names = tfds.list_builders(with_community_datasets=False)
-        _invalid(field, source, f"{base!r} is not a TFDS dataset",
+        raise config_error(field, source, f"{base!r} is not a TFDS dataset",
               suggest(f"tfds:{n}" for n in close_matches(base, names)))
     except Exception as e:  # e.g. an unknown config ("glue/sst3") or version
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        _invalid(field, source, f"not a usable TFDS dataset: {first.rstrip('.')}")
+        raise config_error(field, source, f"not a usable TFDS dataset: {first.rstrip('.')}")
 
 
 def check_data_ready(source: str, data_dir: str | None = None) -> None:
@@ -416,7 +412,7 @@ def check_text_source(
     >>> check_text_source("rotten_tomatoes")
     """
     if not isinstance(source, str) or not source.strip():
-        _invalid(field, source, f"expected {_expected(TEXT_SOURCE_FORMS)}")
+        raise config_error(field, source, f"expected {_expected(TEXT_SOURCE_FORMS)}")
     kind, rest = _kind(source)
     if not kind and rest in EMBEDDED_TEXT_DATASETS:
         from trainwell.data.embedded import embedded_path
@@ -431,7 +427,7 @@ def check_text_source(
 
         path = Path(resolve_path(rest, data_dir))
         if not path.exists():
-            _invalid(field, source, f"no file or directory {str(path)!r}", _path_hint(path))
+            raise config_error(field, source, f"no file or directory {str(path)!r}", _path_hint(path))
         with _as_config_error(field, source):
             text.read_file_source(kind, rest, data_dir, text_field, label_field, check_labels=True)
         return
@@ -439,7 +435,7 @@ def check_text_source(
         check_tfds_name(rest, data_dir, field, source)
         return
     hint = _source_hint(source, TEXT_SOURCE_FORMS, ("csv", "jsonl", "tfds"), data_dir)
-    _invalid(field, source, f"expected {_expected(TEXT_SOURCE_FORMS)}", hint)
+    raise config_error(field, source, f"expected {_expected(TEXT_SOURCE_FORMS)}", hint)
 
 
 # --------------------------------------------------------------------------- presets
@@ -459,7 +455,7 @@ def check_preset(preset: str, field: str = "preset") -> None:
     """
     expected = "'minilm', a preset directory, a keras-hub text classifier preset name or a kaggle:// / hf:// handle"
     if not isinstance(preset, str) or not preset.strip():
-        _invalid(field, preset, f"expected {expected}")
+        raise config_error(field, preset, f"expected {expected}")
     if preset == "minilm":
         from trainwell.data.embedded import embedded_path
 
@@ -471,15 +467,15 @@ def check_preset(preset: str, field: str = "preset") -> None:
     path = Path(preset).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            _invalid(field, preset, f"{str(path)!r} is not a preset directory (no config.json)")
+            raise config_error(field, preset, f"{str(path)!r} is not a preset directory (no config.json)")
         return
     if preset.startswith((".", "/", "~")) or os.sep in preset:
-        _invalid(field, preset, f"preset directory {str(path)!r} not found", _path_hint(path))
+        raise config_error(field, preset, f"preset directory {str(path)!r} not found", _path_hint(path))
     import keras_hub
 
     names = sorted(keras_hub.models.TextClassifier.presets)
     if preset not in names:
-        _invalid(field, preset, f"expected {expected}; {preset!r} is not a keras-hub text classifier preset",
+        raise config_error(field, preset, f"expected {expected}; {preset!r} is not a keras-hub text classifier preset",
               did_you_mean(preset, ["minilm", *names]))
 
 

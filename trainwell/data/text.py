@@ -62,6 +62,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from trainwell.data.sources import DataError, DataNotFoundError, resolve_path
+from trainwell.validation import invalid_argument
 
 TEXT_FIELD_CANDIDATES = ("text", "sentence", "review", "content")
 LABEL_MAP_FILE = "labels.json"
@@ -107,10 +108,6 @@ class TextSplits:
 
     def sizes(self) -> dict[str, int]:
         return {k: (0 if getattr(self, k) is None else len(getattr(self, k)[1])) for k in ("train", "val", "test")}
-
-
-def _fail(arg: str, value: Any, expected: str):
-    raise ValueError(f"Invalid value for argument `{arg}`. Expected {expected}. Received: {arg}={value!r}")
 
 
 def _as_texts(values: Iterable[Any], where: str) -> np.ndarray:
@@ -527,13 +524,13 @@ def load_text_splits(
     """
     for arg, v in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
-            _fail(arg, v, "a float in [0, 1)")
+            raise invalid_argument(arg, "a float in [0, 1)", v)
     if val_fraction + test_fraction >= 1:
-        _fail("test_fraction", test_fraction, f"val_fraction + test_fraction < 1 (val_fraction={val_fraction})")
+        raise invalid_argument("test_fraction", f"val_fraction + test_fraction < 1 (val_fraction={val_fraction})", test_fraction)
     if max_train_examples is not None and (isinstance(max_train_examples, bool) or not isinstance(max_train_examples, int) or max_train_examples < 1):
-        _fail("max_train_examples", max_train_examples, "None or an int >= 1")
+        raise invalid_argument("max_train_examples", "None or an int >= 1", max_train_examples)
     if not isinstance(label_field, str) or not label_field:
-        _fail("label_field", label_field, "a non-empty string")
+        raise invalid_argument("label_field", "a non-empty string", label_field)
 
     from trainwell.data.embedded import load_rotten_tomatoes, stratified_split
 
@@ -554,8 +551,8 @@ def load_text_splits(
         elif kind == "tfds" and rest:
             raw, where, names_from_source = _tfds_source(rest, data_dir, text_field, label_field)
         else:
-            _fail("source", source, "'rotten_tomatoes', 'tfds:NAME', 'csv:PATH', 'jsonl:PATH', "
-                  "(texts, labels) or {'train': (texts, labels), ...}")
+            raise invalid_argument("source", "'rotten_tomatoes', 'tfds:NAME', 'csv:PATH', 'jsonl:PATH', "
+                  "(texts, labels) or {'train': (texts, labels), ...}", source)
     else:
         name = "memory"
         raw, where = _memory_source(source)
@@ -761,9 +758,9 @@ def build_text_datasets(
     import tensorflow as tf
 
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-        _fail("global_batch_size", global_batch_size, "an int >= 1")
+        raise invalid_argument("global_batch_size", "an int >= 1", global_batch_size)
     if isinstance(sequence_length, bool) or not isinstance(sequence_length, int) or sequence_length < 2:
-        _fail("sequence_length", sequence_length, "an int >= 2")
+        raise invalid_argument("sequence_length", "an int >= 2", sequence_length)
     x, y = splits.train
     n = len(y)
     if n < global_batch_size:

@@ -44,14 +44,7 @@ import re
 
 import keras
 
-# depth -> (block kind, blocks per stage). He et al. 2016, Table 1.
-RESNET_DEPTHS: dict[int, tuple[str, tuple[int, int, int, int]]] = {
-    18: ("basic", (2, 2, 2, 2)),
-    34: ("basic", (3, 4, 6, 3)),
-    50: ("bottleneck", (3, 4, 6, 3)),
-    101: ("bottleneck", (3, 4, 23, 3)),
-    152: ("bottleneck", (3, 8, 36, 3)),
-}
+from trainwell.models.specs import RESNET_DEPTHS
 
 # TF Model Garden `resnet` / PyTorch defaults (PyTorch momentum 0.1 == Keras 0.9).
 BN_MOMENTUM = 0.9
