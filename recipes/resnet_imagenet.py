@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Literal, Optional
 
 from trainwell.config import BaseConfig, check_choice, check_positive, check_range, check_reliability_fields, raise_invalid
+from trainwell.data import embedded
+from trainwell.data.sources import AUGMENTATIONS, check_image_source
+from trainwell.models.specs import RESNET_DEPTHS
 
 RECIPE = "resnet-imagenet"
 
@@ -149,8 +153,6 @@ class Config(BaseConfig):
         super().validate()
         check_positive(self, "lr_base_batch")
         self._derive()
-        from trainwell.data.sources import AUGMENTATIONS, check_image_source
-        from trainwell.models.specs import RESNET_DEPTHS
 
         names = [f"resnet{d}" for d in RESNET_DEPTHS]
         check_choice(self, "model", names)
@@ -210,7 +212,6 @@ class Config(BaseConfig):
         """
         if self.embedded_name is None:
             return None
-        from trainwell.data import embedded
 
         splits = embedded.load(self.embedded_name, val_fraction=self.val_fraction, test_fraction=TEST_FRACTION)
         return splits.sizes()["train"]
@@ -222,6 +223,7 @@ class Config(BaseConfig):
     @property
     def peak_lr(self) -> float:
         """Peak LR after warmup: base_lr x batch_size / lr_base_batch [Goyal]."""
+        # lazy: it imports Keras/TensorFlow; loaded on first use, not with this module
         from trainwell.callbacks.schedules import scaled_lr
 
         return scaled_lr(self.base_lr, self.batch_size, self.lr_base_batch)
@@ -252,6 +254,7 @@ def build_data(cfg: Config, input_context=None):
     >>> data.num_classes  # doctest: +SKIP
     10
     """
+    # lazy: it imports Keras/TensorFlow; loaded on first use, not with this module
     from trainwell.data.images import build_image_datasets
 
     return build_image_datasets(
@@ -298,6 +301,7 @@ def build_model(cfg: Config, num_classes: int, channels: int = 3):
     Example:
     >>> model = build_model(Config(model="resnet18", image_size=32, width=16), 10)  # doctest: +SKIP
     """
+    # lazy: it imports Keras/TensorFlow; loaded on first use, not with this module
     from trainwell.models.resnet import build_resnet
 
     return build_resnet(
@@ -320,6 +324,7 @@ def augment_batch(cfg: Config, train_ds, num_classes: int):
     """
     if not (cfg.randaugment or cfg.mixup_alpha or cfg.cutmix_alpha):
         return train_ds
+    # lazy: Keras/TensorFlow load on first use, not with this module
     import keras
     import tensorflow as tf
 
@@ -361,6 +366,7 @@ def build_optimizer(cfg: Config, steps_per_epoch: int, learning_rate=None):
     Example:
     >>> opt = build_optimizer(Config(batch_size=256), steps_per_epoch=100)  # doctest: +SKIP
     """
+    # lazy: Keras/TensorFlow load on first use, not with this module
     import keras
 
     from trainwell.callbacks.schedules import WarmupCosineDecay, WarmupStepDecay
@@ -380,6 +386,7 @@ def build_optimizer(cfg: Config, steps_per_epoch: int, learning_rate=None):
         )
     common = dict(use_ema=cfg.use_ema, ema_momentum=cfg.ema_momentum)
     if cfg.optimizer_name == "lars":
+        # lazy: it imports Keras/TensorFlow; loaded on first use, not with this module
         from trainwell.optimizers import LARS
 
         opt = LARS(learning_rate=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov, **common)
@@ -394,6 +401,7 @@ def build_optimizer(cfg: Config, steps_per_epoch: int, learning_rate=None):
 
 def compile_model(cfg: Config, model, steps_per_epoch: int, learning_rate=None) -> None:
     """Compiles `model` with the recipe's optimizer, loss (label smoothing) and metrics."""
+    # lazy: Keras loads on first use, not with this module
     import keras
 
     model.compile(
@@ -435,7 +443,8 @@ def build_callbacks(cfg: Config, run_dir, schedule=None, chief: bool = True) -> 
     Example:
     >>> cbs = build_callbacks(Config(), "/tmp/run")  # doctest: +SKIP
     """
-    from trainwell.recipe import standard_callbacks
+    # lazy: it imports Keras/TensorFlow; loaded on first use, not with this module
+    from trainwell.recipes.harness import standard_callbacks
 
     return standard_callbacks(
         cfg, run_dir,
@@ -454,7 +463,7 @@ def build_callbacks(cfg: Config, run_dir, schedule=None, chief: bool = True) -> 
 
 # --------------------------------------------------------------------------- train
 def train(cfg: Config | None = None, *, callbacks=None, **overrides):
-    """Trains the recipe and returns a `trainwell.recipe.RunResult`.
+    """Trains the recipe and returns a `trainwell.recipes.harness.RunResult`.
 
     Args:
         cfg: A `Config`. Defaults to `None` (the published defaults).
@@ -470,15 +479,17 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
     >>> run = train(dataset="mnist5k", epochs=1, image_size=28, batch_size=128,
     ...             model="resnet18", width=16)  # doctest: +SKIP
     """
-    from trainwell import recipe
+    # lazy: it imports Keras/TensorFlow; loaded on first use, not with this module
+    # lazy: the harness imports Keras and the callbacks; loaded when training starts
+    from trainwell.recipes import harness
     from trainwell.callbacks import WarmupCosine
 
     cfg = _cfg(cfg, overrides)
-    with recipe.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
+    with harness.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
         data = build_data(cfg)
         steps = training_steps(cfg, data)
         # Exact resume: the resumed epoch sees the same order and augmentation as it would have.
-        train_ds = recipe.advance_epochs(data.train, recipe.resume_epoch(ctx.run_dir / "checkpoints"))
+        train_ds = harness.advance_epochs(data.train, harness.resume_epoch(ctx.run_dir / "checkpoints"))
         train_ds = augment_batch(cfg, train_ds, data.num_classes)
         with ctx.strategy.scope():
             model = build_model(cfg, data.num_classes, data.channels)
@@ -486,7 +497,7 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
         schedule = getattr(getattr(model.optimizer, "inner_optimizer", model.optimizer), "_learning_rate", None)
         callbacks = build_callbacks(cfg, ctx.run_dir, schedule=schedule, chief=ctx.is_chief) + list(callbacks or ())
         if not any(isinstance(c, WarmupCosine) for c in callbacks):  # the step schedule: its LR in the history
-            callbacks.insert(0, recipe.log_learning_rate(model))
+            callbacks.insert(0, harness.log_learning_rate(model))
         history = model.fit(
             train_ds, validation_data=data.val, epochs=cfg.epochs, steps_per_epoch=steps,
             callbacks=callbacks, verbose=cfg.verbose, shuffle=False,  # the pipeline shuffles (seeded)
@@ -497,7 +508,7 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
                 print(f"Evaluating on the test split ({data.counts['test']} images) ...", flush=True)
             test = model.evaluate(data.test, verbose=cfg.verbose, return_dict=True)
         metrics = {f"test_{k}": v for k, v in test.items()}
-        return recipe.finish_run(ctx, cfg, model, metrics, history)
+        return harness.finish_run(ctx, cfg, model, metrics, history)
 
 
 # --------------------------------------------------------------------------- hyperparameter search
@@ -507,7 +518,7 @@ def _tuning_space(hp, cfg: Config) -> dict:
     `peak_lr` is the peak LR at the config's batch size; with another `batch_size`
     the linear scaling rule applies (`base_lr = peak_lr x lr_base_batch / cfg.batch_size`).
     """
-    from trainwell.tuning import batch_size_choice, log_float
+    from trainwell.recipes.hypermodel import batch_size_choice, log_float  # lazy: keras_tuner loads only for a search
 
     peak_lr = log_float(hp, "peak_lr", cfg.peak_lr, 10.0)
     weight_decay = log_float(hp, "weight_decay", cfg.weight_decay or 5e-5, 10.0)
@@ -558,9 +569,8 @@ def hypermodel(cfg: Config | None = None, **overrides):
     >>> hm = hypermodel(dataset="digits", image_size=8, model="resnet18", width=8, epochs=6)
     >>> result = tuning.search(hm, "bayesian", max_trials=10)  # doctest: +SKIP
     """
-    import sys
 
-    from trainwell.tuning import recipe_hypermodel
+    from trainwell.recipes.hypermodel import recipe_hypermodel  # lazy: keras_tuner loads only for a search
 
     cfg = _cfg(cfg, overrides)
     trial = {"verbose": 0}

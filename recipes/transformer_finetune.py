@@ -48,15 +48,18 @@ import dataclasses
 import math
 import os
 import re
-import shutil
-import tempfile
+import sys
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Optional
 
 from trainwell.config import BaseConfig, check_choice, check_positive, check_range, check_reliability_fields, raise_invalid
+from trainwell.data import text
+from trainwell.data.embedded import minilm_preset_dir
+from trainwell.data.sources import check_preset, check_text_source
+from trainwell.data.text import load_label_map, save_label_map
+from trainwell.recipes.transformer_serving import EXPORT_DIR, export_model, load_exported, predict  # noqa: F401 - the recipe's API
 
 RECIPE = "transformer-finetune"
-EXPORT_DIR = "model"
 NO_DECAY_NAMES = ("gamma", "beta", "bias")  # LayerNorm scale/offset and biases [BERT]
 
 
@@ -164,7 +167,6 @@ class Config(BaseConfig):
             raise_invalid("gradient_accumulation_steps", self.gradient_accumulation_steps, "null or an integer >= 2")
         check_reliability_fields(self)
         check_choice(self, "verbose", ("auto", "0", "1", "2"))
-        from trainwell.data.sources import check_preset, check_text_source
 
         check_preset(self.preset)
         check_text_source(self.dataset, self.data_dir, self.text_field, self.label_field)  # CSV/JSONL: parsed
@@ -188,7 +190,6 @@ def resolve_preset(preset: str) -> str:
     'bert_base_en_uncased'
     """
     if preset == "minilm":
-        from trainwell.data.embedded import minilm_preset_dir
 
         return str(minilm_preset_dir())
     p = Path(preset).expanduser()
@@ -207,6 +208,7 @@ def build_preprocessor(cfg: Config):
     >>> pre(["a fine film"])["token_ids"].shape  # doctest: +SKIP
     TensorShape([1, 64])
     """
+    # lazy: keras-hub loads on first use, not with this module
     import keras_hub
 
     return keras_hub.models.TextClassifierPreprocessor.from_preset(
@@ -225,6 +227,7 @@ def build_model(cfg: Config, num_classes: int):
     Example:
     >>> model = build_model(Config(), num_classes=2)  # doctest: +SKIP
     """
+    # lazy: Keras loads on first use, not with this module
     import keras
     import keras_hub
 
@@ -295,7 +298,6 @@ def build_data(cfg: Config, preprocessor, data: Any = None):
     >>> data.class_names  # doctest: +SKIP
     ['rotten', 'fresh']
     """
-    from trainwell.data import text
 
     splits = text.load_text_splits(
         cfg.dataset if data is None else data,
@@ -392,6 +394,7 @@ def compile_model(cfg: Config, model, steps_per_epoch: int) -> None:
     Example:
     >>> compile_model(Config(), model, steps_per_epoch=280)  # doctest: +SKIP
     """
+    # lazy: Keras loads on first use, not with this module
     import keras
 
     model.compile(
@@ -431,7 +434,8 @@ def build_callbacks(cfg: Config, run_dir, schedule=None, chief: bool = True, has
     Example:
     >>> cbs = build_callbacks(Config(), "/tmp/run")  # doctest: +SKIP
     """
-    from trainwell.recipe import standard_callbacks
+    # lazy: it imports Keras/TensorFlow; loaded on first use, not with this module
+    from trainwell.recipes.harness import standard_callbacks
 
     return standard_callbacks(
         cfg, run_dir,
@@ -448,127 +452,9 @@ def build_callbacks(cfg: Config, run_dir, schedule=None, chief: bool = True, has
     )
 
 
-# --------------------------------------------------------------------------- export / predict
-def export_model(model, preprocessor, class_names: Sequence[str], path) -> Path:
-    """Saves `model` with its preprocessor as a keras-hub preset, plus `labels.json`.
-
-    Written to a temporary directory next to `path` and renamed into place, so a
-    reader never sees a half-written export. Reload with
-    `keras_hub.models.TextClassifier.from_preset(path)` or use `predict`.
-
-    Example:
-    >>> export_model(run.model, build_preprocessor(cfg), ["neg", "pos"], run.run_dir / "model")  # doctest: +SKIP
-    """
-    from trainwell.data.text import save_label_map
-    from trainwell.io import fsync_dir
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the export is a normal directory
-    old = None
-    try:
-        # A clean copy: the compiled model would also save its optimizer state (twice
-        # the model's size for Adam) into the preset's task weights.
-        clean = type(model).from_config(model.get_config())
-        clean.set_weights(model.get_weights())
-        clean.preprocessor = preprocessor
-        clean.save_to_preset(str(tmp))
-        save_label_map(tmp, class_names)
-        if path.exists():
-            old = path.parent / f".old-{path.name}-{os.getpid()}"
-            os.replace(path, old)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and old.exists() and not path.exists():
-            os.replace(old, path)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return path
-
-
-def load_exported(run_dir):
-    """`(model, class_names)` of the model exported in `run_dir` (or its `model/` dir).
-
-    Example:
-    >>> model, names = load_exported("runs/transformer-finetune-20250101-000000")  # doctest: +SKIP
-    """
-    import keras_hub
-
-    from trainwell.data.text import load_label_map
-
-    path = Path(run_dir)
-    if (path / EXPORT_DIR).is_dir():
-        path = path / EXPORT_DIR
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"No exported model in {str(run_dir)!r} (expected {EXPORT_DIR}/config.json).")
-    return keras_hub.models.TextClassifier.from_preset(str(path)), load_label_map(path)
-
-
-def predict(texts: Sequence[str], run_dir=None, *, model=None, class_names=None, batch_size: int = 64):
-    """Predicted labels and class probabilities for `texts`.
-
-    Args:
-        texts: Strings to classify.
-        run_dir: A run directory (or its `model/` directory) holding an export.
-            Defaults to `None` (then `model` is required).
-        model: A `TextClassifier` with its preprocessor attached (e.g. `run.model`),
-            used instead of loading `run_dir`. Defaults to `None`.
-        class_names: Label names by id; read from the export's `labels.json` when
-            `None`. Defaults to `None`.
-        batch_size: Batch size. Defaults to `64`.
-
-    Returns:
-        `(labels, probabilities)`: a list of label names and a float32 array of shape
-        `(len(texts), num_classes)` whose rows sum to 1.
-
-    Example:
-    >>> labels, probs = predict(["What a film!"], run_dir="runs/x")  # doctest: +SKIP
-    """
-    import keras
-    import numpy as np
-
-    from trainwell.data.text import load_label_map, make_eval_dataset
-
-    if isinstance(texts, str):
-        raise ValueError(f"Invalid value for argument `texts`. Expected a list of strings. Received: texts={texts!r}")
-    texts = list(texts)
-    if model is None:
-        if run_dir is None:
-            raise ValueError("predict() needs `run_dir` or `model`.")
-        model, names = load_exported(run_dir)
-        class_names = class_names or names
-    elif class_names is None and run_dir is not None:
-        class_names = load_label_map(Path(run_dir) / EXPORT_DIR if (Path(run_dir) / EXPORT_DIR).is_dir() else run_dir)
-    pre = model.preprocessor
-    if pre is None:
-        raise ValueError("predict() needs a model with its preprocessor attached (an exported model).")
-    num_classes = int(model.num_classes)
-    if not texts:
-        return [], np.zeros((0, num_classes), np.float32)
-    seq_len = int(pre.sequence_length)
-    ds = make_eval_dataset(np.array(texts, dtype=object), None, pre, batch_size, seq_len).map(lambda x, y: x)
-    model.preprocessor = None  # the pipeline has tokenised already
-    try:
-        out = model.predict(ds, verbose=0)
-    finally:
-        model.preprocessor = pre
-    out = np.asarray(out, dtype=np.float32)
-    if keras.activations.get(getattr(model, "activation", None)) is not keras.activations.softmax:
-        out = np.exp(out - out.max(axis=-1, keepdims=True))
-        out = out / out.sum(axis=-1, keepdims=True)
-    names = list(class_names) if class_names is not None else [str(i) for i in range(num_classes)]
-    return [names[i] for i in out.argmax(axis=-1)], out
-
-
 # --------------------------------------------------------------------------- train
 def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **overrides):
-    """Fine-tunes the recipe and returns a `trainwell.recipe.RunResult`.
+    """Fine-tunes the recipe and returns a `trainwell.recipes.harness.RunResult`.
 
     Args:
         cfg: A `Config`. Defaults to `None` (the published defaults).
@@ -587,19 +473,20 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
     Example:
     >>> run = train(preset="minilm", epochs=1, sequence_length=64)  # doctest: +SKIP
     """
-    from trainwell import recipe
+    # lazy: it imports Keras/TensorFlow; loaded on first use, not with this module
+    # lazy: the harness imports Keras and the callbacks; loaded when training starts
+    from trainwell.recipes import harness
     from trainwell.callbacks import StopAtStep, WarmupCosine
-    from trainwell.data.text import save_label_map
 
     if data is not None:
         overrides = {**overrides, "dataset": "memory"}
     cfg = _cfg(cfg, overrides)
-    with recipe.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
+    with harness.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
         preprocessor = build_preprocessor(cfg)
         data_ = build_data(cfg, preprocessor, data)
         steps = data_.steps_per_epoch
         # Exact resume: the resumed epoch sees the same order as it would have.
-        train_ds = recipe.advance_epochs(data_.train, recipe.resume_epoch(ctx.run_dir / "checkpoints"))
+        train_ds = harness.advance_epochs(data_.train, harness.resume_epoch(ctx.run_dir / "checkpoints"))
         with ctx.strategy.scope():
             model = build_model(cfg, data_.num_classes)
             compile_model(cfg, model, steps)
@@ -615,8 +502,8 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
         if not any(isinstance(c, WarmupCosine) for c in callbacks):
             # The LR in the history, as Keras's LearningRateScheduler logs it (WarmupCosine
             # does it for its own schedule); before the loggers, which write the logs.
-            callbacks.insert(0, recipe.log_learning_rate(model))
-        # Multi-replica strategies: `recipe.setup_run` applied keras_fixes' "symbolic_build"
+            callbacks.insert(0, harness.log_learning_rate(model))
+        # Multi-replica strategies: `harness.setup_run` applied keras_fixes' "symbolic_build"
         # (Keras would MEAN-reduce a per-replica batch, boolean padding masks included).
         total = phase_steps(cfg, steps)[0]
         epochs, epoch_steps = fit_epochs(cfg, steps)
@@ -636,7 +523,7 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
             _say(cfg, f"Exporting the model and its tokenizer to {ctx.run_dir / EXPORT_DIR} ...")
             export_model(model, preprocessor, data_.class_names, ctx.run_dir / EXPORT_DIR)
         model.preprocessor = preprocessor
-        return recipe.finish_run(ctx, cfg, model, metrics, history)
+        return harness.finish_run(ctx, cfg, model, metrics, history)
 
 
 def _say(cfg: Config, message: str) -> None:
@@ -652,7 +539,7 @@ def _tuning_space(hp, cfg: Config) -> dict:
     No label smoothing (this recipe's sparse cross-entropy has none) and no
     optimizer choice (the recipe is AdamW with per-variable LR factors).
     """
-    from trainwell.tuning import batch_size_choice, log_float
+    from trainwell.recipes.hypermodel import batch_size_choice, log_float  # lazy: keras_tuner loads only for a search
 
     peak_lr = log_float(hp, "peak_lr", cfg.peak_lr, 5.0)
     weight_decay = log_float(hp, "weight_decay", cfg.weight_decay or 0.01, 10.0)
@@ -680,7 +567,6 @@ def _tuning_build(cfg: Config):
 
 
 def _tuning_export(model, cfg: Config, run_dir, path):
-    from trainwell.data.text import load_label_map
 
     return export_model(model, build_preprocessor(cfg), load_label_map(run_dir), path)
 
@@ -701,9 +587,8 @@ def hypermodel(cfg: Config | None = None, **overrides):
     >>> hm = hypermodel(preset="minilm", epochs=3, sequence_length=64)
     >>> result = tuning.search(hm, "random", max_trials=8)  # doctest: +SKIP
     """
-    import sys
 
-    from trainwell.tuning import recipe_hypermodel
+    from trainwell.recipes.hypermodel import recipe_hypermodel  # lazy: keras_tuner loads only for a search
 
     cfg = _cfg(cfg, overrides)
     trial = {"verbose": "0", "export": False}

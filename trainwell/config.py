@@ -23,6 +23,9 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from trainwell.io import atomic_write_text
+from trainwell.runtime import MAX_SEED, PRECISION_SPECS, STRATEGY_SPECS, validate_strategy_spec
+
 
 class ConfigError(ValueError):
     """A config value, key or file is invalid. The message is a single line.
@@ -278,7 +281,6 @@ class BaseConfig:
     >>> MyConfig.load(overrides=["lr=0.5", "epochs=3"]).lr
     0.5
     """
-
     dataset: str = "mnist5k"
     epochs: int = 1
     batch_size: int = 32
@@ -296,8 +298,6 @@ class BaseConfig:
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         """Range checks; raises `ConfigError` with a one-line message."""
-        from trainwell.runtime import PRECISION_SPECS, STRATEGY_SPECS, validate_strategy_spec
-
         if not self.dataset.strip():
             raise_invalid("dataset", self.dataset, "a non-empty dataset name")
         check_positive(self, "epochs")
@@ -387,8 +387,6 @@ class BaseConfig:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Writes the config as YAML (atomically)."""
-        from trainwell.io import atomic_write_text
-
         return atomic_write_text(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
@@ -408,10 +406,6 @@ def check_positive(cfg: Any, name: str, allow_zero: bool = False) -> None:
         return
     if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
         raise_invalid(name, v, "a number >= 0" if allow_zero else "a number > 0")
-
-
-#: Seeds go to `random`, NumPy and TensorFlow; NumPy's legacy seed takes 32 bits.
-MAX_SEED = 2**32 - 1
 
 
 def check_seed(cfg: Any, name: str = "seed") -> None:

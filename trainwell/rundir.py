@@ -25,14 +25,17 @@ import re
 import socket
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from trainwell.config import ConfigError
 from trainwell.io import atomic_write_json, atomic_write_text
 from trainwell.runtime import is_chief, num_replicas, num_workers
+
 
 def package_versions() -> dict[str, str]:
     """Installed versions of the packages a run depends on (missing ones omitted).
@@ -41,7 +44,6 @@ def package_versions() -> dict[str, str]:
     >>> "python" in package_versions()
     True
     """
-    from importlib import metadata
 
     out = {"python": platform.python_version()}
     for dist in (
@@ -317,7 +319,7 @@ def lock_run_dir(run_dir: str | os.PathLike) -> RunDirLock:
         return held
     path = run_dir / LOCK_FILE
     try:
-        import fcntl
+        import fcntl  # POSIX only: where it is missing (Windows) the record itself is the lock
     except ImportError:  # pragma: no cover - Windows
         fcntl = None
     for _ in range(3):
@@ -431,7 +433,6 @@ def write_manifest(
     if extra:
         manifest.update(extra)
     if cfg_dict is not None:
-        import yaml
 
         atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg_dict, sort_keys=False))
     return atomic_write_json(run_dir / "manifest.json", manifest)

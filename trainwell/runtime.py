@@ -17,14 +17,16 @@ from typing import Any
 
 import numpy as np
 
-from trainwell.config import MAX_SEED
 
+#: Seeds go to `random`, NumPy and TensorFlow; NumPy's legacy seed takes 32 bits.
+MAX_SEED = 2**32 - 1
 STRATEGY_SPECS = ("auto", "mirrored", "multiworker", "tpu", "one_device", "cpu:N")
 PRECISION_SPECS = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
 _CPU_RE = re.compile(r"^cpu:(\d+)$")
 
 
 def _tf():
+    # lazy: TensorFlow loads on first use, not with this module
     import tensorflow as tf
 
     return tf
@@ -170,6 +172,7 @@ def make_strategy(spec: Any = "auto"):
 
 
 def _apply_multiworker_fixes() -> None:
+    # lazy: it imports Keras/TensorFlow; loaded on first use, not with this module
     from trainwell import keras_fixes
 
     keras_fixes.apply()
@@ -375,6 +378,7 @@ def set_precision(spec: str = "auto") -> str:
     >>> set_precision("float32")
     'float32'
     """
+    # lazy: Keras loads on first use, not with this module
     import keras
 
     name = resolve_precision(spec)
@@ -402,6 +406,7 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
             f"Invalid value for argument `seed`. Expected an int in [0, 2**32 - 1] (NumPy's seed range). "
             f"Received: seed={seed!r}"
         )
+    # lazy: Keras loads on first use, not with this module
     import keras
 
     os.environ.setdefault("PYTHONHASHSEED", str(seed))

@@ -247,7 +247,7 @@ def test_cli_rejects_a_bad_worker_count():
 _SLOW_CHIEF = """
 import json, os, time
 if json.loads(os.environ.get("TF_CONFIG") or "{}").get("task", {}).get("index") == 0:
-    import trainwell.recipe as recipe
+    import trainwell.recipes.harness as recipe
     finish = recipe.finish_run
     def slow_finish(*args, **kwargs):
         out = finish(*args, **kwargs)

@@ -1,5 +1,8 @@
 """Image classification input pipelines: TFDS, image folders, ImageNet TFRecords, embedded, synthetic.
 
+One module (~1,100 lines) because every source feeds the same decode, augment, batch
+and shard steps, which must stay identical across sources for exact resume.
+
 One function, `build_image_datasets`, returns train/val/test `tf.data.Dataset`s of
 `(image, label)` batches plus their metadata (`ImageDatasets`). What it does is the
 TF Model Garden / "ImageNet in 1 hour" input pipeline:
@@ -77,6 +80,8 @@ from trainwell.data.sources import (
     list_images,
     resolve_path,
 )
+from trainwell.data import embedded
+from trainwell.data.embedded import stratified_split
 from trainwell.validation import invalid_argument
 
 logger = logging.getLogger("trainwell.data")
@@ -114,7 +119,6 @@ class SkipCounter:
     >>> c = SkipCounter(); c.record("train", "a.jpg"); c.counts()["train"]
     1
     """
-
     MAX_EXAMPLES = 20
 
     def __init__(self) -> None:
@@ -175,7 +179,6 @@ class ImageDatasets:
     >>> data.num_classes, data.steps["train"]
     (10, 39)
     """
-
     train: tf.data.Dataset
     val: tf.data.Dataset | None
     test: tf.data.Dataset | None
@@ -243,7 +246,6 @@ def _carve(key: tf.Tensor, split_seed: int) -> tf.Tensor:
 # --------------------------------------------------------------------------- image ops
 def _decode_window(image_bytes, channels: int, window_fn):
     """Decodes only `window_fn(shape)` of a JPEG; other formats are decoded, then cropped."""
-
     def jpeg():
         y, x, h, w = window_fn(tf.image.extract_jpeg_shape(image_bytes))
         return tf.image.decode_and_crop_jpeg(image_bytes, tf.stack([y, x, h, w]), channels=channels)
@@ -392,7 +394,6 @@ class _Transform:
 @dataclasses.dataclass
 class _Split:
     """Records of one split: a function returning a dataset of (payload, label, key)."""
-
     make: Any  # (shard: tuple[int, int] | None) -> tf.data.Dataset of (payload, label, key)
     count: int | None
     kind: str  # "path" (folder), "example" (TFRecord), "bytes" (TFDS), "array" (uint8 image)
@@ -419,7 +420,6 @@ def _split_fractions(val_fraction, test_fraction, has_val, has_test):
 
 
 def _embedded_source(name, *, val_fraction, test_fraction, split_seed, seed):
-    from trainwell.data import embedded
 
     splits = embedded.load(name, val_fraction=val_fraction, test_fraction=test_fraction, seed=split_seed)
 
@@ -496,7 +496,6 @@ def _folder_source(path, *, val_fraction, test_fraction, split_seed, seed, data_
     tp, tl = flat("train")
     arrays = {}
     if val_f > 0 or test_f > 0:
-        from trainwell.data.embedded import stratified_split
 
         idx = stratified_split(tl, val_f, test_f, split_seed)
         arrays["train"] = (tp[np.sort(idx["train"])], tl[np.sort(idx["train"])])
@@ -646,6 +645,7 @@ def _tfrecord_source(pattern, *, val_fraction, test_fraction, split_seed, seed, 
 
 
 def _tfds_source(name, *, val_fraction, test_fraction, split_seed, seed, data_dir, input_context, cycle_length):
+    # lazy: TFDS loads on first use, not with this module
     import tensorflow_datasets as tfds
 
     try:
@@ -742,7 +742,6 @@ def _tfds_source(name, *, val_fraction, test_fraction, split_seed, seed, data_di
 # --------------------------------------------------------------------------- pipeline
 def _skip_recorder(skips: SkipCounter, split: str, hashed_key: bool):
     """Returns `on_error(key, payload) -> False` that records a skipped image (runs in Python)."""
-
     def record(key, payload):
         k = key.numpy().decode("utf-8", "replace")
         if hashed_key:  # shard name / TFDS id + checksum of the record: unique per record

@@ -34,25 +34,9 @@ from pathlib import Path
 from typing import Iterable
 
 from trainwell.config import ConfigError, close_matches, config_error, did_you_mean, suggest
-
-
-class DataError(ValueError):
-    """Data that cannot be trained on: missing, empty, unreadable, one class, ... One line.
-
-    The `trainwell` command prints the message and exits with status 2 (no traceback).
-
-    Example:
-    >>> raise DataError("Empty file: 'train.csv' has no rows.")  # doctest: +SKIP
-    """
-
-
-class DataNotFoundError(DataError, FileNotFoundError):
-    """A data file, folder or dataset that does not exist (or is not prepared).
-
-    Example:
-    >>> isinstance(DataNotFoundError("x"), FileNotFoundError)
-    True
-    """
+from trainwell.data import text
+from trainwell.data.base import DataError, DataNotFoundError, resolve_path
+from trainwell.data.embedded import embedded_path
 
 
 EMBEDDED_IMAGE_DATASETS = ("mnist5k", "digits")
@@ -69,23 +53,6 @@ MAX_IMAGES_CHECKED = 256
 def _expected(forms: Iterable[str]) -> str:
     forms = [repr(f) for f in forms]
     return ", ".join(forms[:-1]) + " or " + forms[-1]
-
-
-def resolve_path(path: str, data_dir: str | None = None) -> str:
-    """`path` with `~` expanded, under `data_dir` when relative (a string: `gs://` paths stay intact).
-
-    Args:
-        path: A path or URL as the user wrote it.
-        data_dir: Base of a relative path. Defaults to `None`.
-
-    Example:
-    >>> resolve_path("train.csv", "/data")
-    '/data/train.csv'
-    """
-    path = os.path.expanduser(path.strip())
-    if data_dir and not os.path.isabs(path) and "://" not in path:
-        path = os.path.join(os.path.expanduser(data_dir), path)
-    return path
 
 
 def _path_hint(path: Path) -> str:
@@ -148,7 +115,6 @@ def check_image_source(source: str, data_dir: str | None = None, field: str = "d
         raise config_error(field, source, f"expected {_expected(IMAGE_SOURCE_FORMS)}")
     kind, rest = _kind(source)
     if not kind and rest in EMBEDDED_IMAGE_DATASETS:
-        from trainwell.data.embedded import embedded_path
 
         with _as_config_error(field, source):
             embedded_path(rest)  # MissingDataError (with the install command) when not installed
@@ -321,6 +287,7 @@ def check_image_folder(root: str | os.PathLike) -> None:
 # --------------------------------------------------------------------------- TFDS
 def _tfds_registered(name: str) -> bool:
     try:
+        # lazy: TFDS loads on first use, not with this module
         import tensorflow_datasets as tfds
 
         return name.split(":")[0].split("/")[0] in set(tfds.list_builders(with_community_datasets=False))
@@ -344,6 +311,7 @@ def check_tfds_name(name: str, data_dir: str | None = None, field: str = "datase
     """
     source = source or f"tfds:{name}"
     try:
+        # lazy: TFDS loads on first use, not with this module
         import tensorflow_datasets as tfds
     except ImportError:
         raise config_error(field, source, "tensorflow-datasets, which is not installed (pip install tensorflow-datasets)")
@@ -376,6 +344,7 @@ def check_data_ready(source: str, data_dir: str | None = None) -> None:
     kind, rest = _kind(source) if isinstance(source, str) else ("", "")
     if kind != "tfds" or not rest:
         return
+    # lazy: TFDS loads on first use, not with this module
     import tensorflow_datasets as tfds
 
     builder = tfds.builder(rest, data_dir=data_dir)
@@ -415,7 +384,6 @@ def check_text_source(
         raise config_error(field, source, f"expected {_expected(TEXT_SOURCE_FORMS)}")
     kind, rest = _kind(source)
     if not kind and rest in EMBEDDED_TEXT_DATASETS:
-        from trainwell.data.embedded import embedded_path
 
         with _as_config_error(field, source):
             embedded_path(rest)
@@ -423,7 +391,6 @@ def check_text_source(
     if not kind and rest == "memory":
         return
     if kind in ("csv", "jsonl") and rest:
-        from trainwell.data import text
 
         path = Path(resolve_path(rest, data_dir))
         if not path.exists():
@@ -457,7 +424,6 @@ def check_preset(preset: str, field: str = "preset") -> None:
     if not isinstance(preset, str) or not preset.strip():
         raise config_error(field, preset, f"expected {expected}")
     if preset == "minilm":
-        from trainwell.data.embedded import embedded_path
 
         with _as_config_error(field, preset):
             embedded_path("minilm")
@@ -471,6 +437,7 @@ def check_preset(preset: str, field: str = "preset") -> None:
         return
     if preset.startswith((".", "/", "~")) or os.sep in preset:
         raise config_error(field, preset, f"preset directory {str(path)!r} not found", _path_hint(path))
+    # lazy: keras-hub loads on first use, not with this module
     import keras_hub
 
     names = sorted(keras_hub.models.TextClassifier.presets)

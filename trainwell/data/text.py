@@ -1,5 +1,8 @@
 """Text classification data: sources, label mapping, and tokenising `tf.data` pipelines.
 
+One module (~800 lines) because its two steps share the label mapping and the split
+rules that exact resume depends on; each source reader is a small function of its own.
+
 Two steps, kept apart so each can be tested and reused:
 
 1. `load_text_splits(source, ...)` reads a source into memory as train / validation /
@@ -40,7 +43,7 @@ Two steps, kept apart so each can be tested and reused:
 Exact resume: the training set is shuffled with a fixed seed and
 `reshuffle_each_iteration=True`, and its cardinality is asserted (the exact number of
 full batches: per bucket `floor(n_bucket / batch)`, the same every epoch), so Keras
-makes a new iterator each epoch and `trainwell.recipe.advance_epochs` can position a
+makes a new iterator each epoch and `trainwell.recipes.harness.advance_epochs` can position a
 restarted run at its epoch, as for the image pipelines.
 
 Example:
@@ -61,7 +64,9 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from trainwell.data.sources import DataError, DataNotFoundError, resolve_path
+from trainwell.data.base import DataError, DataNotFoundError, resolve_path
+from trainwell.data.embedded import load_rotten_tomatoes, stratified_split
+from trainwell.io import atomic_write_json
 from trainwell.validation import invalid_argument
 
 TEXT_FIELD_CANDIDATES = ("text", "sentence", "review", "content")
@@ -400,6 +405,7 @@ def read_file_source(
 
 
 def _tfds_source(name: str, data_dir: str | None, text_field, label_field) -> tuple[dict, dict, list[str] | None]:
+    # lazy: TFDS loads on first use, not with this module
     import tensorflow_datasets as tfds
 
     try:
@@ -532,8 +538,6 @@ def load_text_splits(
     if not isinstance(label_field, str) or not label_field:
         raise invalid_argument("label_field", "a non-empty string", label_field)
 
-    from trainwell.data.embedded import load_rotten_tomatoes, stratified_split
-
     names_from_source = None
     if isinstance(source, str):
         name = source.strip()
@@ -604,7 +608,6 @@ def save_label_map(path: str | os.PathLike, class_names: Sequence[str]) -> Path:
     >>> load_label_map(save_label_map(tempfile.mkdtemp(), ["neg", "pos"]))
     ['neg', 'pos']
     """
-    from trainwell.io import atomic_write_json
 
     p = Path(path)
     if p.suffix != ".json":
@@ -683,6 +686,7 @@ def bucket_boundaries(sequence_length: int) -> list[int]:
 
 def _tokenised(texts: np.ndarray, labels: np.ndarray | None, preprocessor):
     """`(inputs, label, length)` per example, tokenised by `preprocessor` inside tf.data."""
+    # lazy: TensorFlow loads on first use, not with this module
     import tensorflow as tf
 
     x = tf.constant(np.asarray(texts, dtype=object).astype(str))
@@ -710,6 +714,7 @@ def make_eval_dataset(texts, labels, preprocessor, batch_size: int, sequence_len
     Example:
     >>> ds = make_eval_dataset(["so good"], None, preprocessor, 32, 64)  # doctest: +SKIP
     """
+    # lazy: TensorFlow loads on first use, not with this module
     import tensorflow as tf
 
     ds = _tokenised(np.asarray(texts, dtype=object), None if labels is None else np.asarray(labels), preprocessor)
@@ -755,6 +760,7 @@ def build_text_datasets(
     Example:
     >>> data = build_text_datasets(load_text_splits("rotten_tomatoes"), pre, 32, sequence_length=64)  # doctest: +SKIP
     """
+    # lazy: TensorFlow loads on first use, not with this module
     import tensorflow as tf
 
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:

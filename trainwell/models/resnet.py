@@ -44,6 +44,7 @@ import re
 
 import keras
 
+from trainwell.models.layers import FusedBatchNormalization
 from trainwell.models.specs import RESNET_DEPTHS
 
 # TF Model Garden `resnet` / PyTorch defaults (PyTorch momentum 0.1 == Keras 0.9).
@@ -65,7 +66,6 @@ class _Builder:
         self.regularizer = keras.regularizers.L2(weight_decay / 2.0) if weight_decay else None
         self.zero_init_residual = zero_init_residual
         if fused_batchnorm:
-            from trainwell.models.layers import FusedBatchNormalization
 
             self.bn_class = FusedBatchNormalization
         else:
