@@ -48,6 +48,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import trainwell  # noqa: E402
+from trainwell import cli  # noqa: E402
 from trainwell.callbacks import lr_finder  # noqa: E402
 from trainwell.data import embedded  # noqa: E402
 
@@ -243,7 +244,7 @@ def main(argv=None):
             for set_name, members in sets.items() if members
         }
     out["default_suggestion"] = {"lr_find": "probe (constant probes)",
-                                 "trainwell lr-find": f"{lr_finder.CLI_METHOD} ({lr_finder.CLI_PROBE_SCHEDULE} probes)"}
+                                 "trainwell lr-find": f"{cli.CLI_METHOD} ({cli.CLI_PROBE_SCHEDULE} probes)"}
     out["seconds"] = round(time.perf_counter() - t0, 1)
     out["env"] = {"python": platform.python_version(), "keras": keras.__version__, "cpus": os.cpu_count()}
     print(json.dumps(out, indent=1))

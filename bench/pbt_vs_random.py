@@ -108,7 +108,7 @@ def build_model(cfg: Config):
 
 
 def train(cfg: Config, *, callbacks=None):
-    from trainwell import recipe
+    from trainwell.recipes import harness as recipe
 
     with recipe.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
         train_ds, val, test, steps = _data(cfg)
@@ -129,7 +129,7 @@ def space(hp, cfg: Config) -> dict:
 
 
 def hypermodel(cfg: Optional[Config] = None, **overrides):
-    from trainwell.tuning import recipe_hypermodel
+    from trainwell.recipes.hypermodel import recipe_hypermodel
 
     return recipe_hypermodel(sys.modules[__name__], cfg or Config(**overrides), space, build_fn=build_model,
                              name=RECIPE)

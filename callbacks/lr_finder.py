@@ -1,4 +1,8 @@
-"""The LR range test (Smith 2017; fastai's `lr_find`): `LRFinder`, `lr_find`, `cli_main`.
+"""The LR range test (Smith 2017; fastai's `lr_find`): `LRFinder`, its suggesters, `lr_find`.
+
+One module (~1,000 lines): the callback, the suggestion rules that read its curve and
+the `lr_find` driver that runs the ramp and the probes are one algorithm; the command
+line's part (`trainwell lr-find`, writing the config) is in `trainwell.cli`.
 
 An exponential learning-rate ramp, from `start_lr` to `end_lr` over `steps`
 steps, is run on the model itself; the (smoothed) loss against the LR shows where
@@ -44,9 +48,7 @@ WACV 2017; fastai `Learner.lr_find` and `valley`/`steep`/`minimum`
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import io
-import json
 import math
 import os
 import re
@@ -57,33 +59,14 @@ from typing import Any, Sequence
 import keras
 import numpy as np
 
-from trainwell.callbacks.schedules import inner_optimizer
-from trainwell.diagnostics import step_noise
+from trainwell import quick
+from trainwell.callbacks.doctor import step_noise
+from trainwell.compat import inner_optimizer, raw_learning_rate, set_raw_learning_rate
 from trainwell.io import atomic_write_bytes
+from trainwell.validation import invalid_argument, is_int, is_number
 
-__all__ = ["LRFinder", "LRFindResult", "lr_find", "cli_main", "suggest", "valley", "steep", "minimum", "peak",
-           "write_config_value", "judge_probes", "METHODS", "PROBE_SCHEDULES", "MIN_GAIN", "NOISE_Z"]
-
-#: The suggestion `trainwell lr-find` prints and writes, with warmup + cosine probes:
-#: the recipes use it as the peak of warmup + decay (figures: `bench/lr_finder_quality.py`
-#: and the README).
-CLI_METHOD = "probe"
-
-#: The probes' schedule in `trainwell lr-find`: the recipes' shape.
-CLI_PROBE_SCHEDULE = "warmup_cosine"
-
-#: Config fields `cli_main` writes the suggestion into, in order of preference
-#: (a recipe overrides with a module attribute `LR_FIELD`).
-LR_FIELDS = ("peak_lr", "learning_rate", "lr", "base_lr")
-
-
-def _invalid(name: str, expected: str, value: Any) -> ValueError:
-    return ValueError(f"Invalid value for argument `{name}`. Expected {expected}. Received: {name}={value!r}")
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and math.isfinite(float(x))
-
+__all__ = ["LRFinder", "LRFindResult", "lr_find", "suggest", "valley", "steep", "minimum", "peak",
+           "judge_probes", "METHODS", "PROBE_SCHEDULES", "MIN_GAIN", "NOISE_Z"]
 
 
 
@@ -284,6 +267,7 @@ class LRFindResult:
         Example:
         >>> result.plot("lr_find.png")  # doctest: +SKIP
         """
+        # lazy: matplotlib loads on first use, not with this module
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
@@ -396,7 +380,7 @@ def judge_probes(start: float, start_se: float, probes: dict[float, float],
         noise: `{lr: standard error of that final loss}`. Required.
 
     Example:
-    >>> judge_probes(2.30, 0.001, {0.1: 2.29, 0.03: 2.30}, {0.1: 0.01, 0.03: 0.01})[:23]
+    >>> judge_probes(2.30, 0.001, {0.1: 2.29, 0.03: 2.30}, {0.1: 0.01, 0.03: 0.01})[:24]
     'the probes did not learn'
     >>> judge_probes(2.30, 0.001, {0.1: 0.9, 0.03: 1.4}, {0.1: 0.01, 0.03: 0.01}) is None
     True
@@ -442,6 +426,7 @@ class _ExpRamp(keras.optimizers.schedules.LearningRateSchedule):
         self.start, self.end, self.steps, self.offset = float(start), float(end), int(steps), int(offset)
 
     def __call__(self, step):
+        # lazy: Keras loads on first use, not with this module
         from keras import ops
 
         t = ops.cast(step - self.offset, "float32") / float(max(self.steps - 1, 1))
@@ -463,6 +448,7 @@ class _ProbeSchedule(keras.optimizers.schedules.LearningRateSchedule):
         self.warmup = max(1, self.steps // 10)
 
     def __call__(self, step):
+        # lazy: Keras loads on first use, not with this module
         from keras import ops
 
         t = ops.cast(step - self.offset, "float32")  # subtract in integers: exact past 2**24 steps
@@ -532,20 +518,20 @@ class LRFinder(keras.callbacks.Callback):
         method: str = "minimum",
     ) -> None:
         super().__init__()
-        if not _is_number(start_lr) or start_lr <= 0:
-            raise _invalid("start_lr", "a float > 0", start_lr)
-        if not _is_number(end_lr) or end_lr <= start_lr:
-            raise _invalid("end_lr", f"a float > start_lr ({start_lr})", end_lr)
-        if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 2:
-            raise _invalid("steps", "an integer >= 2", steps)
-        if not _is_number(smooth) or not 0.0 <= smooth < 1.0:
-            raise _invalid("smooth", "a float in [0, 1)", smooth)
-        if diverge_factor is not None and (not _is_number(diverge_factor) or diverge_factor <= 1.0):
-            raise _invalid("diverge_factor", "None or a float > 1", diverge_factor)
+        if not is_number(start_lr) or start_lr <= 0:
+            raise invalid_argument("start_lr", "a float > 0", start_lr)
+        if not is_number(end_lr) or end_lr <= start_lr:
+            raise invalid_argument("end_lr", f"a float > start_lr ({start_lr})", end_lr)
+        if not is_int(steps) or steps < 2:
+            raise invalid_argument("steps", "an integer >= 2", steps)
+        if not is_number(smooth) or not 0.0 <= smooth < 1.0:
+            raise invalid_argument("smooth", "a float in [0, 1)", smooth)
+        if diverge_factor is not None and (not is_number(diverge_factor) or diverge_factor <= 1.0):
+            raise invalid_argument("diverge_factor", "None or a float > 1", diverge_factor)
         if not isinstance(restore, bool):
-            raise _invalid("restore", "a bool", restore)
+            raise invalid_argument("restore", "a bool", restore)
         if method not in _SUGGESTERS:
-            raise _invalid("method", f"one of {tuple(_SUGGESTERS)}", method)
+            raise invalid_argument("method", f"one of {tuple(_SUGGESTERS)}", method)
         self.start_lr = float(start_lr)
         self.end_lr = float(end_lr)
         self.steps = int(steps)
@@ -598,9 +584,8 @@ class LRFinder(keras.callbacks.Callback):
         self._opt_vars = list(opt.variables)
         self._saved_model = [v.numpy() for v in self._model_vars] if self.restore else None
         self._saved_opt = [v.numpy() for v in self._opt_vars] if self.restore else None
-        self._orig_lr = inner._learning_rate
         self._inner = inner
-        inner._learning_rate = self._make_schedule(int(inner.iterations.numpy()))
+        self._orig_lr = set_raw_learning_rate(inner, self._make_schedule(int(inner.iterations.numpy())))
         if getattr(model, "train_function", None) is not None:
             model.make_train_function(force=True)
         self._lrs: list[float] = []
@@ -660,7 +645,7 @@ class LRFinder(keras.callbacks.Callback):
         step (it was traced with the test's schedule). Idempotent: a second call does nothing."""
         if getattr(self, "_inner", None) is None:
             return
-        self._inner._learning_rate = self._orig_lr
+        set_raw_learning_rate(self._inner, self._orig_lr)
         if self.restore:
             for v, value in zip(self._model_vars, self._saved_model):
                 v.assign(value)
@@ -771,14 +756,15 @@ def compiled_schedule_shape(model) -> str:
     """
     opt = getattr(model, "optimizer", None)
     if opt is None:
-        raise _invalid("model", "a compiled model (call `model.compile` first)", model)
-    lr = getattr(inner_optimizer(opt), "_learning_rate", None)
+        raise invalid_argument("model", "a compiled model (call `model.compile` first)", model)
+    lr = raw_learning_rate(opt)
     return "warmup_cosine" if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule) else "constant"
 
 
 def _is_one_shot(data) -> bool:
     """A generator or other iterator: what the range test reads is gone for the probes."""
     try:
+        # lazy: TensorFlow loads on first use, not with this module
         import tensorflow as tf
 
         if isinstance(data, tf.data.Dataset):
@@ -841,6 +827,7 @@ def _fit_steps(model, data, callback, steps: int, batch_size, verbose, shuffle: 
     callbacks = [callback] + ([_Progress(callback, title or "", verbose)] if verbose else [])
     fit_kw: dict[str, Any] = {"callbacks": callbacks, "verbose": 0}
     try:
+        # lazy: TensorFlow loads on first use, not with this module
         import tensorflow as tf
 
         is_ds = isinstance(data, tf.data.Dataset)
@@ -959,19 +946,16 @@ def lr_find(
     if method is None:
         method = "probe" if restore and not one_shot else "minimum"
     if method not in METHODS:
-        raise _invalid("method", f"one of {METHODS}", method)
+        raise invalid_argument("method", f"one of {METHODS}", method)
     if probe_schedule is not None and probe_schedule not in PROBE_SCHEDULES:
-        raise _invalid("probe_schedule", f"None or one of {PROBE_SCHEDULES}", probe_schedule)
-    if probe_steps is not None and (not isinstance(probe_steps, (int, np.integer)) or isinstance(probe_steps, bool)
-                                    or probe_steps < 2):
-        raise _invalid("probe_steps", "None or an integer >= 2", probe_steps)
+        raise invalid_argument("probe_schedule", f"None or one of {PROBE_SCHEDULES}", probe_schedule)
+    if probe_steps is not None and (not is_int(probe_steps) or probe_steps < 2):
+        raise invalid_argument("probe_steps", "None or an integer >= 2", probe_steps)
     if method == "probe" and not restore:
-        raise _invalid("restore", "True with method='probe' (each probe starts from the model's state)", restore)
+        raise invalid_argument("restore", "True with method='probe' (each probe starts from the model's state)", restore)
     if method == "probe" and one_shot:
-        raise _invalid("data", "data that can be iterated again with method='probe' (a tf.data.Dataset, arrays, "
+        raise invalid_argument("data", "data that can be iterated again with method='probe' (a tf.data.Dataset, arrays, "
                        "a PyDataset), or method='minimum'", data)
-    from trainwell import quick
-
     steps, probe_steps = quick.lr_find_steps(steps, probe_steps)  # TRAINWELL_QUICK: a short range test and probes
     finder = LRFinder(start_lr, end_lr, steps, smooth, diverge_factor, restore, "minimum" if method == "probe" else method)
     try:
@@ -1013,202 +997,3 @@ def _run_probes(result: LRFindResult, model, data, steps, probe_steps, probe_sch
                       "minimum): the best LR may be lower still.", stacklevel=3)
     result.suggestions["probe"] = best
     result.suggestion, result.method = best, "probe"
-
-
-# --------------------------------------------------------------------------- command line
-def _train_split(data):
-    """The training part of what a recipe's `build_data` returned."""
-    try:
-        import tensorflow as tf
-
-        ds_type = (tf.data.Dataset,)
-    except ImportError:  # pragma: no cover
-        ds_type = ()
-    if isinstance(data, dict) and "train" in data:
-        return data["train"]
-    if hasattr(data, "train"):
-        return data.train
-    if isinstance(data, (tuple, list)) and data and (isinstance(data[0], ds_type) or hasattr(data[0], "__len__") and isinstance(data[0], (tuple, list))):
-        return data[0]
-    return data
-
-
-def _lr_field(recipe_module, cfg) -> str | None:
-    names = [f.name for f in dataclasses.fields(cfg)] if dataclasses.is_dataclass(cfg) else list(vars(cfg))
-    field = getattr(recipe_module, "LR_FIELD", None)
-    if field:
-        return field if field in names else None
-    return next((f for f in LR_FIELDS if f in names), None)
-
-
-def write_config_value(path: str | os.PathLike, key: str, value: Any, comment: str | None = None) -> Path:
-    """Sets a top-level `key: value` in a YAML (or JSON) config file, keeping its comments.
-
-    The file is rewritten atomically. In YAML, an existing top-level line for the key
-    is replaced in place, its trailing comment kept unless `comment` is given;
-    otherwise the key is appended.
-
-    Args:
-        path: The config file. Required.
-        key: The top-level key. Required.
-        value: Its new value. Required.
-        comment: YAML only: the comment to write after the value, replacing the
-            line's old one (which may describe the old value). Defaults to
-            `None`: keep the old comment.
-
-    Example:
-    >>> import tempfile
-    >>> p = Path(tempfile.mkdtemp()) / "c.yaml"; _ = p.write_text("epochs: 3  # short\\nlr: 0.1  # x 2\\n")
-    >>> print(write_config_value(p, "lr", 0.02, comment="found by lr-find").read_text(), end="")
-    epochs: 3  # short
-    lr: 0.02  # found by lr-find
-    """
-    from trainwell.io import atomic_write_json, atomic_write_text
-
-    p = Path(path)
-    text = p.read_text(encoding="utf-8") if p.exists() else ""
-    if p.suffix.lower() == ".json":
-        data = json.loads(text) if text.strip() else {}
-        data[key] = value
-        return atomic_write_json(p, data)
-    rendered = repr(float(value)) if isinstance(value, float) else json.dumps(value)
-    new_comment = None if comment is None else f"  # {comment}"
-    pat = re.compile(rf"^({re.escape(key)}\s*:\s*)([^#\n]*?)(\s+#.*)?$", re.M)
-    if pat.search(text):
-        keep = lambda m: m.group(3) or ""  # noqa: E731
-        text = pat.sub(lambda m: f"{m.group(1)}{rendered}{keep(m) if new_comment is None else new_comment}", text, count=1)
-    else:
-        if text and not text.endswith("\n"):
-            text += "\n"
-        text += f"{key}: {rendered}{new_comment or ''}\n"
-    return atomic_write_text(p, text)
-
-
-def cli_main(recipe_module, cfg, args) -> int:
-    """`trainwell lr-find RECIPE`: runs the LR range test on a recipe's model and data.
-
-    The protocol a recipe module follows (the first that applies):
-
-    1. `lr_find_setup(cfg) -> (model, train_data)`: a compiled model and its
-       training data; full control.
-    2. Otherwise `build_data(cfg)` then `build_model(cfg)` (or
-       `build_model(cfg, data)` when it takes a second required argument). The
-       training split is `data["train"]`, `data.train`, `data[0]` of a tuple of
-       datasets, or `data` itself. A model that is not compiled is compiled with
-       `compile_model(cfg, model)` if the recipe has it.
-
-    The suggestion goes into the config field `recipe_module.LR_FIELD`, else the
-    first of `peak_lr`, `learning_rate`, `lr`, `base_lr` the config has; a recipe
-    whose field is not the peak LR itself (e.g. a base LR scaled by the batch
-    size) defines `lr_to_config(cfg, peak_lr) -> {field: value}`. The curve is
-    written to `RUN_DIR/lr_find.png` and `lr_find.json` (`cfg.run_dir`, else a new
-    `runs/lr-find-...` directory).
-
-    Args:
-        recipe_module: The recipe module. Required.
-        cfg: Its resolved `Config`. Required.
-        args: The parsed command line: `write` (bool), `config` (path or None),
-            `dry_run` (bool), `method` (the suggestion; default `CLI_METHOD`,
-            "probe", with probes that run the recipes' warmup + cosine schedule,
-            since the recipes use the LR as its peak), `probe_steps` (int or None:
-            the range test's steps), `verbose` (0, 1 or 2, as `lr_find`'s; absent:
-            1). Required.
-
-    Returns:
-        The exit status: 0, or 1 when there is no reliable suggestion (the loss
-        was non-finite from the start, or `result.reliable` is `False`): it says
-        why and what to try, and writes nothing into the config (the curve and
-        `lr_find.json` are still written). Non-zero so that a script such as
-        `trainwell lr-find ... --write && trainwell train ...` does not go on as
-        if the LR had been found.
-
-    Example:
-    >>> cli_main(resnet_imagenet, cfg, args)  # doctest: +SKIP
-    Suggested peak learning rate (probe): 0.158
-    """
-    from trainwell import runtime
-    from trainwell.config import ConfigError
-
-    write = bool(getattr(args, "write", False))
-    config_path = getattr(args, "config", None)
-    method = getattr(args, "method", None) or CLI_METHOD
-    probe_steps = getattr(args, "probe_steps", None)
-    if probe_steps is not None and (not isinstance(probe_steps, int) or isinstance(probe_steps, bool) or probe_steps < 2):
-        raise ConfigError(f"`--probe-steps` must be an integer >= 2. Received: probe_steps={probe_steps!r}")
-    if probe_steps is not None and method != "probe":
-        raise ConfigError(f"`--probe-steps` only applies to `--method probe`. Received: method={method!r}, "
-                          f"probe_steps={probe_steps!r}")
-    field = _lr_field(recipe_module, cfg)
-    if write and not config_path:
-        raise ConfigError("`trainwell lr-find --write` needs `--config FILE`: the file to write the suggestion into.")
-    if write and field is None and not hasattr(recipe_module, "lr_to_config"):
-        raise ConfigError(
-            f"Cannot write the suggestion: the recipe's config has none of the fields {', '.join(LR_FIELDS)} "
-            "and the recipe defines no `LR_FIELD` or `lr_to_config`."
-        )
-    if getattr(args, "dry_run", False):
-        print(f"lr-find on {getattr(recipe_module, '__name__', 'recipe')}: config {cfg}")
-        print(f"would write the suggestion into {config_path}:{field}" if write else "would print the suggestion")
-        return 0
-
-    strategy = runtime.make_strategy(getattr(cfg, "strategy", "auto"))
-    runtime.set_precision(getattr(cfg, "precision", "auto"))
-    runtime.seed_everything(int(getattr(cfg, "seed", 0)))
-    with strategy.scope():
-        if hasattr(recipe_module, "lr_find_setup"):
-            model, train = recipe_module.lr_find_setup(cfg)
-        else:
-            data = recipe_module.build_data(cfg)
-            train = _train_split(data)
-            build = recipe_module.build_model
-            required = [
-                p for p in inspect.signature(build).parameters.values()
-                if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-            ]
-            model = build(cfg, data) if len(required) >= 2 else build(cfg)
-            if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", True):
-                if not hasattr(recipe_module, "compile_model"):
-                    raise ConfigError("the recipe's `build_model` returned an uncompiled model and it has no `compile_model(cfg, model)`.")
-                recipe_module.compile_model(cfg, model)
-    with warnings.catch_warnings():  # the reason is printed below, with the command line's own advice
-        warnings.filterwarnings("ignore", message="No reliable learning rate")
-        result = lr_find(model, train, batch_size=getattr(cfg, "batch_size", None), method=method,
-                         probe_steps=probe_steps, probe_schedule=CLI_PROBE_SCHEDULE, verbose=getattr(args, "verbose", 1))
-    if result is None or result.suggestion is None:
-        print("The LR range test recorded no usable loss (the loss was non-finite from the start).")
-        return 1
-    s = result.suggestions
-    others = ", ".join(f"{k}: {v:.3g}" for k, v in s.items() if k != result.method)
-    probed = ""
-    if result.probes:
-        probed = (f"; then {len(result.probes)} probe runs of {result.probe_steps} steps ({result.probe_schedule}): "
-                  + ", ".join(f"{lr:.3g} -> {'diverged' if not math.isfinite(v) else f'{v:.4g}'}"
-                              for lr, v in sorted(result.probes.items())))
-    details = f"[{others}; range test {len(result.lrs)} steps, stopped: {result.stopped}{probed}]"
-    if result.reliable:
-        print(f"Suggested peak learning rate ({result.method}): {result.suggestion:.3g}   {details}")
-    else:
-        print(f"No reliable learning rate: {result.reason}.   {details}")
-    run_dir = runtime.make_run_dir(getattr(cfg, "run_dir", None), prefix="lr-find")
-    if runtime.is_chief(strategy):
-        from trainwell.io import atomic_write_json
-
-        result.plot(run_dir / "lr_find.png")
-        atomic_write_json(run_dir / "lr_find.json", result.to_dict())
-        print(f"Curve: {run_dir / 'lr_find.png'}")
-    if not result.reliable:
-        longer = f"--probe-steps {4 * (result.probe_steps or len(result.lrs))}"
-        tries = (f"longer probes ({longer})" if result.method == "probe" or result.probes
-                 else "--method probe (short runs at candidate LRs)")
-        print(f"Try {tries}, or check the data and labels (the model must be able to fit them); "
-              + (f"nothing was written to {config_path}." if write else "nothing to write."))
-        return 1
-    if write:
-        value = float(f"{result.suggestion:.3g}")
-        updates = recipe_module.lr_to_config(cfg, value) if hasattr(recipe_module, "lr_to_config") else {field: value}
-        for k, v in updates.items():
-            was = getattr(cfg, k, None)
-            note = f"peak LR {value:.3g} from trainwell lr-find ({result.method})" + (f"; was {was}" if was is not None else "")
-            write_config_value(config_path, k, v, comment=note)
-        print(f"Wrote {', '.join(f'{k}: {v}' for k, v in updates.items())} into {config_path}")
-    return 0

@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Literal, Optional
 
-from trainwell.config import BaseConfig, _fail, check_choice, check_positive, check_range, check_reliability_fields
+from trainwell.config import BaseConfig, check_choice, check_positive, check_range, check_reliability_fields, raise_invalid
+from trainwell.data import embedded
+from trainwell.data.sources import AUGMENTATIONS, check_image_source
+from trainwell.models.specs import RESNET_DEPTHS
 
 RECIPE = "resnet-imagenet"
 
@@ -149,8 +153,6 @@ class Config(BaseConfig):
         super().validate()
         check_positive(self, "lr_base_batch")
         self._derive()
-        from trainwell.data.sources import AUGMENTATIONS, check_image_source
-        from trainwell.models.resnet import RESNET_DEPTHS
 
         names = [f"resnet{d}" for d in RESNET_DEPTHS]
         check_choice(self, "model", names)
@@ -162,16 +164,16 @@ class Config(BaseConfig):
         check_positive(self, "weight_decay", allow_zero=True)
         check_positive(self, "warmup_epochs", allow_zero=True)
         if self.warmup_epochs >= self.epochs:
-            _fail("warmup_epochs", self.warmup_epochs,
+            raise_invalid("warmup_epochs", self.warmup_epochs,
                   f"fewer than epochs={self.epochs} (or null: {WARMUP_FRACTION * 100:.1f}% of the run)")
         bounds = list(self.step_boundaries)
         if (not bounds or bounds != sorted(set(bounds)) or bounds[0] <= 0 or bounds[-1] >= self.epochs
                 or (self.schedule == "step" and bounds[0] <= self.warmup_epochs)):
-            _fail("step_boundaries", bounds, f"increasing epochs after the warmup ({self.warmup_epochs}) and before "
+            raise_invalid("step_boundaries", bounds, f"increasing epochs after the warmup ({self.warmup_epochs}) and before "
                   f"epochs={self.epochs} (or null: 1/3, 2/3 and 8/9 of the run)")
         check_positive(self, "min_lr", allow_zero=True)
         if self.min_lr > self.peak_lr:
-            _fail("min_lr", self.min_lr, f"at most the peak LR {self.peak_lr:g} (base_lr x batch_size / lr_base_batch)")
+            raise_invalid("min_lr", self.min_lr, f"at most the peak LR {self.peak_lr:g} (base_lr x batch_size / lr_base_batch)")
         check_range(self, "label_smoothing", 0.0, 1.0, hi_open=True)
         check_range(self, "ema_momentum", 0.0, 1.0, lo_open=True, hi_open=True)
         check_positive(self, "mixup_alpha", allow_zero=True)
@@ -193,7 +195,7 @@ class Config(BaseConfig):
             return
         n = self.train_examples()
         if self.batch_size > n:
-            _fail("batch_size", self.batch_size, f"at most the {n} training examples of {self.dataset!r}")
+            raise_invalid("batch_size", self.batch_size, f"at most the {n} training examples of {self.dataset!r}")
 
     @property
     def embedded_name(self) -> Optional[str]:
@@ -210,7 +212,6 @@ class Config(BaseConfig):
         """
         if self.embedded_name is None:
             return None
-        from trainwell.data import embedded
 
         splits = embedded.load(self.embedded_name, val_fraction=self.val_fraction, test_fraction=TEST_FRACTION)
         return splits.sizes()["train"]
@@ -222,6 +223,7 @@ class Config(BaseConfig):
     @property
     def peak_lr(self) -> float:
         """Peak LR after warmup: base_lr x batch_size / lr_base_batch [Goyal]."""
+        # lazy: it imports Keras/TensorFlow; loaded on first use, not with this module
         from trainwell.callbacks.schedules import scaled_lr
 
         return scaled_lr(self.base_lr, self.batch_size, self.lr_base_batch)
@@ -252,6 +254,7 @@ def build_data(cfg: Config, input_context=None):
     >>> data.num_classes  # doctest: +SKIP
     10
     """
+    # lazy: it imports Keras/TensorFlow; loaded on first use, not with this module
     from trainwell.data.images import build_image_datasets
 
     return build_image_datasets(
@@ -282,7 +285,7 @@ def training_steps(cfg: Config, data) -> int:
     """
     steps = data.steps_per_epoch
     if steps == 0:
-        _fail("batch_size", cfg.batch_size, f"at most the {data.counts['train']} training examples of {cfg.dataset!r}")
+        raise_invalid("batch_size", cfg.batch_size, f"at most the {data.counts['train']} training examples of {cfg.dataset!r}")
     if steps is None:
         raise ValueError(f"Cannot tell the number of training batches of {cfg.dataset!r}; set a sized source.")
     return steps
@@ -298,6 +301,7 @@ def build_model(cfg: Config, num_classes: int, channels: int = 3):
     Example:
     >>> model = build_model(Config(model="resnet18", image_size=32, width=16), 10)  # doctest: +SKIP
     """
+    # lazy: it imports Keras/TensorFlow; loaded on first use, not with this module
     from trainwell.models.resnet import build_resnet
 
     return build_resnet(
@@ -320,6 +324,7 @@ def augment_batch(cfg: Config, train_ds, num_classes: int):
     """
     if not (cfg.randaugment or cfg.mixup_alpha or cfg.cutmix_alpha):
         return train_ds
+    # lazy: Keras/TensorFlow load on first use, not with this module
     import keras
     import tensorflow as tf
 
@@ -361,6 +366,7 @@ def build_optimizer(cfg: Config, steps_per_epoch: int, learning_rate=None):
     Example:
     >>> opt = build_optimizer(Config(batch_size=256), steps_per_epoch=100)  # doctest: +SKIP
     """
+    # lazy: Keras/TensorFlow load on first use, not with this module
     import keras
 
     from trainwell.callbacks.schedules import WarmupCosineDecay, WarmupStepDecay
@@ -380,6 +386,7 @@ def build_optimizer(cfg: Config, steps_per_epoch: int, learning_rate=None):
         )
     common = dict(use_ema=cfg.use_ema, ema_momentum=cfg.ema_momentum)
     if cfg.optimizer_name == "lars":
+        # lazy: it imports Keras/TensorFlow; loaded on first use, not with this module
         from trainwell.optimizers import LARS
 
         opt = LARS(learning_rate=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov, **common)
@@ -394,6 +401,7 @@ def build_optimizer(cfg: Config, steps_per_epoch: int, learning_rate=None):
 
 def compile_model(cfg: Config, model, steps_per_epoch: int, learning_rate=None) -> None:
     """Compiles `model` with the recipe's optimizer, loss (label smoothing) and metrics."""
+    # lazy: Keras loads on first use, not with this module
     import keras
 
     model.compile(
@@ -435,7 +443,8 @@ def build_callbacks(cfg: Config, run_dir, schedule=None, chief: bool = True) -> 
     Example:
     >>> cbs = build_callbacks(Config(), "/tmp/run")  # doctest: +SKIP
     """
-    from trainwell.recipe import standard_callbacks
+    # lazy: it imports Keras/TensorFlow; loaded on first use, not with this module
+    from trainwell.recipes.harness import standard_callbacks
 
     return standard_callbacks(
         cfg, run_dir,
@@ -454,7 +463,7 @@ def build_callbacks(cfg: Config, run_dir, schedule=None, chief: bool = True) -> 
 
 # --------------------------------------------------------------------------- train
 def train(cfg: Config | None = None, *, callbacks=None, **overrides):
-    """Trains the recipe and returns a `trainwell.recipe.RunResult`.
+    """Trains the recipe and returns a `trainwell.recipes.harness.RunResult`.
 
     Args:
         cfg: A `Config`. Defaults to `None` (the published defaults).
@@ -470,23 +479,26 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
     >>> run = train(dataset="mnist5k", epochs=1, image_size=28, batch_size=128,
     ...             model="resnet18", width=16)  # doctest: +SKIP
     """
-    from trainwell import quick, recipe
+    # lazy: the harness and the quick switch import Keras; loaded when training starts
+    from trainwell import quick
+    from trainwell.compat import raw_learning_rate
+    from trainwell.recipes import harness
     from trainwell.callbacks import WarmupCosine
 
     cfg = _cfg(cfg, overrides)
-    with recipe.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
+    with harness.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
         data = build_data(cfg)
         steps = training_steps(cfg, data)
         # Exact resume: the resumed epoch sees the same order and augmentation as it would have.
-        train_ds = recipe.advance_epochs(data.train, recipe.resume_epoch(ctx.run_dir / "checkpoints"))
+        train_ds = harness.advance_epochs(data.train, harness.resume_epoch(ctx.run_dir / "checkpoints"))
         train_ds = augment_batch(cfg, train_ds, data.num_classes)
         with ctx.strategy.scope():
             model = build_model(cfg, data.num_classes, data.channels)
             compile_model(cfg, model, steps)
-        schedule = getattr(getattr(model.optimizer, "inner_optimizer", model.optimizer), "_learning_rate", None)
+        schedule = raw_learning_rate(model.optimizer)
         callbacks = build_callbacks(cfg, ctx.run_dir, schedule=schedule, chief=ctx.is_chief) + list(callbacks or ())
         if not any(isinstance(c, WarmupCosine) for c in callbacks):  # the step schedule: its LR in the history
-            callbacks.insert(0, recipe.log_learning_rate(model))
+            callbacks.insert(0, harness.log_learning_rate(model))
         history = model.fit(
             train_ds, validation_data=data.val, epochs=cfg.epochs, steps_per_epoch=steps,
             callbacks=callbacks, verbose=cfg.verbose, shuffle=False,  # the pipeline shuffles (seeded)
@@ -498,7 +510,7 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
             test = model.evaluate(data.test, verbose=cfg.verbose, return_dict=True,
                                   steps=quick.test_steps())  # TRAINWELL_QUICK: a few test batches
         metrics = {f"test_{k}": v for k, v in test.items()}
-        return recipe.finish_run(ctx, cfg, model, metrics, history)
+        return harness.finish_run(ctx, cfg, model, metrics, history)
 
 
 # --------------------------------------------------------------------------- hyperparameter search
@@ -508,7 +520,7 @@ def _tuning_space(hp, cfg: Config) -> dict:
     `peak_lr` is the peak LR at the config's batch size; with another `batch_size`
     the linear scaling rule applies (`base_lr = peak_lr x lr_base_batch / cfg.batch_size`).
     """
-    from trainwell.tuning import batch_size_choice, log_float
+    from trainwell.recipes.hypermodel import batch_size_choice, log_float  # lazy: keras_tuner loads only for a search
 
     peak_lr = log_float(hp, "peak_lr", cfg.peak_lr, 10.0)
     weight_decay = log_float(hp, "weight_decay", cfg.weight_decay or 5e-5, 10.0)
@@ -559,9 +571,8 @@ def hypermodel(cfg: Config | None = None, **overrides):
     >>> hm = hypermodel(dataset="digits", image_size=8, model="resnet18", width=8, epochs=6)
     >>> result = tuning.search(hm, "bayesian", max_trials=10)  # doctest: +SKIP
     """
-    import sys
 
-    from trainwell.tuning import recipe_hypermodel
+    from trainwell.recipes.hypermodel import recipe_hypermodel  # lazy: keras_tuner loads only for a search
 
     cfg = _cfg(cfg, overrides)
     trial = {"verbose": 0}

@@ -23,7 +23,7 @@ What the recipe adds to a plain `TextClassifier.from_preset(...).fit(...)`:
   precision (head and loss in float32), `MirroredStrategy`.
 
 Layer-wise LR decay and freeze-then-unfreeze have no Keras built-in: both are a
-learning-rate factor per variable in `LayerwiseAdamW` (an `AdamW` subclass). With
+learning-rate factor per variable in `trainwell.optimizers.LayerwiseAdamW` (an `AdamW` subclass). With
 `layerwise_lr_decay=d`, the classifier head (and the pooler) learn at the full LR, the
 top transformer layer at `d` times it, the one below at `d**2`, ..., the embeddings at
 `d**(num_layers + 1)` (Clark et al. 2020, ELECTRA; Sun et al. 2019). With
@@ -48,15 +48,18 @@ import dataclasses
 import math
 import os
 import re
-import shutil
-import tempfile
+import sys
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Optional
 
-from trainwell.config import BaseConfig, _fail, check_choice, check_positive, check_range, check_reliability_fields
+from trainwell.config import BaseConfig, check_choice, check_positive, check_range, check_reliability_fields, raise_invalid
+from trainwell.data import text
+from trainwell.data.embedded import minilm_preset_dir
+from trainwell.data.sources import check_preset, check_text_source
+from trainwell.data.text import load_label_map, save_label_map
+from trainwell.recipes.transformer_serving import EXPORT_DIR, export_model, load_exported, predict  # noqa: F401 - the recipe's API
 
 RECIPE = "transformer-finetune"
-EXPORT_DIR = "model"
 NO_DECAY_NAMES = ("gamma", "beta", "bias")  # LayerNorm scale/offset and biases [BERT]
 
 
@@ -131,21 +134,21 @@ class Config(BaseConfig):
     def validate(self) -> None:
         super().validate()
         if not self.preset.strip():
-            _fail("preset", self.preset, "a keras-hub preset name, a preset directory or 'minilm'")
+            raise_invalid("preset", self.preset, "a keras-hub preset name, a preset directory or 'minilm'")
         if self.sequence_length < 8:
-            _fail("sequence_length", self.sequence_length, "an integer >= 8")
+            raise_invalid("sequence_length", self.sequence_length, "an integer >= 8")
         check_range(self, "dropout", 0.0, 1.0, hi_open=True)
         if not self.label_field.strip():
-            _fail("label_field", self.label_field, "a non-empty field name")
+            raise_invalid("label_field", self.label_field, "a non-empty field name")
         check_range(self, "val_fraction", 0.0, 1.0, hi_open=True)
         check_range(self, "test_fraction", 0.0, 1.0, hi_open=True)
         if self.val_fraction + self.test_fraction >= 1:
-            _fail("test_fraction", self.test_fraction, f"val_fraction + test_fraction < 1 (val_fraction={self.val_fraction})")
+            raise_invalid("test_fraction", self.test_fraction, f"val_fraction + test_fraction < 1 (val_fraction={self.val_fraction})")
         if self.split_seed < 0:
-            _fail("split_seed", self.split_seed, "an integer >= 0")
+            raise_invalid("split_seed", self.split_seed, "an integer >= 0")
         check_positive(self, "max_train_examples")
         if self.max_train_examples is not None and self.batch_size > self.max_train_examples:
-            _fail("batch_size", self.batch_size, f"at most max_train_examples={self.max_train_examples}")
+            raise_invalid("batch_size", self.batch_size, f"at most max_train_examples={self.max_train_examples}")
         check_positive(self, "max_steps")
         check_positive(self, "peak_lr")
         check_positive(self, "weight_decay", allow_zero=True)
@@ -158,13 +161,12 @@ class Config(BaseConfig):
         check_range(self, "layerwise_lr_decay", 0.0, 1.0, lo_open=True)
         check_positive(self, "freeze_epochs", allow_zero=True)
         if self.freeze_epochs >= self.epochs:
-            _fail("freeze_epochs", self.freeze_epochs, f"fewer than epochs={self.epochs}")
+            raise_invalid("freeze_epochs", self.freeze_epochs, f"fewer than epochs={self.epochs}")
         check_positive(self, "head_lr")
         if self.gradient_accumulation_steps is not None and self.gradient_accumulation_steps < 2:
-            _fail("gradient_accumulation_steps", self.gradient_accumulation_steps, "null or an integer >= 2")
+            raise_invalid("gradient_accumulation_steps", self.gradient_accumulation_steps, "null or an integer >= 2")
         check_reliability_fields(self)
         check_choice(self, "verbose", ("auto", "0", "1", "2"))
-        from trainwell.data.sources import check_preset, check_text_source
 
         check_preset(self.preset)
         check_text_source(self.dataset, self.data_dir, self.text_field, self.label_field)  # CSV/JSONL: parsed
@@ -188,7 +190,6 @@ def resolve_preset(preset: str) -> str:
     'bert_base_en_uncased'
     """
     if preset == "minilm":
-        from trainwell.data.embedded import minilm_preset_dir
 
         return str(minilm_preset_dir())
     p = Path(preset).expanduser()
@@ -207,6 +208,7 @@ def build_preprocessor(cfg: Config):
     >>> pre(["a fine film"])["token_ids"].shape  # doctest: +SKIP
     TensorShape([1, 64])
     """
+    # lazy: keras-hub loads on first use, not with this module
     import keras_hub
 
     return keras_hub.models.TextClassifierPreprocessor.from_preset(
@@ -225,6 +227,7 @@ def build_model(cfg: Config, num_classes: int):
     Example:
     >>> model = build_model(Config(), num_classes=2)  # doctest: +SKIP
     """
+    # lazy: Keras loads on first use, not with this module
     import keras
     import keras_hub
 
@@ -280,137 +283,6 @@ def layerwise_lr_scales(model, decay: float) -> dict[str, float]:
     return scales
 
 
-def _layerwise_adamw_class():
-    import keras
-    import tensorflow as tf
-    from keras import ops
-
-    @keras.saving.register_keras_serializable(package="trainwell")
-    class LayerwiseAdamW(keras.optimizers.AdamW):
-        """`keras.optimizers.AdamW` with a learning-rate factor per variable.
-
-        Extends Keras's `AdamW` (same arguments): Keras has no per-variable learning
-        rate (no parameter groups), which layer-wise LR decay and a head-only phase
-        need. Each variable's update and decoupled weight decay use
-        `learning_rate * lr_scales[variable.path]` (1.0 for paths not listed), and the
-        variables in `frozen_variables` have factor 0 until the optimizer has taken
-        `freeze_steps` steps. During those steps the learning rate is `head_lr`
-        (times the schedule's LR multiplier, so NaN rollback can lower it); afterwards
-        the schedule runs from its step 0, i.e. a fresh warmup.
-
-        Args:
-            lr_scales: `{variable path: factor >= 0}`. Defaults to `None` (all 1).
-            frozen_variables: Paths trained only after `freeze_steps`. Defaults to `None`.
-            freeze_steps: Steps (optimizer iterations, micro-steps under gradient
-                accumulation) of the head-only phase. Defaults to `0`.
-            head_lr: Learning rate of the head-only phase. Defaults to `None` (the
-                schedule's value at step 0).
-            **kwargs: `keras.optimizers.AdamW` arguments.
-
-        Example:
-        >>> opt = LayerwiseAdamW(learning_rate=3e-5, weight_decay=0.01,
-        ...                      lr_scales={"transformer_layer_0/query/kernel": 0.5})  # doctest: +SKIP
-        """
-
-        def __init__(self, *args, lr_scales=None, frozen_variables=None, freeze_steps=0, head_lr=None, **kwargs):
-            super().__init__(*args, **kwargs)
-            scales = dict(lr_scales or {})
-            for k, s in scales.items():
-                if not isinstance(s, (int, float)) or isinstance(s, bool) or s < 0:
-                    raise ValueError(
-                        f"Invalid value for argument `lr_scales`. Expected factors >= 0. Received: {k}={s!r}"
-                    )
-            if isinstance(freeze_steps, bool) or not isinstance(freeze_steps, int) or freeze_steps < 0:
-                raise ValueError(
-                    f"Invalid value for argument `freeze_steps`. Expected an int >= 0. Received: freeze_steps={freeze_steps!r}"
-                )
-            if head_lr is not None and (not isinstance(head_lr, (int, float)) or head_lr <= 0):
-                raise ValueError(f"Invalid value for argument `head_lr`. Expected a float > 0. Received: head_lr={head_lr!r}")
-            self.lr_scales = {str(k): float(v) for k, v in scales.items()}
-            self.frozen_variables = [str(p) for p in (frozen_variables or [])]
-            self.freeze_steps = int(freeze_steps)
-            self.head_lr = None if head_lr is None else float(head_lr)
-
-        def build(self, variables):
-            super().build(variables)
-            frozen = set(self.frozen_variables)
-            self._tw_scales = [self.lr_scales.get(v.path, 1.0) for v in variables]
-            self._tw_frozen = [v.path in frozen and self.freeze_steps > 0 for v in variables]
-
-        def _scale(self, variable):
-            """The factor of `variable`: a Python float, or a tensor during the freeze."""
-            i = self._get_variable_index(variable)
-            s = self._tw_scales[i]
-            if self._tw_frozen[i]:
-                gate = ops.cast(ops.greater_equal(self._iterations, self.freeze_steps), "float32")
-                return gate * s
-            return s
-
-        def _get_current_learning_rate(self):
-            lr = super()._get_current_learning_rate()
-            if self.freeze_steps <= 0:
-                return lr
-            sched = self._learning_rate
-            it = self._iterations
-            if isinstance(sched, keras.optimizers.schedules.LearningRateSchedule):
-                later = sched(ops.maximum(it - self.freeze_steps, 0))
-                mult = ops.cast(getattr(sched, "multiplier", 1.0), "float32")
-            else:
-                later, mult = ops.cast(lr, "float32"), 1.0
-            head = (self.head_lr if self.head_lr is not None else ops.cast(later, "float32")) * mult
-            return ops.where(it < self.freeze_steps, ops.cast(head, "float32"), ops.cast(later, "float32"))
-
-        def update_step(self, gradient, variable, learning_rate):
-            s = self._scale(variable)
-            if not (isinstance(s, float) and s == 1.0):
-                learning_rate = ops.cast(learning_rate, "float32") * s
-            return super().update_step(gradient, variable, learning_rate)
-
-        def _apply_weight_decay(self, variables):
-            if self.weight_decay is None:
-                return
-
-            def distributed_apply_weight_decay(distribution, variables, **kwargs):
-                def weight_decay_fn(variable):
-                    if self._use_weight_decay(variable):
-                        s = self._scale(variable)
-                        lr = tf.cast(self.learning_rate, variable.dtype) * tf.cast(s, variable.dtype)
-                        wd = tf.cast(self.weight_decay, variable.dtype)
-                        variable.assign_sub(variable * wd * lr)
-
-                for variable in variables:
-                    if isinstance(variable, keras.Variable):
-                        variable = variable.value
-                    distribution.extended.update(variable, weight_decay_fn, group=False)
-
-            tf.__internal__.distribute.interim.maybe_merge_call(
-                distributed_apply_weight_decay, self._distribution_strategy, variables
-            )
-
-        def get_config(self):
-            config = super().get_config()
-            config.update(
-                lr_scales=dict(self.lr_scales), frozen_variables=list(self.frozen_variables),
-                freeze_steps=self.freeze_steps, head_lr=self.head_lr,
-            )
-            return config
-
-    return LayerwiseAdamW
-
-
-_LAYERWISE_ADAMW = None
-
-
-def __getattr__(name: str):
-    # `LayerwiseAdamW` is built on first use so importing the recipe stays cheap.
-    if name == "LayerwiseAdamW":
-        global _LAYERWISE_ADAMW
-        if _LAYERWISE_ADAMW is None:
-            _LAYERWISE_ADAMW = _layerwise_adamw_class()
-        return _LAYERWISE_ADAMW
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # --------------------------------------------------------------------------- data
 def build_data(cfg: Config, preprocessor, data: Any = None):
     """The tokenising train/val/test pipelines (`trainwell.data.text`).
@@ -426,7 +298,6 @@ def build_data(cfg: Config, preprocessor, data: Any = None):
     >>> data.class_names  # doctest: +SKIP
     ['rotten', 'fresh']
     """
-    from trainwell.data import text
 
     splits = text.load_text_splits(
         cfg.dataset if data is None else data,
@@ -492,7 +363,9 @@ def build_optimizer(cfg: Config, steps_per_epoch: int, model=None):
     Example:
     >>> opt = build_optimizer(Config(), steps_per_epoch=280)  # doctest: +SKIP
     """
+    # lazy: Keras loads when an optimizer is built, not when the recipe is imported
     from trainwell.callbacks.schedules import WarmupCosineDecay, WarmupLinearDecay
+    from trainwell.optimizers import LayerwiseAdamW
 
     total, freeze, warmup = phase_steps(cfg, steps_per_epoch)
     cls = WarmupLinearDecay if cfg.schedule == "linear" else WarmupCosineDecay
@@ -505,7 +378,7 @@ def build_optimizer(cfg: Config, steps_per_epoch: int, model=None):
             scales = layerwise_lr_scales(model, cfg.layerwise_lr_decay)
         if freeze:
             frozen = [v.path for v in model.backbone.trainable_variables]
-    opt = __getattr__("LayerwiseAdamW")(
+    opt = LayerwiseAdamW(
         learning_rate=lr, weight_decay=cfg.weight_decay, beta_1=cfg.beta_1, beta_2=cfg.beta_2,
         epsilon=cfg.epsilon, global_clipnorm=cfg.global_clipnorm,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
@@ -521,6 +394,7 @@ def compile_model(cfg: Config, model, steps_per_epoch: int) -> None:
     Example:
     >>> compile_model(Config(), model, steps_per_epoch=280)  # doctest: +SKIP
     """
+    # lazy: Keras loads on first use, not with this module
     import keras
 
     model.compile(
@@ -560,7 +434,8 @@ def build_callbacks(cfg: Config, run_dir, schedule=None, chief: bool = True, has
     Example:
     >>> cbs = build_callbacks(Config(), "/tmp/run")  # doctest: +SKIP
     """
-    from trainwell.recipe import standard_callbacks
+    # lazy: it imports Keras/TensorFlow; loaded on first use, not with this module
+    from trainwell.recipes.harness import standard_callbacks
 
     return standard_callbacks(
         cfg, run_dir,
@@ -577,127 +452,9 @@ def build_callbacks(cfg: Config, run_dir, schedule=None, chief: bool = True, has
     )
 
 
-# --------------------------------------------------------------------------- export / predict
-def export_model(model, preprocessor, class_names: Sequence[str], path) -> Path:
-    """Saves `model` with its preprocessor as a keras-hub preset, plus `labels.json`.
-
-    Written to a temporary directory next to `path` and renamed into place, so a
-    reader never sees a half-written export. Reload with
-    `keras_hub.models.TextClassifier.from_preset(path)` or use `predict`.
-
-    Example:
-    >>> export_model(run.model, build_preprocessor(cfg), ["neg", "pos"], run.run_dir / "model")  # doctest: +SKIP
-    """
-    from trainwell.data.text import save_label_map
-    from trainwell.io import fsync_dir
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the export is a normal directory
-    old = None
-    try:
-        # A clean copy: the compiled model would also save its optimizer state (twice
-        # the model's size for Adam) into the preset's task weights.
-        clean = type(model).from_config(model.get_config())
-        clean.set_weights(model.get_weights())
-        clean.preprocessor = preprocessor
-        clean.save_to_preset(str(tmp))
-        save_label_map(tmp, class_names)
-        if path.exists():
-            old = path.parent / f".old-{path.name}-{os.getpid()}"
-            os.replace(path, old)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and old.exists() and not path.exists():
-            os.replace(old, path)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return path
-
-
-def load_exported(run_dir):
-    """`(model, class_names)` of the model exported in `run_dir` (or its `model/` dir).
-
-    Example:
-    >>> model, names = load_exported("runs/transformer-finetune-20250101-000000")  # doctest: +SKIP
-    """
-    import keras_hub
-
-    from trainwell.data.text import load_label_map
-
-    path = Path(run_dir)
-    if (path / EXPORT_DIR).is_dir():
-        path = path / EXPORT_DIR
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"No exported model in {str(run_dir)!r} (expected {EXPORT_DIR}/config.json).")
-    return keras_hub.models.TextClassifier.from_preset(str(path)), load_label_map(path)
-
-
-def predict(texts: Sequence[str], run_dir=None, *, model=None, class_names=None, batch_size: int = 64):
-    """Predicted labels and class probabilities for `texts`.
-
-    Args:
-        texts: Strings to classify.
-        run_dir: A run directory (or its `model/` directory) holding an export.
-            Defaults to `None` (then `model` is required).
-        model: A `TextClassifier` with its preprocessor attached (e.g. `run.model`),
-            used instead of loading `run_dir`. Defaults to `None`.
-        class_names: Label names by id; read from the export's `labels.json` when
-            `None`. Defaults to `None`.
-        batch_size: Batch size. Defaults to `64`.
-
-    Returns:
-        `(labels, probabilities)`: a list of label names and a float32 array of shape
-        `(len(texts), num_classes)` whose rows sum to 1.
-
-    Example:
-    >>> labels, probs = predict(["What a film!"], run_dir="runs/x")  # doctest: +SKIP
-    """
-    import keras
-    import numpy as np
-
-    from trainwell.data.text import load_label_map, make_eval_dataset
-
-    if isinstance(texts, str):
-        raise ValueError(f"Invalid value for argument `texts`. Expected a list of strings. Received: texts={texts!r}")
-    texts = list(texts)
-    if model is None:
-        if run_dir is None:
-            raise ValueError("predict() needs `run_dir` or `model`.")
-        model, names = load_exported(run_dir)
-        class_names = class_names or names
-    elif class_names is None and run_dir is not None:
-        class_names = load_label_map(Path(run_dir) / EXPORT_DIR if (Path(run_dir) / EXPORT_DIR).is_dir() else run_dir)
-    pre = model.preprocessor
-    if pre is None:
-        raise ValueError("predict() needs a model with its preprocessor attached (an exported model).")
-    num_classes = int(model.num_classes)
-    if not texts:
-        return [], np.zeros((0, num_classes), np.float32)
-    seq_len = int(pre.sequence_length)
-    ds = make_eval_dataset(np.array(texts, dtype=object), None, pre, batch_size, seq_len).map(lambda x, y: x)
-    model.preprocessor = None  # the pipeline has tokenised already
-    try:
-        out = model.predict(ds, verbose=0)
-    finally:
-        model.preprocessor = pre
-    out = np.asarray(out, dtype=np.float32)
-    if keras.activations.get(getattr(model, "activation", None)) is not keras.activations.softmax:
-        out = np.exp(out - out.max(axis=-1, keepdims=True))
-        out = out / out.sum(axis=-1, keepdims=True)
-    names = list(class_names) if class_names is not None else [str(i) for i in range(num_classes)]
-    return [names[i] for i in out.argmax(axis=-1)], out
-
-
 # --------------------------------------------------------------------------- train
 def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **overrides):
-    """Fine-tunes the recipe and returns a `trainwell.recipe.RunResult`.
+    """Fine-tunes the recipe and returns a `trainwell.recipes.harness.RunResult`.
 
     Args:
         cfg: A `Config`. Defaults to `None` (the published defaults).
@@ -716,26 +473,28 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
     Example:
     >>> run = train(preset="minilm", epochs=1, sequence_length=64)  # doctest: +SKIP
     """
-    from trainwell import quick, recipe
+    # lazy: the harness and the quick switch import Keras; loaded when training starts
+    from trainwell import quick
+    from trainwell.compat import inner_optimizer, raw_learning_rate
+    from trainwell.recipes import harness
     from trainwell.callbacks import StopAtStep, WarmupCosine
-    from trainwell.data.text import save_label_map
 
     if data is not None:
         overrides = {**overrides, "dataset": "memory"}
     cfg = _cfg(cfg, overrides)
-    with recipe.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
+    with harness.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
         preprocessor = build_preprocessor(cfg)
         data_ = build_data(cfg, preprocessor, data)
         steps = data_.steps_per_epoch
         # Exact resume: the resumed epoch sees the same order as it would have.
-        train_ds = recipe.advance_epochs(data_.train, recipe.resume_epoch(ctx.run_dir / "checkpoints"))
+        train_ds = harness.advance_epochs(data_.train, harness.resume_epoch(ctx.run_dir / "checkpoints"))
         with ctx.strategy.scope():
             model = build_model(cfg, data_.num_classes)
             compile_model(cfg, model, steps)
         if ctx.is_chief:
             save_label_map(ctx.run_dir, data_.class_names)
-        inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
-        schedule = getattr(inner, "_learning_rate", None)
+        inner = inner_optimizer(model.optimizer)
+        schedule = raw_learning_rate(model.optimizer)
         if inner.freeze_steps:
             schedule = _EffectiveSchedule(schedule, inner.freeze_steps, cfg.head_lr)
         callbacks = build_callbacks(
@@ -744,8 +503,8 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
         if not any(isinstance(c, WarmupCosine) for c in callbacks):
             # The LR in the history, as Keras's LearningRateScheduler logs it (WarmupCosine
             # does it for its own schedule); before the loggers, which write the logs.
-            callbacks.insert(0, recipe.log_learning_rate(model))
-        # Multi-replica strategies: `recipe.setup_run` applied keras_fixes' "symbolic_build"
+            callbacks.insert(0, harness.log_learning_rate(model))
+        # Multi-replica strategies: `harness.setup_run` applied keras_fixes' "symbolic_build"
         # (Keras would MEAN-reduce a per-replica batch, boolean padding masks included).
         total = phase_steps(cfg, steps)[0]
         epochs, epoch_steps = fit_epochs(cfg, steps)
@@ -766,7 +525,7 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
             _say(cfg, f"Exporting the model and its tokenizer to {ctx.run_dir / EXPORT_DIR} ...")
             export_model(model, preprocessor, data_.class_names, ctx.run_dir / EXPORT_DIR)
         model.preprocessor = preprocessor
-        return recipe.finish_run(ctx, cfg, model, metrics, history)
+        return harness.finish_run(ctx, cfg, model, metrics, history)
 
 
 def _say(cfg: Config, message: str) -> None:
@@ -782,7 +541,7 @@ def _tuning_space(hp, cfg: Config) -> dict:
     No label smoothing (this recipe's sparse cross-entropy has none) and no
     optimizer choice (the recipe is AdamW with per-variable LR factors).
     """
-    from trainwell.tuning import batch_size_choice, log_float
+    from trainwell.recipes.hypermodel import batch_size_choice, log_float  # lazy: keras_tuner loads only for a search
 
     peak_lr = log_float(hp, "peak_lr", cfg.peak_lr, 5.0)
     weight_decay = log_float(hp, "weight_decay", cfg.weight_decay or 0.01, 10.0)
@@ -810,7 +569,6 @@ def _tuning_build(cfg: Config):
 
 
 def _tuning_export(model, cfg: Config, run_dir, path):
-    from trainwell.data.text import load_label_map
 
     return export_model(model, build_preprocessor(cfg), load_label_map(run_dir), path)
 
@@ -831,9 +589,8 @@ def hypermodel(cfg: Config | None = None, **overrides):
     >>> hm = hypermodel(preset="minilm", epochs=3, sequence_length=64)
     >>> result = tuning.search(hm, "random", max_trials=8)  # doctest: +SKIP
     """
-    import sys
 
-    from trainwell.tuning import recipe_hypermodel
+    from trainwell.recipes.hypermodel import recipe_hypermodel  # lazy: keras_tuner loads only for a search
 
     cfg = _cfg(cfg, overrides)
     trial = {"verbose": "0", "export": False}

@@ -1,5 +1,10 @@
 """trainwell: Keras 3 / TensorFlow training recipes built from restart-safe callbacks.
 
+This module is the package's public facade and imports nothing heavy: submodules and
+`lr_find` load on first use (`trainwell.runtime`, `trainwell.lr_find`), so
+`import trainwell` does not import TensorFlow. No module of the package imports a
+name from here (see docs/architecture.md).
+
 Example:
 >>> from trainwell import runtime
 >>> runtime.resolve_precision("float32")
@@ -17,8 +22,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("runtime", "config", "data", "models", "optimizers", "io", "recipe", "tuning", "cli", "diagnostics", "keras_fixes")
+_SUBMODULES = (
+    "config", "io", "runtime", "rundir", "validation", "data", "models", "optimizers", "compat", "quick",  # floor 0
+    "callbacks", "recipes",  # floors 1 and 2
+    "tuning", "launch", "cli",  # floor 3
+)
 _LAZY_FUNCS = {"lr_find": "trainwell.callbacks.lr_finder"}
+
+__all__ = [*_SUBMODULES, *_LAZY_FUNCS]
 
 
 def __getattr__(name: str):
@@ -27,3 +38,7 @@ def __getattr__(name: str):
     if name in _LAZY_FUNCS:
         return getattr(importlib.import_module(_LAZY_FUNCS[name]), name)
     raise AttributeError(f"module 'trainwell' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)

@@ -1,5 +1,9 @@
 """The `trainwell` command line.
 
+One module (~750 lines): every command's body is here, on the orchestration floor, so
+the command line reads in one place; the work itself is in the recipes, `trainwell.tuning`,
+`trainwell.launch` and `trainwell.callbacks.lr_finder`.
+
     trainwell train RECIPE [--config FILE] [--set key=value ...]
     trainwell resume RUN_DIR [--set key=value ...]
     trainwell tune RECIPE --tuner {random,bayesian,hyperband,pbt} ...
@@ -32,17 +36,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import importlib.abc
 import importlib.util
+import inspect
 import json
+import math
 import os
+import re
+import shutil
 import sys
 import tempfile
+import warnings
 from pathlib import Path
+from typing import Any
 
-from trainwell.config import MAX_SEED, ConfigError
-from trainwell.data.sources import DataError
+from trainwell import launch, recipes, rundir, runtime
+from trainwell.config import MAX_SEED, ConfigError, did_you_mean, parse_overrides, read_config_file
+from trainwell.data import embedded
+from trainwell.data.base import DataError
+from trainwell.data.sources import check_data_ready
+from trainwell.io import atomic_write_json, atomic_write_text
+from trainwell.recipes import RECIPES
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -92,7 +108,6 @@ class _QuietTensorFlowImport(importlib.abc.MetaPathFinder):
     TensorFlow is imported when a command first needs it (a typo in a config is
     reported without it), and the C++ lines it prints then are filtered.
     """
-
     def find_spec(self, name, path=None, target=None):
         if name != "tensorflow":
             return None
@@ -134,8 +149,6 @@ def start_tensorflow_quietly() -> None:
 
 
 def _recipe_module(name: str):
-    from trainwell.config import did_you_mean
-    from trainwell.recipes import RECIPES
 
     if name not in RECIPES:
         raise ConfigError(f"Unknown recipe {name!r}.{did_you_mean(name, RECIPES)} Expected one of: {', '.join(RECIPES)}.")
@@ -144,8 +157,6 @@ def _recipe_module(name: str):
 
 def _checked_config(module, path=None, overrides=None, base=None):
     """The recipe's config from `--config`/`--set` (validated), with its data ready to read."""
-    from trainwell.data.sources import check_data_ready
-
     cfg = module.Config.load(path, overrides, base=base)
     check_data_ready(cfg.dataset, getattr(cfg, "data_dir", None))
     return cfg
@@ -170,8 +181,6 @@ def _finish(run) -> int:
     that is gone for a crash and print "The tasks have crashed" at the end of a run
     that succeeded.
     """
-    from trainwell import runtime
-
     _print_result(run)
     sys.stdout.flush()
     runtime.sync_workers(getattr(run.model, "distribute_strategy", None))
@@ -180,7 +189,6 @@ def _finish(run) -> int:
 
 def _int_arg(lo: int, hi: int | None = None):
     """An argparse type: an integer in [lo, hi], else a one-line usage error (exit 2)."""
-
     def parse(value: str) -> int:
         try:
             n = int(value)
@@ -206,8 +214,6 @@ def _seconds(value: str) -> float:
 
 def _launch_workers(args, argv: list[str]) -> int:
     """Runs `argv` (a `trainwell` command) as `args.workers` local workers; see `trainwell.launch`."""
-    from trainwell import launch
-
     argv = list(argv)
     for s in args.set:
         argv += ["--set", s]
@@ -221,10 +227,9 @@ def cmd_train(args) -> int:
         print(json.dumps(cfg.to_dict(), indent=2))
         return EXIT_OK
     if getattr(args, "workers", None):
-        from trainwell import runtime
 
         # One run directory for every worker: named here, passed to all.
-        run_dir = runtime.make_run_dir(cfg.run_dir, prefix=args.recipe)
+        run_dir = rundir.make_run_dir(cfg.run_dir, prefix=args.recipe)
         argv = ["train", args.recipe] + (["--config", args.config] if args.config else [])
         args.set = list(args.set) + [f"run_dir={run_dir}"]
         return _launch_workers(args, argv)
@@ -256,8 +261,6 @@ def _read_manifest(run_dir: Path) -> dict:
 
 
 def cmd_resume(args) -> int:
-    from trainwell.config import did_you_mean
-    from trainwell.recipes import RECIPES
 
     run_dir = Path(args.run_dir)
     manifest = _read_manifest(run_dir)
@@ -277,27 +280,117 @@ def cmd_resume(args) -> int:
     return _finish(module.train(cfg))
 
 
-def cmd_tune(args) -> int:
-    from trainwell import tuning
+def _child_argv(args) -> list[str]:
+    out = ["tune", args.recipe, "--tuner", args.tuner, "--max-trials", str(args.max_trials)]
+    for flag, attr in (("--directory", "directory"), ("--project-name", "project_name"), ("--max-epochs", "max_epochs"),
+                       ("--population-size", "population_size"), ("--ready-interval", "ready_interval"),
+                       ("--seed", "seed"), ("--objective", "objective"), ("--top-k", "top_k")):
+        v = getattr(args, attr, None)
+        if v is not None:
+            out += [flag, str(v)]
+    if getattr(args, "config", None):
+        out += ["--config", args.config]
+    for s in getattr(args, "set", None) or []:
+        out += ["--set", s]
+    if getattr(args, "no_export", False):
+        out.append("--no-export")
+    return out
 
-    return int(tuning.main(args) or 0)
+
+def cmd_tune(args) -> int:
+    """`trainwell tune`: runs `tuning.search()` from parsed command-line arguments.
+
+    With `--workers N` (N >= 1) it launches KerasTuner's chief and N workers on this
+    machine (`launch.launch_distributed`) and prints the chief's summary.
+    """
+    # lazy: KerasTuner and TensorFlow load when a search runs, not for `trainwell --help`
+    import keras_tuner
+
+    from trainwell import tuning
+    from trainwell.compat.keras_tuner import has_chief_oracle, is_chief_oracle
+
+    directory = getattr(args, "directory", None) or "tuning"
+    workers = int(getattr(args, "workers", 0) or 0)
+    if workers < 0:
+        raise ConfigError(f"Invalid value for `--workers`: expected an integer >= 0. Received: workers={workers}")
+    hm = _hypermodel_from_args(args)
+    check_data_ready(hm.cfg.dataset, getattr(hm.cfg, "data_dir", None))  # e.g. a TFDS set not prepared: one line
+    if getattr(args, "dry_run", False):
+        hp = keras_tuner.HyperParameters()
+        hm.declare_hyperparameters(hp)
+        print(json.dumps({"config": hm.cfg.to_dict(), "space": hp.get_config()}, indent=2, default=str))
+        return 0
+    if workers > 0 and not has_chief_oracle():
+        project = getattr(args, "project_name", None) or f"{hm.name or 'search'}-{args.tuner}"
+        if getattr(args, "overwrite", False):
+            shutil.rmtree(Path(directory) / project, ignore_errors=True)
+        child = argparse.Namespace(**{**vars(args), "directory": directory, "project_name": project})
+        rc = launch.launch_distributed(
+            _child_argv(child), workers, host=getattr(args, "oracle_host", None) or "127.0.0.1",
+            port=getattr(args, "oracle_port", None), timeout_s=getattr(args, "timeout", None),
+        )
+        summary = Path(directory) / project / "summary.json"
+        if rc == 0 and summary.is_file():
+            print(f"distributed search done ({workers} workers): {summary}")
+        return int(rc)
+
+    def arg(name, default):  # an option not given (None); a given 0 is not replaced by the default
+        v = getattr(args, name, None)
+        return default if v is None else v
+
+    try:
+        result = tuning.search(
+            hm, args.tuner, max_trials=int(args.max_trials), directory=directory,
+            project_name=getattr(args, "project_name", None), overwrite=bool(getattr(args, "overwrite", False)),
+            objective=getattr(args, "objective", None), max_epochs=getattr(args, "max_epochs", None),
+            population_size=int(arg("population_size", 4)), ready_interval=int(arg("ready_interval", 1)),
+            seed=arg("seed", 0), top_k=int(arg("top_k", 10)), export=not getattr(args, "no_export", False),
+        )
+    except tuning.SearchFailedError as e:
+        print(f"trainwell tune: {e}", file=sys.stderr)
+        return 1
+    if has_chief_oracle() and not is_chief_oracle():
+        return 0
+    return 0 if result.best_trial_id is not None else 1
+
+
+def _hypermodel_from_args(args):
+    """The hypermodel of `trainwell tune RECIPE [--config FILE] [--set k=v ...]`.
+
+    RECIPE is a recipe name or `module:factory`; the module's `Config` (if any)
+    loads `--config` and `--set` with its types and validation.
+    """
+    recipe = args.recipe
+    if ":" in recipe:
+        mod_name, _, attr = recipe.partition(":")
+        try:
+            module = importlib.import_module(mod_name)
+            factory = getattr(module, attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"Cannot load the hypermodel factory {recipe!r}: {e}") from None
+    else:
+        if recipe not in RECIPES:
+            raise ConfigError(f"Unknown recipe {recipe!r}. Expected one of: {', '.join(RECIPES)} or 'module:factory'.")
+        module = recipes.get(recipe)
+        factory = module.hypermodel
+    if hasattr(module, "Config"):
+        return factory(module.Config.load(getattr(args, "config", None), getattr(args, "set", None) or []))
+    overrides = read_config_file(args.config) if getattr(args, "config", None) else {}
+    overrides.update(parse_overrides(getattr(args, "set", None) or []))
+    return factory(None, **overrides)
 
 
 def cmd_lr_find(args) -> int:
-    from trainwell.callbacks import lr_finder
-
     module = _recipe_module(args.recipe)
     cfg = _checked_config(module, args.config, args.set)
-    return int(lr_finder.cli_main(module, cfg, args) or 0)
+    return int(lr_find_main(module, cfg, args) or 0)
 
 
 def cmd_info(args) -> int:
-    from trainwell import runtime
-    from trainwell.data import embedded
 
-    info = {"versions": runtime.package_versions()}
+    info = {"versions": rundir.package_versions()}
     try:
-        info["devices"] = [f"{d['type']} {d['name']}" for d in runtime.device_summary()]
+        info["devices"] = [f"{d['type']} {d['name']}" for d in rundir.device_summary()]
         caps = runtime.gpu_compute_capabilities()
         info["precision"] = {
             "auto": runtime.resolve_precision("auto"),
@@ -307,7 +400,6 @@ def cmd_info(args) -> int:
     except Exception as e:  # pragma: no cover - broken TF install
         info["devices"] = [f"unavailable: {e}"]
     info["embedded"] = {k: ("present" if v else "missing") for k, v in embedded.available().items()}
-    from trainwell.recipes import RECIPES
 
     info["recipes"] = {name: f"trainwell.recipes.{mod}" for name, mod in RECIPES.items()}
     if args.json:
@@ -339,6 +431,218 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
+# --------------------------------------------------------------------------- trainwell lr-find
+#: The suggestion `trainwell lr-find` prints and writes, with warmup + cosine probes:
+#: the recipes use it as the peak of warmup + decay (figures: `bench/lr_finder_quality.py`
+#: and the README).
+CLI_METHOD = "probe"
+
+#: The probes' schedule in `trainwell lr-find`: the recipes' shape.
+CLI_PROBE_SCHEDULE = "warmup_cosine"
+
+#: Config fields `lr_find_main` writes the suggestion into, in order of preference
+#: (a recipe overrides with a module attribute `LR_FIELD`).
+LR_FIELDS = ("peak_lr", "learning_rate", "lr", "base_lr")
+
+
+def _train_split(data):
+    """The training part of what a recipe's `build_data` returned."""
+    try:
+        # lazy: TensorFlow loads on first use, not with this module
+        import tensorflow as tf
+
+        ds_type = (tf.data.Dataset,)
+    except ImportError:  # pragma: no cover
+        ds_type = ()
+    if isinstance(data, dict) and "train" in data:
+        return data["train"]
+    if hasattr(data, "train"):
+        return data.train
+    if isinstance(data, (tuple, list)) and data and (isinstance(data[0], ds_type) or hasattr(data[0], "__len__") and isinstance(data[0], (tuple, list))):
+        return data[0]
+    return data
+
+
+def _lr_field(recipe_module, cfg) -> str | None:
+    names = [f.name for f in dataclasses.fields(cfg)] if dataclasses.is_dataclass(cfg) else list(vars(cfg))
+    field = getattr(recipe_module, "LR_FIELD", None)
+    if field:
+        return field if field in names else None
+    return next((f for f in LR_FIELDS if f in names), None)
+
+
+def write_config_value(path: str | os.PathLike, key: str, value: Any, comment: str | None = None) -> Path:
+    """Sets a top-level `key: value` in a YAML (or JSON) config file, keeping its comments.
+
+    The file is rewritten atomically. In YAML, an existing top-level line for the key
+    is replaced in place, its trailing comment kept unless `comment` is given;
+    otherwise the key is appended.
+
+    Args:
+        path: The config file. Required.
+        key: The top-level key. Required.
+        value: Its new value. Required.
+        comment: YAML only: the comment to write after the value, replacing the
+            line's old one (which may describe the old value). Defaults to
+            `None`: keep the old comment.
+
+    Example:
+    >>> import tempfile
+    >>> p = Path(tempfile.mkdtemp()) / "c.yaml"; _ = p.write_text("epochs: 3  # short\\nlr: 0.1  # x 2\\n")
+    >>> print(write_config_value(p, "lr", 0.02, comment="found by lr-find").read_text(), end="")
+    epochs: 3  # short
+    lr: 0.02  # found by lr-find
+    """
+
+    p = Path(path)
+    text = p.read_text(encoding="utf-8") if p.exists() else ""
+    if p.suffix.lower() == ".json":
+        data = json.loads(text) if text.strip() else {}
+        data[key] = value
+        return atomic_write_json(p, data)
+    rendered = repr(float(value)) if isinstance(value, float) else json.dumps(value)
+    new_comment = None if comment is None else f"  # {comment}"
+    pat = re.compile(rf"^({re.escape(key)}\s*:\s*)([^#\n]*?)(\s+#.*)?$", re.M)
+    if pat.search(text):
+        keep = lambda m: m.group(3) or ""  # noqa: E731
+        text = pat.sub(lambda m: f"{m.group(1)}{rendered}{keep(m) if new_comment is None else new_comment}", text, count=1)
+    else:
+        if text and not text.endswith("\n"):
+            text += "\n"
+        text += f"{key}: {rendered}{new_comment or ''}\n"
+    return atomic_write_text(p, text)
+
+
+def lr_find_main(recipe_module, cfg, args) -> int:
+    """`trainwell lr-find RECIPE`: runs the LR range test on a recipe's model and data.
+
+    The protocol a recipe module follows (the first that applies):
+
+    1. `lr_find_setup(cfg) -> (model, train_data)`: a compiled model and its
+       training data; full control.
+    2. Otherwise `build_data(cfg)` then `build_model(cfg)` (or
+       `build_model(cfg, data)` when it takes a second required argument). The
+       training split is `data["train"]`, `data.train`, `data[0]` of a tuple of
+       datasets, or `data` itself. A model that is not compiled is compiled with
+       `compile_model(cfg, model)` if the recipe has it.
+
+    The suggestion goes into the config field `recipe_module.LR_FIELD`, else the
+    first of `peak_lr`, `learning_rate`, `lr`, `base_lr` the config has; a recipe
+    whose field is not the peak LR itself (e.g. a base LR scaled by the batch
+    size) defines `lr_to_config(cfg, peak_lr) -> {field: value}`. The curve is
+    written to `RUN_DIR/lr_find.png` and `lr_find.json` (`cfg.run_dir`, else a new
+    `runs/lr-find-...` directory).
+
+    Args:
+        recipe_module: The recipe module. Required.
+        cfg: Its resolved `Config`. Required.
+        args: The parsed command line: `write` (bool), `config` (path or None),
+            `dry_run` (bool), `method` (the suggestion; default `CLI_METHOD`,
+            "probe", with probes that run the recipes' warmup + cosine schedule,
+            since the recipes use the LR as its peak), `probe_steps` (int or None:
+            the range test's steps), `verbose` (0, 1 or 2, as `lr_find`'s; absent:
+            1). Required.
+
+    Returns:
+        The exit status: 0, or 1 when there is no reliable suggestion (the loss
+        was non-finite from the start, or `result.reliable` is `False`): it says
+        why and what to try, and writes nothing into the config (the curve and
+        `lr_find.json` are still written). Non-zero so that a script such as
+        `trainwell lr-find ... --write && trainwell train ...` does not go on as
+        if the LR had been found.
+
+    Example:
+    >>> lr_find_main(resnet_imagenet, cfg, args)  # doctest: +SKIP
+    Suggested peak learning rate (probe): 0.158
+    """
+
+    write = bool(getattr(args, "write", False))
+    config_path = getattr(args, "config", None)
+    method = getattr(args, "method", None) or CLI_METHOD
+    probe_steps = getattr(args, "probe_steps", None)
+    if probe_steps is not None and (not isinstance(probe_steps, int) or isinstance(probe_steps, bool) or probe_steps < 2):
+        raise ConfigError(f"`--probe-steps` must be an integer >= 2. Received: probe_steps={probe_steps!r}")
+    if probe_steps is not None and method != "probe":
+        raise ConfigError(f"`--probe-steps` only applies to `--method probe`. Received: method={method!r}, "
+                          f"probe_steps={probe_steps!r}")
+    field = _lr_field(recipe_module, cfg)
+    if write and not config_path:
+        raise ConfigError("`trainwell lr-find --write` needs `--config FILE`: the file to write the suggestion into.")
+    if write and field is None and not hasattr(recipe_module, "lr_to_config"):
+        raise ConfigError(
+            f"Cannot write the suggestion: the recipe's config has none of the fields {', '.join(LR_FIELDS)} "
+            "and the recipe defines no `LR_FIELD` or `lr_to_config`."
+        )
+    if getattr(args, "dry_run", False):
+        print(f"lr-find on {getattr(recipe_module, '__name__', 'recipe')}: config {cfg}")
+        print(f"would write the suggestion into {config_path}:{field}" if write else "would print the suggestion")
+        return 0
+
+    # lazy: the LR finder imports Keras and TensorFlow; a dry run or a config error never loads them
+    from trainwell.callbacks import lr_finder
+
+    strategy = runtime.make_strategy(getattr(cfg, "strategy", "auto"))
+    runtime.set_precision(getattr(cfg, "precision", "auto"))
+    runtime.seed_everything(int(getattr(cfg, "seed", 0)))
+    with strategy.scope():
+        if hasattr(recipe_module, "lr_find_setup"):
+            model, train = recipe_module.lr_find_setup(cfg)
+        else:
+            data = recipe_module.build_data(cfg)
+            train = _train_split(data)
+            build = recipe_module.build_model
+            required = [
+                p for p in inspect.signature(build).parameters.values()
+                if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+            model = build(cfg, data) if len(required) >= 2 else build(cfg)
+            if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", True):
+                if not hasattr(recipe_module, "compile_model"):
+                    raise ConfigError("the recipe's `build_model` returned an uncompiled model and it has no `compile_model(cfg, model)`.")
+                recipe_module.compile_model(cfg, model)
+    with warnings.catch_warnings():  # the reason is printed below, with the command line's own advice
+        warnings.filterwarnings("ignore", message="No reliable learning rate")
+        result = lr_finder.lr_find(model, train, batch_size=getattr(cfg, "batch_size", None), method=method,
+                         probe_steps=probe_steps, probe_schedule=CLI_PROBE_SCHEDULE, verbose=getattr(args, "verbose", 1))
+    if result is None or result.suggestion is None:
+        print("The LR range test recorded no usable loss (the loss was non-finite from the start).")
+        return 1
+    s = result.suggestions
+    others = ", ".join(f"{k}: {v:.3g}" for k, v in s.items() if k != result.method)
+    probed = ""
+    if result.probes:
+        probed = (f"; then {len(result.probes)} probe runs of {result.probe_steps} steps ({result.probe_schedule}): "
+                  + ", ".join(f"{lr:.3g} -> {'diverged' if not math.isfinite(v) else f'{v:.4g}'}"
+                              for lr, v in sorted(result.probes.items())))
+    details = f"[{others}; range test {len(result.lrs)} steps, stopped: {result.stopped}{probed}]"
+    if result.reliable:
+        print(f"Suggested peak learning rate ({result.method}): {result.suggestion:.3g}   {details}")
+    else:
+        print(f"No reliable learning rate: {result.reason}.   {details}")
+    run_dir = rundir.make_run_dir(getattr(cfg, "run_dir", None), prefix="lr-find")
+    if runtime.is_chief(strategy):
+
+        result.plot(run_dir / "lr_find.png")
+        atomic_write_json(run_dir / "lr_find.json", result.to_dict())
+        print(f"Curve: {run_dir / 'lr_find.png'}")
+    if not result.reliable:
+        longer = f"--probe-steps {4 * (result.probe_steps or len(result.lrs))}"
+        tries = (f"longer probes ({longer})" if result.method == "probe" or result.probes
+                 else "--method probe (short runs at candidate LRs)")
+        print(f"Try {tries}, or check the data and labels (the model must be able to fit them); "
+              + (f"nothing was written to {config_path}." if write else "nothing to write."))
+        return 1
+    if write:
+        value = float(f"{result.suggestion:.3g}")
+        updates = recipe_module.lr_to_config(cfg, value) if hasattr(recipe_module, "lr_to_config") else {field: value}
+        for k, v in updates.items():
+            was = getattr(cfg, k, None)
+            note = f"peak LR {value:.3g} from trainwell lr-find ({result.method})" + (f"; was {was}" if was is not None else "")
+            write_config_value(config_path, k, v, comment=note)
+        print(f"Wrote {', '.join(f'{k}: {v}' for k, v in updates.items())} into {config_path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `trainwell` command.
 
@@ -346,8 +650,6 @@ def build_parser() -> argparse.ArgumentParser:
     >>> build_parser().parse_args(["info"]).command
     'info'
     """
-    from trainwell.recipes import RECIPES
-
     p = _Parser(prog="trainwell", description="Keras training recipes that survive NaNs, preemption and crashes.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 

@@ -23,6 +23,9 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from trainwell.io import atomic_write_text
+from trainwell.runtime import MAX_SEED, PRECISION_SPECS, STRATEGY_SPECS, validate_strategy_spec
+
 
 class ConfigError(ValueError):
     """A config value, key or file is invalid. The message is a single line.
@@ -32,8 +35,38 @@ class ConfigError(ValueError):
     """
 
 
-def _fail(key: str, value: Any, expected: str, hint: str = "") -> None:
-    raise ConfigError(f"Invalid value for `{key}`: expected {expected}.{hint} Received: {key}={value!r}")
+def config_error(key: str, value: Any, problem: str, hint: str = "") -> ConfigError:
+    """The one-line `ConfigError` for a bad config value (the caller raises it).
+
+    Args:
+        key: The config field.
+        value: What the config holds.
+        problem: What is wrong, e.g. `"expected an integer >= 1"`.
+        hint: A sentence to add (e.g. `did_you_mean(...)`), starting with a space. Defaults to `""`.
+
+    Example:
+    >>> str(config_error("epochs", 0, "expected an integer >= 1"))
+    'Invalid value for `epochs`: expected an integer >= 1. Received: epochs=0'
+    """
+    return ConfigError(f"Invalid value for `{key}`: {problem}.{hint} Received: {key}={value!r}")
+
+
+def raise_invalid(key: str, value: Any, expected: str, hint: str = "") -> typing.NoReturn:
+    """Raises `config_error(key, value, "expected " + expected, hint)`: what a recipe's `validate` calls.
+
+    Args:
+        key: The config field.
+        value: What the config holds.
+        expected: What it should be, e.g. `"an integer >= 1"`.
+        hint: A sentence to add, starting with a space. Defaults to `""`.
+
+    Example:
+    >>> raise_invalid("epochs", 0, "an integer >= 1")
+    Traceback (most recent call last):
+    ...
+    trainwell.config.ConfigError: Invalid value for `epochs`: expected an integer >= 1. Received: epochs=0
+    """
+    raise config_error(key, value, f"expected {expected}", hint)
 
 
 def close_matches(value: str, choices: typing.Iterable[str], n: int = 2) -> list[str]:
@@ -144,44 +177,44 @@ def coerce(key: str, value: Any, tp: Any, from_string: bool = False) -> Any:
                 errors.append(e)
         if len(errors) == 1:  # Optional[X]: X's own message ("a finite number", ...) says more
             raise errors[0]
-        _fail(key, value, expected)
+        raise_invalid(key, value, expected)
     if origin is Literal:
         for a in args:
             if value == a or (isinstance(value, str) and str(a) == value):
                 return a
-        _fail(key, value, expected)
+        raise_invalid(key, value, expected)
     if origin in (tuple, list):
         if from_string and isinstance(value, str):
             try:
                 value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v.strip()]
             except yaml.YAMLError:
-                _fail(key, value, expected)
+                raise_invalid(key, value, expected)
         if not isinstance(value, (list, tuple)):
-            _fail(key, value, expected)
+            raise_invalid(key, value, expected)
         item_tp = args[0] if args else Any
         try:
             items = [coerce(key, v, item_tp, from_string and isinstance(v, str)) for v in value]
         except ConfigError:
-            _fail(key, value, expected)
+            raise_invalid(key, value, expected)
         return tuple(items) if origin is tuple else items
     if origin is dict or tp is dict:
         if from_string and isinstance(value, str):
             try:
                 value = yaml.safe_load(value)
             except yaml.YAMLError:
-                _fail(key, value, expected)
+                raise_invalid(key, value, expected)
         if not isinstance(value, dict):
-            _fail(key, value, expected)
+            raise_invalid(key, value, expected)
         return dict(value)
     if tp is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
             return value.strip().lower() in _TRUE
-        _fail(key, value, expected)
+        raise_invalid(key, value, expected)
     if tp is int:
         if isinstance(value, bool):
-            _fail(key, value, expected)
+            raise_invalid(key, value, expected)
         if isinstance(value, int):
             return value
         if isinstance(value, float) and value.is_integer():
@@ -196,30 +229,30 @@ def coerce(key: str, value: Any, tp: Any, from_string: bool = False) -> Any:
                         return int(f)
                 except ValueError:
                     pass
-        _fail(key, value, expected)
+        raise_invalid(key, value, expected)
     if tp is float:
         if isinstance(value, bool):
-            _fail(key, value, expected)
+            raise_invalid(key, value, expected)
         number = None
         if isinstance(value, (int, float)):
             try:
                 number = float(value)
             except OverflowError:  # an int beyond the float range
-                _fail(key, value, "a finite number")
+                raise_invalid(key, value, "a finite number")
         elif isinstance(value, str):
             try:
                 number = float(value.strip())
             except ValueError:
                 pass
         if number is None:
-            _fail(key, value, expected)
+            raise_invalid(key, value, expected)
         if not math.isfinite(number):  # nan, inf: no field of a recipe means them
-            _fail(key, value, "a finite number")
+            raise_invalid(key, value, "a finite number")
         return number
     if tp is str:
         if isinstance(value, str):
             return value
-        _fail(key, value, expected)
+        raise_invalid(key, value, expected)
     return value
 
 
@@ -248,7 +281,6 @@ class BaseConfig:
     >>> MyConfig.load(overrides=["lr=0.5", "epochs=3"]).lr
     0.5
     """
-
     dataset: str = "mnist5k"
     epochs: int = 1
     batch_size: int = 32
@@ -266,17 +298,15 @@ class BaseConfig:
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         """Range checks; raises `ConfigError` with a one-line message."""
-        from trainwell.runtime import PRECISION_SPECS, STRATEGY_SPECS, validate_strategy_spec
-
         if not self.dataset.strip():
-            _fail("dataset", self.dataset, "a non-empty dataset name")
+            raise_invalid("dataset", self.dataset, "a non-empty dataset name")
         check_positive(self, "epochs")
         check_positive(self, "batch_size")
         check_choice(self, "precision", PRECISION_SPECS)
         try:
             validate_strategy_spec(self.strategy)
         except ValueError:
-            _fail("strategy", self.strategy, "one of " + ", ".join(repr(p) for p in STRATEGY_SPECS),
+            raise_invalid("strategy", self.strategy, "one of " + ", ".join(repr(p) for p in STRATEGY_SPECS),
                   did_you_mean(self.strategy, STRATEGY_SPECS[:-1]))
         check_seed(self, "seed")
         check_run_dir(self.run_dir)
@@ -357,8 +387,6 @@ class BaseConfig:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Writes the config as YAML (atomically)."""
-        from trainwell.io import atomic_write_text
-
         return atomic_write_text(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
@@ -377,11 +405,7 @@ def check_positive(cfg: Any, name: str, allow_zero: bool = False) -> None:
     if v is None:
         return
     if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
-        _fail(name, v, "a number >= 0" if allow_zero else "a number > 0")
-
-
-#: Seeds go to `random`, NumPy and TensorFlow; NumPy's legacy seed takes 32 bits.
-MAX_SEED = 2**32 - 1
+        raise_invalid(name, v, "a number >= 0" if allow_zero else "a number > 0")
 
 
 def check_seed(cfg: Any, name: str = "seed") -> None:
@@ -398,7 +422,7 @@ def check_seed(cfg: Any, name: str = "seed") -> None:
     """
     v = getattr(cfg, name)
     if v is not None and not 0 <= v <= MAX_SEED:
-        _fail(name, v, f"an integer in [0, {MAX_SEED}] (2**32 - 1)")
+        raise_invalid(name, v, f"an integer in [0, {MAX_SEED}] (2**32 - 1)")
 
 
 def check_run_dir(run_dir: str | os.PathLike | None, name: str = "run_dir") -> None:
@@ -417,7 +441,7 @@ def check_run_dir(run_dir: str | os.PathLike | None, name: str = "run_dir") -> N
         return
     path = Path(run_dir).expanduser()
     if not str(run_dir).strip():
-        _fail(name, run_dir, "null or a directory path")
+        raise_invalid(name, run_dir, "null or a directory path")
     for p in (path, *path.parents):
         if p.exists():
             if not p.is_dir():
@@ -435,7 +459,7 @@ def check_range(cfg: Any, name: str, lo: float, hi: float, lo_open: bool = False
         return
     ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
     if not ok:
-        _fail(name, v, f"a number in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}")
+        raise_invalid(name, v, f"a number in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}")
 
 
 def check_choice(cfg: Any, name: str, choices: typing.Iterable[Any]) -> None:
@@ -453,7 +477,7 @@ def check_choice(cfg: Any, name: str, choices: typing.Iterable[Any]) -> None:
     v = getattr(cfg, name)
     if v not in choices:
         hint = did_you_mean(v, [c for c in choices if isinstance(c, str)]) if isinstance(v, str) else ""
-        _fail(name, v, "one of " + ", ".join(repr(c) for c in choices), hint)
+        raise_invalid(name, v, "one of " + ", ".join(repr(c) for c in choices), hint)
 
 
 def check_reliability_fields(cfg: Any) -> None:
@@ -470,7 +494,7 @@ def check_reliability_fields(cfg: Any) -> None:
         check_positive(cfg, name)
     every = str(cfg.checkpoint_every)
     if every != "epoch" and not (every.isdigit() and int(every) > 0):
-        _fail("checkpoint_every", cfg.checkpoint_every, "'epoch' or a positive number of steps")
+        raise_invalid("checkpoint_every", cfg.checkpoint_every, "'epoch' or a positive number of steps")
 
 
 def _unknown_key_message(cls, key: str) -> str:

@@ -8,12 +8,16 @@ sees either the old file or the new one, never a torn write.
 
 from __future__ import annotations
 
+import io as _io
 import json
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -91,6 +95,7 @@ def new_figure(nrows: int = 1, ncols: int = 1, figsize=(6.0, 3.5)):
     >>> axes.shape
     (1, 2)
     """
+    # lazy: matplotlib loads on first use, not with this module
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -108,8 +113,6 @@ def save_figure(fig, path: str | os.PathLike, dpi: int = 100) -> Path:
     >>> save_figure(fig, os.path.join(tempfile.mkdtemp(), "f.png")).suffix
     '.png'
     """
-    import io as _io
-    import sys
 
     buf = _io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
@@ -133,7 +136,6 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
 
 def _json_default(o: Any) -> Any:
     try:
-        import numpy as np
 
         if isinstance(o, np.generic):
             return o.item()

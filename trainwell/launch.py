@@ -72,6 +72,8 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from trainwell.validation import is_int
+
 #: Exit status when `timeout_s` passes (as coreutils `timeout`).
 EXIT_TIMEOUT = 124
 #: Exit status of a preempted job (see `trainwell.callbacks.Checkpoint.PREEMPTED_EXIT_CODE`).
@@ -209,7 +211,7 @@ def _status(code: int | None) -> int | None:
 
 
 def _wait_into(i: int, p: subprocess.Popen, ended: "queue.Queue[tuple[int, int]]") -> None:
-    """Waits for worker `i` and puts `(i, status)` on `ended` as soon as it ends."""
+    """Waits for process `i` and puts `(i, status)` on `ended` as soon as it ends."""
     ended.put((i, _status(p.wait())))
 
 
@@ -225,6 +227,123 @@ def _kill(procs: Sequence[subprocess.Popen]) -> None:
             p.wait(timeout=30)
         except subprocess.TimeoutExpired:  # pragma: no cover
             pass
+
+
+def _terminate(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM to each process still running, SIGKILL to those still running `grace_s` later."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except OSError:  # pragma: no cover - already gone
+                pass
+    end = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    _kill(procs)
+
+
+def supervise(
+    commands: Sequence[Sequence[str]],
+    envs: Sequence[Mapping[str, str]],
+    decide: Callable[[dict[int, int], float], int | None],
+    *,
+    outputs: Sequence = (),
+    cwd: str | os.PathLike | None = None,
+    timeout_s: float | None = None,
+    poll_s: float = 0.2,
+    on_start: Callable[[list[subprocess.Popen]], None] | None = None,
+    stop_grace_s: float = 0.0,
+) -> int | None:
+    """Runs processes until `decide` returns a status or `timeout_s` passes: the one process supervisor.
+
+    Both of trainwell's multi-process runs go through here: the workers of a
+    multi-worker training job (`launch`) and KerasTuner's chief and workers of a
+    distributed search (`launch_distributed`); only their `decide` differs. Each
+    process gets its own session (a Ctrl-C in the terminal is forwarded once, not
+    delivered twice); SIGINT and SIGTERM sent to this process are forwarded to every
+    child (from the main thread only). One waiter thread per process records the
+    order in which they end: when one is killed and a peer fails because of it a few
+    milliseconds later, polling both would see them end together and could blame the
+    peer. Every child still running when this returns is stopped (also on an
+    exception): SIGTERM and `stop_grace_s` seconds, then SIGKILL.
+
+    Args:
+        commands: The command line of each process.
+        envs: The whole environment of each process.
+        decide: `decide(ended, elapsed_s) -> status or None`, called after each end
+            and every `poll_s`; `ended` maps a process's index to its exit status
+            (128 + S for a signal S), in the order they ended. A status ends the run.
+        outputs: Per process, a binary file for its stdout and stderr, or `None` to
+            inherit this process's. Defaults to `()` (all inherit).
+        cwd: Working directory. Defaults to `None` (this one).
+        timeout_s: Seconds after which everything is stopped and `None` is
+            returned. Defaults to `None` (no limit).
+        poll_s: Longest wait between calls of `decide`. Defaults to `0.2`.
+        on_start: Called with the `Popen`s once all are started. Defaults to `None`.
+        stop_grace_s: Seconds between SIGTERM and SIGKILL when stopping. Defaults
+            to `0.0` (SIGKILL at once).
+
+    Returns:
+        `decide`'s status, or `None` when `timeout_s` passed.
+
+    Example:
+    >>> supervise([[sys.executable, "-c", "pass"]] * 2, [dict(os.environ)] * 2,
+    ...           lambda ended, t: 0 if len(ended) == 2 else None)
+    0
+    """
+    procs: list[subprocess.Popen] = []
+    received: list[int] = []
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {}
+
+    def forward(signum, frame):
+        received.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    p.send_signal(signum)
+                except OSError:  # pragma: no cover
+                    pass
+
+    try:
+        if main_thread:
+            for s in (signal.SIGINT, signal.SIGTERM):
+                previous[s] = signal.signal(s, forward)
+        for i, (command, env) in enumerate(zip(commands, envs)):
+            out = outputs[i] if i < len(outputs) else None
+            procs.append(subprocess.Popen(list(command), env=dict(env), cwd=cwd, stdout=out,
+                                          stderr=subprocess.STDOUT if out is not None else None,
+                                          start_new_session=True))
+        ended: queue.Queue[tuple[int, int]] = queue.Queue()
+        for i, p in enumerate(procs):
+            threading.Thread(target=_wait_into, args=(i, p, ended), daemon=True,
+                             name=f"trainwell-supervise-wait-{i}").start()
+        if on_start is not None:
+            on_start(list(procs))
+        t0 = time.monotonic()
+        done: dict[int, int] = {}
+        while True:
+            try:
+                done.update([ended.get(timeout=poll_s)])
+                while True:
+                    done.update([ended.get_nowait()])  # in the order they ended
+            except queue.Empty:
+                pass
+            elapsed = time.monotonic() - t0
+            status = decide(dict(done), elapsed)
+            if status is not None:
+                return status
+            if timeout_s is not None and elapsed > timeout_s:
+                return None
+    finally:
+        _terminate(procs, stop_grace_s) if stop_grace_s else _kill(procs)
+        if main_thread:
+            for s, h in previous.items():
+                signal.signal(s, h)
 
 
 def launch(
@@ -312,96 +431,39 @@ def launch(
     logs = Path(tempfile.mkdtemp(prefix="trainwell-workers-")) if own_logs else Path(log_dir)
     logs.mkdir(parents=True, exist_ok=True)
     base_env = {**os.environ, **(env or {}), LAUNCHED_ENV: "1"}
-    configs = tf_configs(workers)
-    procs: list[subprocess.Popen] = []
-    files = []
-    received: list[int] = []
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = {}
+    files = [None if (i == 0 and stream_chief) else open(logs / f"worker-{i}.log", "wb") for i in range(workers)]
+    first_failure: list[tuple[int, int, float]] = []  # (worker, status, when)
 
-    def forward(signum, frame):
-        received.append(signum)
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    p.send_signal(signum)
-                except OSError:  # pragma: no cover
-                    pass
+    def decide(ended: dict[int, int], elapsed: float) -> int | None:
+        for i, c in ended.items():  # in the order the workers ended
+            if c != 0 and not first_failure:
+                first_failure.append((i, c, elapsed))
+        if len(ended) == workers or (first_failure and elapsed - first_failure[0][2] > peer_grace_s):
+            if not first_failure:
+                return 0
+            codes = [ended.get(i) for i in range(workers)]
+            if first_failure[0][1] == EXIT_PREEMPTED and all(c in (0, EXIT_PREEMPTED) for c in codes):
+                return EXIT_PREEMPTED
+            return first_failure[0][1]
+        return None
 
     status = None
-    failed_at = None
-    first_failure = None
     try:
-        if main_thread:
-            for s in (signal.SIGINT, signal.SIGTERM):
-                previous[s] = signal.signal(s, forward)
-        for i, tf_config in enumerate(configs):
-            worker_env = {**base_env, "TF_CONFIG": tf_config}
-            if i == 0 and stream_chief:
-                out = err = None
-            else:
-                f = open(logs / f"worker-{i}.log", "wb")
-                files.append(f)
-                out, err = f, subprocess.STDOUT
-            # Own process group: a Ctrl-C in the terminal reaches the workers once
-            # (forwarded), not twice.
-            procs.append(
-                subprocess.Popen(prefix + list(command), env=worker_env, cwd=cwd, stdout=out, stderr=err,
-                                 start_new_session=True)
-            )
-        # One waiter per worker records the order in which the workers end: when a
-        # worker is killed and a peer fails because of it a few milliseconds later,
-        # polling both would see them end together and could blame the peer.
-        ended: queue.Queue[tuple[int, int]] = queue.Queue()
-        for i, p in enumerate(procs):
-            threading.Thread(target=_wait_into, args=(i, p, ended), daemon=True,
-                             name=f"trainwell-launch-wait-{i}").start()
-        if on_start is not None:
-            on_start(list(procs))
-        t0 = time.monotonic()
-        done: dict[int, int] = {}
-        while True:
-            events = []
-            try:
-                events.append(ended.get(timeout=poll_s))
-                while True:
-                    events.append(ended.get_nowait())
-            except queue.Empty:
-                pass
-            now = time.monotonic()
-            for i, c in events:  # in the order the workers ended
-                done[i] = c
-                if first_failure is None and c != 0:
-                    first_failure, failed_at = (i, c), now
-            if len(done) == workers:
-                break
-            if failed_at is not None and now - failed_at > peer_grace_s:
-                _kill(procs)
-                break
-            if timeout_s is not None and now - t0 > timeout_s:
-                _kill(procs)
-                status = EXIT_TIMEOUT
-                break
+        status = supervise(
+            [prefix + list(command)] * workers, [{**base_env, "TF_CONFIG": c} for c in tf_configs(workers)], decide,
+            outputs=files, cwd=cwd, timeout_s=timeout_s, poll_s=poll_s, on_start=on_start,
+        )
         if status is None:
-            codes = [_status(p.poll()) for p in procs]
-            if first_failure is None:
-                status = 0
-            elif first_failure[1] == EXIT_PREEMPTED and all(c in (0, EXIT_PREEMPTED) for c in codes):
-                status = EXIT_PREEMPTED
-            else:
-                status = first_failure[1]
+            status = EXIT_TIMEOUT
         return status
     finally:
-        _kill(procs)
         if network is not None:
             network.close()
         for f in files:
-            f.close()
-        if main_thread:
-            for s, h in previous.items():
-                signal.signal(s, h)
-        if status not in (0, None) and first_failure is not None:
-            i, c = first_failure
+            if f is not None:
+                f.close()
+        if status not in (0, None) and first_failure:
+            i, c, _ = first_failure[0]
             print(
                 f"trainwell launch: worker {i} exited with status {c}; job status {status}. "
                 f"Worker logs: {logs}",
@@ -438,3 +500,91 @@ def worker_command(argv: Sequence[str]) -> list[str]:
             continue
         out.append(a)
     return [sys.executable, "-m", "trainwell.cli", *out, "--set", "strategy=multiworker"]
+
+
+def launch_distributed(
+    argv: Sequence[str], workers: int, *, host: str = "127.0.0.1", port: int | None = None,
+    timeout_s: float | None = None, env=None, chief_grace_s: float = 60.0, log_dir=None,
+) -> int:
+    """Runs a search as KerasTuner's chief oracle plus `workers` worker processes.
+
+    Each process runs `python -m trainwell.cli <argv>` with KerasTuner's
+    environment variables: `KERASTUNER_TUNER_ID` (`chief`, `tuner0`, ...),
+    `KERASTUNER_ORACLE_IP` and `KERASTUNER_ORACLE_PORT`. The chief serves the
+    oracle over gRPC **without authentication or TLS**: anyone who can reach the
+    port can read the trials and submit results, so the default host is
+    127.0.0.1. Waits are bounded: a worker that fails, the chief exiting, the
+    overall `timeout_s`, or the chief still running `chief_grace_s` after the last
+    worker finished stops everything; every child is terminated (SIGTERM, then
+    SIGKILL) before this returns.
+
+    Args:
+        argv: Command-line arguments of `trainwell` for each process (without `--workers`).
+        workers: Number of worker processes (>= 1).
+        host: Address the chief listens on. Defaults to `"127.0.0.1"`.
+        port: Its port. Defaults to `None` (a free port).
+        timeout_s: Overall limit in seconds. Defaults to `None` (no limit).
+        env: Base environment. Defaults to `None` (`os.environ`).
+        chief_grace_s: Seconds the chief may take to finish after the workers.
+            Defaults to `60.0`.
+        log_dir: Directory for each process's output (`chief.log`, `tuner0.log`, ...);
+            `None` lets them write to this process's stdout/stderr. Defaults to `None`.
+
+    Returns:
+        The exit status: the chief's, or 1 when a worker failed or time ran out.
+
+    Example:
+    >>> launch_distributed(["tune", "resnet-imagenet", "--tuner", "random"], workers=2)  # doctest: +SKIP
+    0
+    """
+    if not (is_int(workers) and workers >= 1):
+        raise ValueError(f"Invalid value for argument `workers`. Expected an int >= 1. Received: workers={workers!r}")
+    port = int(port or free_ports(1, host)[0])
+    base = dict(os.environ if env is None else env)
+    base.update({"KERASTUNER_ORACLE_IP": host, "KERASTUNER_ORACLE_PORT": str(port)})
+    names = ["chief"] + [f"tuner{i}" for i in range(workers)]
+    files = []
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        files = [open(Path(log_dir) / f"{name}.log", "ab") for name in names]
+    chief_done_at: list[float] = []
+    workers_done_at: list[float] = []
+
+    def decide(ended: dict[int, int], elapsed: float) -> int | None:
+        bad = {names[i]: c for i, c in ended.items() if i and c != 0}
+        if bad:
+            print(f"trainwell tune: worker(s) failed: {bad}; stopping the search.", file=sys.stderr)
+            return 1
+        if 0 in ended:
+            if ended[0] != 0:
+                print(f"trainwell tune: the chief exited with status {ended[0]}.", file=sys.stderr)
+                return ended[0]
+            # The chief ends once every worker was told to stop: let them exit.
+            chief_done_at[:] = chief_done_at or [elapsed]
+            if len(ended) == len(names):
+                return 0
+            if elapsed - chief_done_at[0] > chief_grace_s:
+                print("trainwell tune: worker(s) still running after the search ended; stopping them.",
+                      file=sys.stderr)
+                return 0
+            return None
+        if len(ended) == workers:  # every worker done (all 0), the chief still running
+            workers_done_at[:] = workers_done_at or [elapsed]
+            if elapsed - workers_done_at[0] > chief_grace_s:
+                print("trainwell tune: the chief did not finish after its workers; stopping it.", file=sys.stderr)
+                return 1
+        return None
+
+    try:
+        status = supervise(
+            [[sys.executable, "-m", "trainwell.cli", *argv]] * len(names),
+            [dict(base, KERASTUNER_TUNER_ID=name) for name in names], decide,
+            outputs=files, timeout_s=timeout_s, stop_grace_s=10.0,
+        )
+    finally:
+        for f in files:
+            f.close()
+    if status is None:
+        print(f"trainwell tune: the distributed search ran past {timeout_s} s; stopping it.", file=sys.stderr)
+        return 1
+    return status

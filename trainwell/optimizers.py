@@ -1,4 +1,6 @@
-"""Optimizers Keras lacks: LARS (You et al. 2017) for large-batch training.
+"""Optimizers Keras lacks: LARS (You et al. 2017) for large-batch training, and
+`LayerwiseAdamW` (AdamW with a learning-rate factor per variable: layer-wise LR
+decay and a head-only phase for fine-tuning, ELECTRA / ULMFiT).
 
 Also the weight-decay exclusion patterns for BatchNorm/LayerNorm and biases, usable
 with any Keras optimizer's built-in `exclude_from_weight_decay` (see
@@ -11,6 +13,7 @@ import re
 from collections.abc import Sequence
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 # Regex patterns (`re.search`) matching BatchNorm/LayerNorm scale and offset and all
@@ -252,4 +255,117 @@ class LARS(keras.optimizers.Optimizer):
         return config
 
 
-__all__ = ["LARS", "NORM_AND_BIAS_PATTERNS", "exclude_norm_and_bias"]
+@keras.saving.register_keras_serializable(package="trainwell")
+class LayerwiseAdamW(keras.optimizers.AdamW):
+    """`keras.optimizers.AdamW` with a learning-rate factor per variable.
+
+    Extends Keras's `AdamW` (same arguments): Keras has no per-variable learning
+    rate (no parameter groups), which layer-wise LR decay and a head-only phase
+    need. Each variable's update and decoupled weight decay use
+    `learning_rate * lr_scales[variable.path]` (1.0 for paths not listed), and the
+    variables in `frozen_variables` have factor 0 until the optimizer has taken
+    `freeze_steps` steps. During those steps the learning rate is `head_lr`
+    (times the schedule's LR multiplier, so NaN rollback can lower it); afterwards
+    the schedule runs from its step 0, i.e. a fresh warmup.
+
+    Args:
+        lr_scales: `{variable path: factor >= 0}`. Defaults to `None` (all 1).
+        frozen_variables: Paths trained only after `freeze_steps`. Defaults to `None`.
+        freeze_steps: Steps (optimizer iterations, micro-steps under gradient
+            accumulation) of the head-only phase. Defaults to `0`.
+        head_lr: Learning rate of the head-only phase. Defaults to `None` (the
+            schedule's value at step 0).
+        **kwargs: `keras.optimizers.AdamW` arguments.
+
+    Example:
+    >>> opt = LayerwiseAdamW(learning_rate=3e-5, weight_decay=0.01,
+    ...                      lr_scales={"transformer_layer_0/query/kernel": 0.5})
+    >>> opt.get_config()["lr_scales"]
+    {'transformer_layer_0/query/kernel': 0.5}
+    """
+
+    def __init__(self, *args, lr_scales=None, frozen_variables=None, freeze_steps=0, head_lr=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        scales = dict(lr_scales or {})
+        for k, s in scales.items():
+            if not isinstance(s, (int, float)) or isinstance(s, bool) or s < 0:
+                raise ValueError(
+                    f"Invalid value for argument `lr_scales`. Expected factors >= 0. Received: {k}={s!r}"
+                )
+        if isinstance(freeze_steps, bool) or not isinstance(freeze_steps, int) or freeze_steps < 0:
+            raise ValueError(
+                f"Invalid value for argument `freeze_steps`. Expected an int >= 0. Received: freeze_steps={freeze_steps!r}"
+            )
+        if head_lr is not None and (not isinstance(head_lr, (int, float)) or head_lr <= 0):
+            raise ValueError(f"Invalid value for argument `head_lr`. Expected a float > 0. Received: head_lr={head_lr!r}")
+        self.lr_scales = {str(k): float(v) for k, v in scales.items()}
+        self.frozen_variables = [str(p) for p in (frozen_variables or [])]
+        self.freeze_steps = int(freeze_steps)
+        self.head_lr = None if head_lr is None else float(head_lr)
+
+    def build(self, variables):
+        super().build(variables)
+        frozen = set(self.frozen_variables)
+        self._tw_scales = [self.lr_scales.get(v.path, 1.0) for v in variables]
+        self._tw_frozen = [v.path in frozen and self.freeze_steps > 0 for v in variables]
+
+    def _scale(self, variable):
+        """The factor of `variable`: a Python float, or a tensor during the freeze."""
+        i = self._get_variable_index(variable)
+        s = self._tw_scales[i]
+        if self._tw_frozen[i]:
+            gate = ops.cast(ops.greater_equal(self._iterations, self.freeze_steps), "float32")
+            return gate * s
+        return s
+
+    def _get_current_learning_rate(self):
+        lr = super()._get_current_learning_rate()
+        if self.freeze_steps <= 0:
+            return lr
+        sched = self._learning_rate
+        it = self._iterations
+        if isinstance(sched, keras.optimizers.schedules.LearningRateSchedule):
+            later = sched(ops.maximum(it - self.freeze_steps, 0))
+            mult = ops.cast(getattr(sched, "multiplier", 1.0), "float32")
+        else:
+            later, mult = ops.cast(lr, "float32"), 1.0
+        head = (self.head_lr if self.head_lr is not None else ops.cast(later, "float32")) * mult
+        return ops.where(it < self.freeze_steps, ops.cast(head, "float32"), ops.cast(later, "float32"))
+
+    def update_step(self, gradient, variable, learning_rate):
+        s = self._scale(variable)
+        if not (isinstance(s, float) and s == 1.0):
+            learning_rate = ops.cast(learning_rate, "float32") * s
+        return super().update_step(gradient, variable, learning_rate)
+
+    def _apply_weight_decay(self, variables):
+        if self.weight_decay is None:
+            return
+
+        def distributed_apply_weight_decay(distribution, variables, **kwargs):
+            def weight_decay_fn(variable):
+                if self._use_weight_decay(variable):
+                    s = self._scale(variable)
+                    lr = tf.cast(self.learning_rate, variable.dtype) * tf.cast(s, variable.dtype)
+                    wd = tf.cast(self.weight_decay, variable.dtype)
+                    variable.assign_sub(variable * wd * lr)
+
+            for variable in variables:
+                if isinstance(variable, keras.Variable):
+                    variable = variable.value
+                distribution.extended.update(variable, weight_decay_fn, group=False)
+
+        tf.__internal__.distribute.interim.maybe_merge_call(
+            distributed_apply_weight_decay, self._distribution_strategy, variables
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            lr_scales=dict(self.lr_scales), frozen_variables=list(self.frozen_variables),
+            freeze_steps=self.freeze_steps, head_lr=self.head_lr,
+        )
+        return config
+
+
+__all__ = ["LARS", "LayerwiseAdamW", "NORM_AND_BIAS_PATTERNS", "exclude_norm_and_bias"]

@@ -325,7 +325,7 @@ def resume_checkpoint(directory: str | os.PathLike) -> dict | None:
     committed (state.json's own SHA-256, the CRC-32 of every array); one that
     fails (truncated, altered, a file missing, an unsupported dtype) is skipped
     with a warning naming it, and the next older one is tried. `Checkpoint`
-    resumes from this checkpoint and `trainwell.recipe.resume_epoch` positions
+    resumes from this checkpoint and `trainwell.recipes.harness.resume_epoch` positions
     the data pipeline from it, so the two always agree.
 
     Args:

@@ -13,7 +13,9 @@ import yaml
 import trainwell
 from trainwell.callbacks import LRFinder
 from trainwell.callbacks import lr_finder
-from trainwell.callbacks.lr_finder import LRFindResult, cli_main, minimum, peak, steep, suggest, valley, write_config_value
+from trainwell.callbacks.lr_finder import LRFindResult, minimum, peak, steep, suggest, valley
+from trainwell.cli import lr_find_main as cli_main
+from trainwell.cli import write_config_value
 from trainwell.config import BaseConfig, ConfigError
 
 RNG = np.random.default_rng(0)

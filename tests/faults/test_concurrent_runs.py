@@ -17,16 +17,17 @@ import types
 
 import pytest
 
-from trainwell import recipe, runtime
-from trainwell.runtime import LOCK_FILE, RunDirInUseError, lock_run_dir
+from trainwell import runtime
+from trainwell.recipes import harness
+from trainwell.rundir import LOCK_FILE, RunDirInUseError, lock_run_dir
 
 
 def _holder(run_dir):
     """A process that takes the run directory's lock and waits; returns it once it holds the lock."""
     code = textwrap.dedent(f"""
         import sys, time
-        from trainwell import runtime
-        runtime.lock_run_dir({str(run_dir)!r})
+        from trainwell import rundir
+        rundir.lock_run_dir({str(run_dir)!r})
         print("locked", flush=True)
         time.sleep(120)
     """)
@@ -46,7 +47,7 @@ def test_second_process_fails_in_one_line_naming_the_holder_until_the_holder_die
     proc = _holder(run_dir)
     try:
         with pytest.raises(RunDirInUseError) as exc:
-            recipe.setup_run(_cfg(run_dir), "resnet-imagenet")  # the recipes' entry point
+            harness.setup_run(_cfg(run_dir), "resnet-imagenet")  # the recipes' entry point
         msg = str(exc.value)
         assert "\n" not in msg and f"process {proc.pid} on host {socket.gethostname()}" in msg
         assert not (run_dir / "manifest.json").exists()  # nothing of the holder's run was touched
@@ -91,5 +92,5 @@ def test_without_flock_the_recorded_pid_and_host_decide(tmp_path, monkeypatch):
 
 def test_only_the_chief_locks_the_run_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(runtime, "is_chief", lambda strategy=None: False)
-    ctx = recipe.setup_run(_cfg(tmp_path), "resnet-imagenet")
+    ctx = harness.setup_run(_cfg(tmp_path), "resnet-imagenet")
     assert not ctx.is_chief and not (tmp_path / LOCK_FILE).exists() and not (tmp_path / "manifest.json").exists()

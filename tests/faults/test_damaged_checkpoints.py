@@ -26,7 +26,7 @@ from trainwell.callbacks.checkpoint import (
     list_checkpoints,
     resume_checkpoint,
 )
-from trainwell.recipe import advance_epochs, resume_epoch
+from trainwell.recipes.harness import advance_epochs, resume_epoch
 
 EPOCHS, STEPS = 4, 5
 _rs = np.random.RandomState(0)

@@ -6,7 +6,8 @@ import pytest
 @pytest.fixture
 def figures(monkeypatch):
     """The figures the plot functions save, kept open for inspection."""
-    from trainwell import io, recipe
+    from trainwell import io
+    from trainwell.recipes import harness as recipe
 
     saved = []
     original = io.save_figure
@@ -28,7 +29,7 @@ def _integer_ticks(ax) -> bool:
 
 
 def test_curves_of_a_one_epoch_run_have_markers_no_empty_panel_and_integer_epochs(tmp_path, figures):
-    from trainwell.recipe import plot_history
+    from trainwell.recipes.harness import plot_history
 
     history = {"epoch": [0.0], "accuracy": [0.4], "loss": [1.8], "lr": [0.08], "learning_rate": [0.08],
                "nan_rollbacks": [0.0], "val_accuracy": [0.5], "val_loss": [1.5]}
@@ -43,7 +44,7 @@ def test_curves_of_a_one_epoch_run_have_markers_no_empty_panel_and_integer_epoch
 
 
 def test_trials_and_lineage_have_integer_axes(tmp_path, figures):
-    from trainwell.pbt import plot_lineage
+    from trainwell.tuning.pbt import plot_lineage
     from trainwell.tuning import plot_trials
 
     rows = [{"order": i, "score": s, "status": "COMPLETED"} for i, s in enumerate([0.5, 0.7, 0.6])]

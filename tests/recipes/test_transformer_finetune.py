@@ -120,59 +120,6 @@ def test_callbacks_early_stop_on_validation_accuracy_and_restore_best(tmp_path):
     assert not any(isinstance(c, EarlyStopping) for c in no_val)
 
 
-def _tiny_dense(seed=1):
-    import keras
-
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((6,))
-    h = keras.layers.Dense(8, activation="gelu", name="body")(inputs)
-    h = keras.layers.LayerNormalization(name="norm")(h)
-    return keras.Model(inputs, keras.layers.Dense(2, name="logits")(h))
-
-
-def _three_steps(opt):
-    import keras
-
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(16, 6)).astype("float32"), rng.integers(0, 2, 16)
-    model = _tiny_dense()
-    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    before = {v.path: v.numpy().copy() for v in model.trainable_variables}
-    for _ in range(3):
-        model.train_on_batch(x, y)
-    return model, before, {v.path: v.numpy() for v in model.trainable_variables}
-
-
-def test_layerwise_adamw_matches_adamw_and_scales_or_freezes_variables():
-    import keras
-
-    LW = recipe.LayerwiseAdamW
-    _, before, ref = _three_steps(keras.optimizers.AdamW(1e-2, weight_decay=0.1))
-    _, _, ours = _three_steps(LW(learning_rate=1e-2, weight_decay=0.1))
-    assert ref.keys() == ours.keys() and all(np.allclose(ref[k], ours[k], atol=1e-7) for k in ref)
-    # a factor of 0: that variable never moves (no update, no decay); the others move as with AdamW
-    _, _, zero = _three_steps(LW(learning_rate=1e-2, weight_decay=0.1, lr_scales={"body/kernel": 0.0}))
-    assert np.array_equal(zero["body/kernel"], before["body/kernel"])
-    assert not np.allclose(zero["logits/kernel"], before["logits/kernel"])
-    # a factor of 0.5 with SGD-like first Adam steps: the move is about half AdamW's
-    _, _, half = _three_steps(LW(learning_rate=1e-2, weight_decay=0.0, lr_scales={"logits/kernel": 0.5}))
-    _, _, full = _three_steps(LW(learning_rate=1e-2, weight_decay=0.0))
-    step_half = np.abs(half["logits/kernel"] - before["logits/kernel"]).mean()
-    step_full = np.abs(full["logits/kernel"] - before["logits/kernel"]).mean()
-    assert 0.4 < step_half / step_full < 0.6
-    # freeze phase: the frozen variables stay put for `freeze_steps`, the rest trains at head_lr
-    frozen = ["body/kernel", "body/bias", "norm/gamma", "norm/beta"]
-    model, before, after = _three_steps(
-        LW(learning_rate=1e-9, weight_decay=0.1, frozen_variables=frozen, freeze_steps=3, head_lr=1e-2))
-    for p in before:
-        assert np.array_equal(after[p], before[p]) == (p in frozen), p
-    assert np.isclose(float(model.optimizer.learning_rate), 1e-9)  # after the phase: the schedule again
-    config = LW(learning_rate=1e-3, weight_decay=0.1, lr_scales={"a": 0.5}, freeze_steps=2).get_config()
-    assert (config["lr_scales"], config["freeze_steps"]) == ({"a": 0.5}, 2)
-    with pytest.raises(ValueError, match="Received: freeze_steps=-1"):
-        LW(learning_rate=1e-3, weight_decay=0.1, freeze_steps=-1)
-
-
 def test_train_end_to_end_export_predict_and_label_mapping(tiny, tmp_path, capsys):
     import keras_hub
 

@@ -166,12 +166,12 @@ def test_lr_find_method_choices_are_the_lr_finders_suggestions():
     import argparse
 
     from trainwell.callbacks import lr_finder
-    from trainwell.cli import build_parser
+    from trainwell.cli import CLI_METHOD, build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     method = next(a for a in sub.choices["lr-find"]._actions if a.dest == "method")
     assert set(method.choices) == set(lr_finder.METHODS)
-    assert lr_finder.CLI_METHOD in method.choices
+    assert CLI_METHOD in method.choices
 
 
 def test_lr_find_takes_verbose_for_its_progress():

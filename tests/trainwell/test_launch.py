@@ -247,7 +247,7 @@ def test_cli_rejects_a_bad_worker_count():
 _SLOW_CHIEF = """
 import json, os, time
 if json.loads(os.environ.get("TF_CONFIG") or "{}").get("task", {}).get("index") == 0:
-    import trainwell.recipe as recipe
+    import trainwell.recipes.harness as recipe
     finish = recipe.finish_run
     def slow_finish(*args, **kwargs):
         out = finish(*args, **kwargs)
@@ -348,10 +348,10 @@ def test_collective_timeout_from_the_environment(monkeypatch):
 
 
 def test_shared_run_dir_single_process(tmp_path):
-    from trainwell import runtime
+    from trainwell import rundir, runtime
 
-    assert runtime.shared_run_dir(tmp_path / "given") == tmp_path / "given"
-    made = runtime.shared_run_dir(None, None, prefix="x", root=str(tmp_path))
+    assert rundir.shared_run_dir(tmp_path / "given") == tmp_path / "given"
+    made = rundir.shared_run_dir(None, None, prefix="x", root=str(tmp_path))
     assert made.parent == tmp_path and made.name.startswith("x-") and made.is_dir()
     assert runtime.any_across_workers(None, [True, False]) == [True, False]
     assert runtime.num_workers(None) == 1

@@ -14,7 +14,7 @@ import pytest
 def _oracle(tmp_path, **kw):
     import keras_tuner as kt
 
-    from trainwell.pbt import PBTOracle
+    from trainwell.tuning.pbt import PBTOracle
 
     hp = kt.HyperParameters()
     hp.Float("lr", 1e-4, 1.0, sampling="log", default=0.01)

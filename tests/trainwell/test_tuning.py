@@ -98,7 +98,7 @@ def build_model(cfg: Config, steps_per_epoch: int):
 
 
 def train(cfg: Config, *, callbacks=None):
-    from trainwell import recipe
+    from trainwell.recipes import harness as recipe
 
     with recipe.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
         train_ds, val, test, steps = build_data(cfg)
@@ -151,7 +151,7 @@ def build_for_tuner(cfg: Config):
 
 def tiny_hypermodel(cfg: Optional[Config] = None, **overrides):
     """The tiny recipe's hypermodel (what a recipe's `hypermodel()` is)."""
-    from trainwell.tuning import recipe_hypermodel
+    from trainwell.recipes.hypermodel import recipe_hypermodel
 
     cfg = cfg or Config(**overrides)
     return recipe_hypermodel(sys.modules[__name__], cfg, space, build_fn=build_for_tuner,

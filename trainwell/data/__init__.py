@@ -14,7 +14,7 @@ from trainwell.data.embedded import (
     minilm_preset_dir,
     stratified_split,
 )
-from trainwell.data.sources import DataError, DataNotFoundError
+from trainwell.data.base import DataError, DataNotFoundError
 
 __all__ = [
     "DataError",

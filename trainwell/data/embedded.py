@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from trainwell.data.sources import DataError
+from trainwell.data.base import DataError
 
 # Package, file inside it, and the pinned install command (constraints.txt).
 _SOURCES = {

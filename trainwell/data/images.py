@@ -1,5 +1,8 @@
 """Image classification input pipelines: TFDS, image folders, ImageNet TFRecords, embedded, synthetic.
 
+One module (~1,100 lines) because every source feeds the same decode, augment, batch
+and shard steps, which must stay identical across sources for exact resume.
+
 One function, `build_image_datasets`, returns train/val/test `tf.data.Dataset`s of
 `(image, label)` batches plus their metadata (`ImageDatasets`). What it does is the
 TF Model Garden / "ImageNet in 1 hour" input pipeline:
@@ -77,6 +80,9 @@ from trainwell.data.sources import (
     list_images,
     resolve_path,
 )
+from trainwell.data import embedded
+from trainwell.data.embedded import stratified_split
+from trainwell.validation import invalid_argument
 
 logger = logging.getLogger("trainwell.data")
 
@@ -113,7 +119,6 @@ class SkipCounter:
     >>> c = SkipCounter(); c.record("train", "a.jpg"); c.counts()["train"]
     1
     """
-
     MAX_EXAMPLES = 20
 
     def __init__(self) -> None:
@@ -174,7 +179,6 @@ class ImageDatasets:
     >>> data.num_classes, data.steps["train"]
     (10, 39)
     """
-
     train: tf.data.Dataset
     val: tf.data.Dataset | None
     test: tf.data.Dataset | None
@@ -224,10 +228,6 @@ class ImageDatasets:
 
 
 # --------------------------------------------------------------------------- helpers
-def _fail(arg: str, value: Any, expected: str):
-    raise ValueError(f"Invalid value for argument `{arg}`. Expected {expected}. Received: {arg}={value!r}")
-
-
 def _num_workers_from_tf_config() -> int:
     try:
         cluster = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster") or {}
@@ -246,7 +246,6 @@ def _carve(key: tf.Tensor, split_seed: int) -> tf.Tensor:
 # --------------------------------------------------------------------------- image ops
 def _decode_window(image_bytes, channels: int, window_fn):
     """Decodes only `window_fn(shape)` of a JPEG; other formats are decoded, then cropped."""
-
     def jpeg():
         y, x, h, w = window_fn(tf.image.extract_jpeg_shape(image_bytes))
         return tf.image.decode_and_crop_jpeg(image_bytes, tf.stack([y, x, h, w]), channels=channels)
@@ -395,7 +394,6 @@ class _Transform:
 @dataclasses.dataclass
 class _Split:
     """Records of one split: a function returning a dataset of (payload, label, key)."""
-
     make: Any  # (shard: tuple[int, int] | None) -> tf.data.Dataset of (payload, label, key)
     count: int | None
     kind: str  # "path" (folder), "example" (TFRecord), "bytes" (TFDS), "array" (uint8 image)
@@ -422,7 +420,6 @@ def _split_fractions(val_fraction, test_fraction, has_val, has_test):
 
 
 def _embedded_source(name, *, val_fraction, test_fraction, split_seed, seed):
-    from trainwell.data import embedded
 
     splits = embedded.load(name, val_fraction=val_fraction, test_fraction=test_fraction, seed=split_seed)
 
@@ -499,7 +496,6 @@ def _folder_source(path, *, val_fraction, test_fraction, split_seed, seed, data_
     tp, tl = flat("train")
     arrays = {}
     if val_f > 0 or test_f > 0:
-        from trainwell.data.embedded import stratified_split
 
         idx = stratified_split(tl, val_f, test_f, split_seed)
         arrays["train"] = (tp[np.sort(idx["train"])], tl[np.sort(idx["train"])])
@@ -649,6 +645,7 @@ def _tfrecord_source(pattern, *, val_fraction, test_fraction, split_seed, seed, 
 
 
 def _tfds_source(name, *, val_fraction, test_fraction, split_seed, seed, data_dir, input_context, cycle_length):
+    # lazy: TFDS loads on first use, not with this module
     import tensorflow_datasets as tfds
 
     try:
@@ -745,7 +742,6 @@ def _tfds_source(name, *, val_fraction, test_fraction, split_seed, seed, data_di
 # --------------------------------------------------------------------------- pipeline
 def _skip_recorder(skips: SkipCounter, split: str, hashed_key: bool):
     """Returns `on_error(key, payload) -> False` that records a skipped image (runs in Python)."""
-
     def record(key, payload):
         k = key.numpy().decode("utf-8", "replace")
         if hashed_key:  # shard name / TFDS id + checksum of the record: unique per record
@@ -868,35 +864,35 @@ def build_image_datasets(
     (TensorShape([128, 28, 28, 1]), TensorShape([128, 10]))
     """
     if not isinstance(source, str) or not source.strip():
-        _fail("source", source, "a non-empty string such as 'tfds:cifar10', 'folder:PATH', 'tfrecord:GLOB', "
-              "'mnist5k', 'digits' or 'synthetic'")
+        raise invalid_argument("source", "a non-empty string such as 'tfds:cifar10', 'folder:PATH', 'tfrecord:GLOB', "
+              "'mnist5k', 'digits' or 'synthetic'", source)
     if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
-        _fail("image_size", image_size, "an int >= 1")
+        raise invalid_argument("image_size", "an int >= 1", image_size)
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-        _fail("global_batch_size", global_batch_size, "an int >= 1")
+        raise invalid_argument("global_batch_size", "an int >= 1", global_batch_size)
     if augment is None or augment is True:
         augment = "auto"
     if augment is False:
         augment = "none"
     if augment not in AUGMENTATIONS:
-        _fail("augment", augment, f"one of {', '.join(map(repr, AUGMENTATIONS))}, None or False")
+        raise invalid_argument("augment", f"one of {', '.join(map(repr, AUGMENTATIONS))}, None or False", augment)
     for arg, v in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
-            _fail(arg, v, "a float in [0, 1)")
+            raise invalid_argument(arg, "a float in [0, 1)", v)
     if val_fraction + test_fraction >= 1:
-        _fail("test_fraction", test_fraction, f"val_fraction + test_fraction < 1 (val_fraction={val_fraction})")
+        raise invalid_argument("test_fraction", f"val_fraction + test_fraction < 1 (val_fraction={val_fraction})", test_fraction)
     if eval_crop_fraction is not None and not 0 < eval_crop_fraction <= 1:
-        _fail("eval_crop_fraction", eval_crop_fraction, "None or a float in (0, 1]")
+        raise invalid_argument("eval_crop_fraction", "None or a float in (0, 1]", eval_crop_fraction)
     if num_classes is not None and (not isinstance(num_classes, int) or num_classes < 1):
-        _fail("num_classes", num_classes, "None or an int >= 1")
+        raise invalid_argument("num_classes", "None or an int >= 1", num_classes)
     if crop_padding is not None and (isinstance(crop_padding, bool) or not isinstance(crop_padding, int) or crop_padding < 0):
-        _fail("crop_padding", crop_padding, "None or an int >= 0")
+        raise invalid_argument("crop_padding", "None or an int >= 0", crop_padding)
     if not isinstance(shuffle_buffer, int) or shuffle_buffer < 1:
-        _fail("shuffle_buffer", shuffle_buffer, "an int >= 1")
+        raise invalid_argument("shuffle_buffer", "an int >= 1", shuffle_buffer)
     if not isinstance(cycle_length, int) or cycle_length < 1:
-        _fail("cycle_length", cycle_length, "an int >= 1")
+        raise invalid_argument("cycle_length", "an int >= 1", cycle_length)
     if not isinstance(cache, (bool, str)):
-        _fail("cache", cache, "a bool or a file path prefix")
+        raise invalid_argument("cache", "a bool or a file path prefix", cache)
 
     batch_size = global_batch_size
     num_pipelines, pipeline_id = 1, 0
@@ -922,7 +918,7 @@ def build_image_datasets(
         src = _tfds_source(rest, data_dir=data_dir, input_context=input_context if shard else None,
                            cycle_length=cycle_length, **common)
     else:
-        _fail("source", source, "'tfds:NAME', 'folder:PATH', 'tfrecord:GLOB', 'mnist5k', 'digits' or 'synthetic'")
+        raise invalid_argument("source", "'tfds:NAME', 'folder:PATH', 'tfrecord:GLOB', 'mnist5k', 'digits' or 'synthetic'", source)
     n_classes = src.num_classes
     channels = src.channels
     if augment == "auto":
@@ -1082,7 +1078,7 @@ def build_image_datasets(
 def _synthetic(source, image_size, global_batch_size, batch_size, seed, num_classes, one_hot, sizes):
     train_n, test_n = (int(v) for v in sizes)
     if train_n < global_batch_size:
-        _fail("synthetic_examples", sizes, f"a train size >= global_batch_size ({global_batch_size})")
+        raise invalid_argument("synthetic_examples", f"a train size >= global_batch_size ({global_batch_size})", sizes)
     images = tf.random.stateless_normal([batch_size, image_size, image_size, 3], seed=[seed, 1])
     labels = tf.random.stateless_uniform([batch_size], seed=[seed, 2], maxval=num_classes, dtype=tf.int32)
     if one_hot:

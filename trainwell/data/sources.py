@@ -33,26 +33,10 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from trainwell.config import ConfigError, close_matches, did_you_mean, suggest
-
-
-class DataError(ValueError):
-    """Data that cannot be trained on: missing, empty, unreadable, one class, ... One line.
-
-    The `trainwell` command prints the message and exits with status 2 (no traceback).
-
-    Example:
-    >>> raise DataError("Empty file: 'train.csv' has no rows.")  # doctest: +SKIP
-    """
-
-
-class DataNotFoundError(DataError, FileNotFoundError):
-    """A data file, folder or dataset that does not exist (or is not prepared).
-
-    Example:
-    >>> isinstance(DataNotFoundError("x"), FileNotFoundError)
-    True
-    """
+from trainwell.config import ConfigError, close_matches, config_error, did_you_mean, suggest
+from trainwell.data import text
+from trainwell.data.base import DataError, DataNotFoundError, resolve_path
+from trainwell.data.embedded import embedded_path
 
 
 EMBEDDED_IMAGE_DATASETS = ("mnist5k", "digits")
@@ -71,23 +55,6 @@ def _expected(forms: Iterable[str]) -> str:
     return ", ".join(forms[:-1]) + " or " + forms[-1]
 
 
-def resolve_path(path: str, data_dir: str | None = None) -> str:
-    """`path` with `~` expanded, under `data_dir` when relative (a string: `gs://` paths stay intact).
-
-    Args:
-        path: A path or URL as the user wrote it.
-        data_dir: Base of a relative path. Defaults to `None`.
-
-    Example:
-    >>> resolve_path("train.csv", "/data")
-    '/data/train.csv'
-    """
-    path = os.path.expanduser(path.strip())
-    if data_dir and not os.path.isabs(path) and "://" not in path:
-        path = os.path.join(os.path.expanduser(data_dir), path)
-    return path
-
-
 def _path_hint(path: Path) -> str:
     """" Did you mean '/data/imagenet'?" for a sibling whose name is close to a missing path's."""
     parent = path.parent
@@ -96,10 +63,6 @@ def _path_hint(path: Path) -> str:
     except OSError:
         return ""
     return suggest(str(parent / name) for name in close_matches(path.name, siblings, n=1))
-
-
-def _invalid(field: str, value: str, problem: str, hint: str = ""):
-    raise ConfigError(f"Invalid value for `{field}`: {problem}.{hint} Received: {field}={value!r}")
 
 
 @contextlib.contextmanager
@@ -149,10 +112,9 @@ def check_image_source(source: str, data_dir: str | None = None, field: str = "d
     ConfigError: Invalid value for `dataset`: expected 'mnist5k', ... Did you mean 'mnist5k' or 'tfds:mnist'? Received: dataset='mnist'
     """
     if not isinstance(source, str) or not source.strip():
-        _invalid(field, source, f"expected {_expected(IMAGE_SOURCE_FORMS)}")
+        raise config_error(field, source, f"expected {_expected(IMAGE_SOURCE_FORMS)}")
     kind, rest = _kind(source)
     if not kind and rest in EMBEDDED_IMAGE_DATASETS:
-        from trainwell.data.embedded import embedded_path
 
         with _as_config_error(field, source):
             embedded_path(rest)  # MissingDataError (with the install command) when not installed
@@ -173,7 +135,7 @@ def check_image_source(source: str, data_dir: str | None = None, field: str = "d
     hint = _source_hint(source, IMAGE_SOURCE_FORMS, ("tfds", "folder", "tfrecord", "synthetic"), data_dir)
     if kind == "embedded":
         hint = did_you_mean(rest, EMBEDDED_IMAGE_DATASETS)
-    _invalid(field, source, f"expected {_expected(IMAGE_SOURCE_FORMS)}", hint)
+    raise config_error(field, source, f"expected {_expected(IMAGE_SOURCE_FORMS)}", hint)
 
 
 def _check_tfrecord_glob(pattern: str, data_dir: str | None, field: str, source: str) -> None:
@@ -185,8 +147,8 @@ def _check_tfrecord_glob(pattern: str, data_dir: str | None, field: str, source:
     if not [f for f in glob.glob(str(full)) if os.path.isfile(f)]:
         where = full.parent
         if not where.is_dir():
-            _invalid(field, source, f"no directory {str(where)!r}", _path_hint(where))
-        _invalid(field, source, f"no TFRecord files match {str(full)!r}")
+            raise config_error(field, source, f"no directory {str(where)!r}", _path_hint(where))
+        raise config_error(field, source, f"no TFRecord files match {str(full)!r}")
 
 
 def list_images(class_dir: str | os.PathLike, limit: int | None = None) -> tuple[list[str], bool]:
@@ -325,6 +287,7 @@ def check_image_folder(root: str | os.PathLike) -> None:
 # --------------------------------------------------------------------------- TFDS
 def _tfds_registered(name: str) -> bool:
     try:
+        # lazy: TFDS loads on first use, not with this module
         import tensorflow_datasets as tfds
 
         return name.split(":")[0].split("/")[0] in set(tfds.list_builders(with_community_datasets=False))
@@ -348,19 +311,20 @@ def check_tfds_name(name: str, data_dir: str | None = None, field: str = "datase
     """
     source = source or f"tfds:{name}"
     try:
+        # lazy: TFDS loads on first use, not with this module
         import tensorflow_datasets as tfds
     except ImportError:
-        _invalid(field, source, "tensorflow-datasets, which is not installed (pip install tensorflow-datasets)")
+        raise config_error(field, source, "tensorflow-datasets, which is not installed (pip install tensorflow-datasets)")
     try:
         tfds.builder(name, data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError:
         base = name.split(":")[0].split("/")[0]
         names = tfds.list_builders(with_community_datasets=False)
-        _invalid(field, source, f"{base!r} is not a TFDS dataset",
+        raise config_error(field, source, f"{base!r} is not a TFDS dataset",
               suggest(f"tfds:{n}" for n in close_matches(base, names)))
     except Exception as e:  # e.g. an unknown config ("glue/sst3") or version
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        _invalid(field, source, f"not a usable TFDS dataset: {first.rstrip('.')}")
+        raise config_error(field, source, f"not a usable TFDS dataset: {first.rstrip('.')}")
 
 
 def check_data_ready(source: str, data_dir: str | None = None) -> None:
@@ -380,6 +344,7 @@ def check_data_ready(source: str, data_dir: str | None = None) -> None:
     kind, rest = _kind(source) if isinstance(source, str) else ("", "")
     if kind != "tfds" or not rest:
         return
+    # lazy: TFDS loads on first use, not with this module
     import tensorflow_datasets as tfds
 
     builder = tfds.builder(rest, data_dir=data_dir)
@@ -416,10 +381,9 @@ def check_text_source(
     >>> check_text_source("rotten_tomatoes")
     """
     if not isinstance(source, str) or not source.strip():
-        _invalid(field, source, f"expected {_expected(TEXT_SOURCE_FORMS)}")
+        raise config_error(field, source, f"expected {_expected(TEXT_SOURCE_FORMS)}")
     kind, rest = _kind(source)
     if not kind and rest in EMBEDDED_TEXT_DATASETS:
-        from trainwell.data.embedded import embedded_path
 
         with _as_config_error(field, source):
             embedded_path(rest)
@@ -427,11 +391,10 @@ def check_text_source(
     if not kind and rest == "memory":
         return
     if kind in ("csv", "jsonl") and rest:
-        from trainwell.data import text
 
         path = Path(resolve_path(rest, data_dir))
         if not path.exists():
-            _invalid(field, source, f"no file or directory {str(path)!r}", _path_hint(path))
+            raise config_error(field, source, f"no file or directory {str(path)!r}", _path_hint(path))
         with _as_config_error(field, source):
             text.read_file_source(kind, rest, data_dir, text_field, label_field, check_labels=True)
         return
@@ -439,7 +402,7 @@ def check_text_source(
         check_tfds_name(rest, data_dir, field, source)
         return
     hint = _source_hint(source, TEXT_SOURCE_FORMS, ("csv", "jsonl", "tfds"), data_dir)
-    _invalid(field, source, f"expected {_expected(TEXT_SOURCE_FORMS)}", hint)
+    raise config_error(field, source, f"expected {_expected(TEXT_SOURCE_FORMS)}", hint)
 
 
 # --------------------------------------------------------------------------- presets
@@ -459,9 +422,8 @@ def check_preset(preset: str, field: str = "preset") -> None:
     """
     expected = "'minilm', a preset directory, a keras-hub text classifier preset name or a kaggle:// / hf:// handle"
     if not isinstance(preset, str) or not preset.strip():
-        _invalid(field, preset, f"expected {expected}")
+        raise config_error(field, preset, f"expected {expected}")
     if preset == "minilm":
-        from trainwell.data.embedded import embedded_path
 
         with _as_config_error(field, preset):
             embedded_path("minilm")
@@ -471,15 +433,16 @@ def check_preset(preset: str, field: str = "preset") -> None:
     path = Path(preset).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            _invalid(field, preset, f"{str(path)!r} is not a preset directory (no config.json)")
+            raise config_error(field, preset, f"{str(path)!r} is not a preset directory (no config.json)")
         return
     if preset.startswith((".", "/", "~")) or os.sep in preset:
-        _invalid(field, preset, f"preset directory {str(path)!r} not found", _path_hint(path))
+        raise config_error(field, preset, f"preset directory {str(path)!r} not found", _path_hint(path))
+    # lazy: keras-hub loads on first use, not with this module
     import keras_hub
 
     names = sorted(keras_hub.models.TextClassifier.presets)
     if preset not in names:
-        _invalid(field, preset, f"expected {expected}; {preset!r} is not a keras-hub text classifier preset",
+        raise config_error(field, preset, f"expected {expected}; {preset!r} is not a keras-hub text classifier preset",
               did_you_mean(preset, ["minilm", *names]))
 
 

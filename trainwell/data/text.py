@@ -1,5 +1,8 @@
 """Text classification data: sources, label mapping, and tokenising `tf.data` pipelines.
 
+One module (~800 lines) because its two steps share the label mapping and the split
+rules that exact resume depends on; each source reader is a small function of its own.
+
 Two steps, kept apart so each can be tested and reused:
 
 1. `load_text_splits(source, ...)` reads a source into memory as train / validation /
@@ -40,7 +43,7 @@ Two steps, kept apart so each can be tested and reused:
 Exact resume: the training set is shuffled with a fixed seed and
 `reshuffle_each_iteration=True`, and its cardinality is asserted (the exact number of
 full batches: per bucket `floor(n_bucket / batch)`, the same every epoch), so Keras
-makes a new iterator each epoch and `trainwell.recipe.advance_epochs` can position a
+makes a new iterator each epoch and `trainwell.recipes.harness.advance_epochs` can position a
 restarted run at its epoch, as for the image pipelines.
 
 Example:
@@ -61,7 +64,10 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from trainwell.data.sources import DataError, DataNotFoundError, resolve_path
+from trainwell.data.base import DataError, DataNotFoundError, resolve_path
+from trainwell.data.embedded import load_rotten_tomatoes, stratified_split
+from trainwell.io import atomic_write_json
+from trainwell.validation import invalid_argument
 
 TEXT_FIELD_CANDIDATES = ("text", "sentence", "review", "content")
 LABEL_MAP_FILE = "labels.json"
@@ -107,10 +113,6 @@ class TextSplits:
 
     def sizes(self) -> dict[str, int]:
         return {k: (0 if getattr(self, k) is None else len(getattr(self, k)[1])) for k in ("train", "val", "test")}
-
-
-def _fail(arg: str, value: Any, expected: str):
-    raise ValueError(f"Invalid value for argument `{arg}`. Expected {expected}. Received: {arg}={value!r}")
 
 
 def _as_texts(values: Iterable[Any], where: str) -> np.ndarray:
@@ -403,6 +405,7 @@ def read_file_source(
 
 
 def _tfds_source(name: str, data_dir: str | None, text_field, label_field) -> tuple[dict, dict, list[str] | None]:
+    # lazy: TFDS loads on first use, not with this module
     import tensorflow_datasets as tfds
 
     try:
@@ -527,15 +530,13 @@ def load_text_splits(
     """
     for arg, v in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
-            _fail(arg, v, "a float in [0, 1)")
+            raise invalid_argument(arg, "a float in [0, 1)", v)
     if val_fraction + test_fraction >= 1:
-        _fail("test_fraction", test_fraction, f"val_fraction + test_fraction < 1 (val_fraction={val_fraction})")
+        raise invalid_argument("test_fraction", f"val_fraction + test_fraction < 1 (val_fraction={val_fraction})", test_fraction)
     if max_train_examples is not None and (isinstance(max_train_examples, bool) or not isinstance(max_train_examples, int) or max_train_examples < 1):
-        _fail("max_train_examples", max_train_examples, "None or an int >= 1")
+        raise invalid_argument("max_train_examples", "None or an int >= 1", max_train_examples)
     if not isinstance(label_field, str) or not label_field:
-        _fail("label_field", label_field, "a non-empty string")
-
-    from trainwell.data.embedded import load_rotten_tomatoes, stratified_split
+        raise invalid_argument("label_field", "a non-empty string", label_field)
 
     names_from_source = None
     if isinstance(source, str):
@@ -554,8 +555,8 @@ def load_text_splits(
         elif kind == "tfds" and rest:
             raw, where, names_from_source = _tfds_source(rest, data_dir, text_field, label_field)
         else:
-            _fail("source", source, "'rotten_tomatoes', 'tfds:NAME', 'csv:PATH', 'jsonl:PATH', "
-                  "(texts, labels) or {'train': (texts, labels), ...}")
+            raise invalid_argument("source", "'rotten_tomatoes', 'tfds:NAME', 'csv:PATH', 'jsonl:PATH', "
+                  "(texts, labels) or {'train': (texts, labels), ...}", source)
     else:
         name = "memory"
         raw, where = _memory_source(source)
@@ -607,7 +608,6 @@ def save_label_map(path: str | os.PathLike, class_names: Sequence[str]) -> Path:
     >>> load_label_map(save_label_map(tempfile.mkdtemp(), ["neg", "pos"]))
     ['neg', 'pos']
     """
-    from trainwell.io import atomic_write_json
 
     p = Path(path)
     if p.suffix != ".json":
@@ -686,6 +686,7 @@ def bucket_boundaries(sequence_length: int) -> list[int]:
 
 def _tokenised(texts: np.ndarray, labels: np.ndarray | None, preprocessor):
     """`(inputs, label, length)` per example, tokenised by `preprocessor` inside tf.data."""
+    # lazy: TensorFlow loads on first use, not with this module
     import tensorflow as tf
 
     x = tf.constant(np.asarray(texts, dtype=object).astype(str))
@@ -713,6 +714,7 @@ def make_eval_dataset(texts, labels, preprocessor, batch_size: int, sequence_len
     Example:
     >>> ds = make_eval_dataset(["so good"], None, preprocessor, 32, 64)  # doctest: +SKIP
     """
+    # lazy: TensorFlow loads on first use, not with this module
     import tensorflow as tf
 
     ds = _tokenised(np.asarray(texts, dtype=object), None if labels is None else np.asarray(labels), preprocessor)
@@ -758,12 +760,13 @@ def build_text_datasets(
     Example:
     >>> data = build_text_datasets(load_text_splits("rotten_tomatoes"), pre, 32, sequence_length=64)  # doctest: +SKIP
     """
+    # lazy: TensorFlow loads on first use, not with this module
     import tensorflow as tf
 
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-        _fail("global_batch_size", global_batch_size, "an int >= 1")
+        raise invalid_argument("global_batch_size", "an int >= 1", global_batch_size)
     if isinstance(sequence_length, bool) or not isinstance(sequence_length, int) or sequence_length < 2:
-        _fail("sequence_length", sequence_length, "an int >= 2")
+        raise invalid_argument("sequence_length", "an int >= 2", sequence_length)
     x, y = splits.train
     n = len(y)
     if n < global_batch_size:

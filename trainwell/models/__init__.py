@@ -1,6 +1,7 @@
 """Models of the recipes: ResNet v1.5 (`trainwell.models.resnet`) and its fused BatchNorm (`layers`).
 
-Names are imported lazily so `import trainwell.models` does not import Keras.
+Names are imported lazily so `import trainwell.models` does not import Keras;
+`trainwell.models.specs` (`RESNET_DEPTHS`) never does.
 
 Example:
 >>> from trainwell.models import build_resnet
@@ -13,7 +14,7 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "RESNET_DEPTHS": "resnet",
+    "RESNET_DEPTHS": "specs",
     "build_resnet": "resnet",
     "build_resnet_from_name": "resnet",
     "FusedBatchNormalization": "layers",

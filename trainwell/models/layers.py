@@ -55,6 +55,7 @@ class FusedBatchNormalization(keras.layers.BatchNormalization):
     def call(self, inputs, training=None, mask=None):
         if not self._fused_applies(inputs, mask):
             return super().call(inputs, training=training, mask=mask)
+        # lazy: TensorFlow loads on first use, not with this module
         import tensorflow as tf
 
         x = inputs

@@ -44,14 +44,8 @@ import re
 
 import keras
 
-# depth -> (block kind, blocks per stage). He et al. 2016, Table 1.
-RESNET_DEPTHS: dict[int, tuple[str, tuple[int, int, int, int]]] = {
-    18: ("basic", (2, 2, 2, 2)),
-    34: ("basic", (3, 4, 6, 3)),
-    50: ("bottleneck", (3, 4, 6, 3)),
-    101: ("bottleneck", (3, 4, 23, 3)),
-    152: ("bottleneck", (3, 8, 36, 3)),
-}
+from trainwell.models.layers import FusedBatchNormalization
+from trainwell.models.specs import RESNET_DEPTHS
 
 # TF Model Garden `resnet` / PyTorch defaults (PyTorch momentum 0.1 == Keras 0.9).
 BN_MOMENTUM = 0.9
@@ -72,7 +66,6 @@ class _Builder:
         self.regularizer = keras.regularizers.L2(weight_decay / 2.0) if weight_decay else None
         self.zero_init_residual = zero_init_residual
         if fused_batchnorm:
-            from trainwell.models.layers import FusedBatchNormalization
 
             self.bn_class = FusedBatchNormalization
         else:

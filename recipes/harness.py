@@ -1,4 +1,4 @@
-"""What every recipe shares: setting up a run, the standard callbacks, the result.
+"""What every recipe shares (floor 2, the recipes' harness): setting up a run, the standard callbacks, the result.
 
 A recipe module (`trainwell.recipes.resnet_imagenet`, ...) reads top to bottom:
 its `Config`, then `build_data`, `build_model`, `build_optimizer`,
@@ -18,9 +18,11 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from trainwell import runtime
+import numpy as np
+
+from trainwell import rundir, runtime
 from trainwell.config import ConfigError
-from trainwell.io import atomic_write_json, remove_stale_temporaries, save_figure
+from trainwell.io import atomic_write_json, new_figure, remove_stale_temporaries, save_figure
 
 
 @dataclasses.dataclass
@@ -52,7 +54,7 @@ class RunResult:
 class RunContext:
     """The runtime of one run: strategy, precision policy, run directory, chief flag.
 
-    The chief holds the run directory's lock (`trainwell.runtime.lock_run_dir`)
+    The chief holds the run directory's lock (`trainwell.rundir.lock_run_dir`)
     from `setup_run` until `close()`, which also removes a run directory that
     this run created and left without any result (a run that failed before it
     trained anything, so that no half-made run is left to resume). `close()` runs
@@ -93,7 +95,7 @@ def _verbose(cfg) -> bool:
 
 #: Files a run writes before its first training step; a run directory holding only these
 #: (and empty files, and TensorBoard files with no event yet) holds no result of the run.
-_SETUP_FILES = {"manifest.json", "config.yaml", runtime.LOCK_FILE, "lr_schedule.png", "labels.json"}
+_SETUP_FILES = {"manifest.json", "config.yaml", rundir.LOCK_FILE, "lr_schedule.png", "labels.json"}
 
 
 def _event_records(path: Path, limit: int = 2) -> int:
@@ -145,7 +147,7 @@ def _end_run(run_dir: Path, fresh: str | None, lock) -> None:
                 for child in run_dir.iterdir():
                     if child.is_dir():
                         shutil.rmtree(child, ignore_errors=True)
-                    elif child.name != runtime.LOCK_FILE:  # released (and deleted) below
+                    elif child.name != rundir.LOCK_FILE:  # released (and deleted) below
                         child.unlink(missing_ok=True)
     finally:
         if lock is not None:
@@ -154,6 +156,8 @@ def _end_run(run_dir: Path, fresh: str | None, lock) -> None:
 
 def _announce(cfg, run_dir: Path, fresh: str | None) -> None:
     """The run's first lines: where it writes, and whether it resumes (one decision, see `resume_epoch`)."""
+    # lazy, as every callback import here: importing the harness must not load Keras/TensorFlow
+    # (the CLI starts TensorFlow quietly first; a worker's sitecustomize may import the harness)
     from trainwell.callbacks.checkpoint import CheckpointCorruptError, resume_checkpoint
 
     try:
@@ -175,7 +179,7 @@ def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext
 
     The strategy comes first: `"cpu:N"` must split the CPU before any TensorFlow op.
     Under multi-worker every worker gets the chief's run directory
-    (`runtime.shared_run_dir`); only the chief locks it and writes the manifest.
+    (`rundir.shared_run_dir`); only the chief locks it and writes the manifest.
     The first lines printed (unless `cfg.verbose` is 0) name the run directory and
     whether the run is new or resumes; a run directory whose checkpoints are all
     damaged is refused here, in one line.
@@ -191,7 +195,7 @@ def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext
         A `RunContext`; its `close()` releases the run directory.
 
     Raises:
-        trainwell.runtime.RunDirInUseError: Another process is running in that
+        trainwell.rundir.RunDirInUseError: Another process is running in that
             run directory (a `ConfigError`).
         trainwell.config.ConfigError: No checkpoint in the run directory is usable.
 
@@ -208,7 +212,7 @@ def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext
         # Keras builds the model from one batch MEAN-reduced across replicas, which
         # fails on multi-worker data and on boolean padding masks; the fix takes a
         # local batch. Both recipes get it for every multi-replica strategy.
-        from trainwell import keras_fixes
+        from trainwell.compat import keras_fixes  # lazy: it imports Keras
 
         keras_fixes.apply("symbolic_build")
     given = Path(cfg.run_dir) if cfg.run_dir is not None else None
@@ -216,17 +220,17 @@ def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext
     if given is not None and given.is_dir() and not any(given.iterdir()):
         fresh = "empty"  # e.g. named by `trainwell train --workers N` for its workers
     # Every worker must use the chief's run directory (not its own timestamp).
-    run_dir = runtime.shared_run_dir(cfg.run_dir, strategy, prefix=recipe)
+    run_dir = rundir.shared_run_dir(cfg.run_dir, strategy, prefix=recipe)
     if cfg.run_dir is None:
         cfg.run_dir = str(run_dir)
     if not chief:
         return RunContext(strategy=strategy, precision=precision, run_dir=run_dir, is_chief=False)
     lock = None
     try:
-        lock = runtime.lock_run_dir(run_dir)
+        lock = rundir.lock_run_dir(run_dir)
         remove_stale_temporaries(run_dir)
         _announce(cfg, run_dir, fresh)
-        runtime.write_manifest(run_dir, cfg, strategy=strategy, precision=precision, seed=cfg.seed, recipe=recipe)
+        rundir.write_manifest(run_dir, cfg, strategy=strategy, precision=precision, seed=cfg.seed, recipe=recipe)
     except BaseException:
         _end_run(run_dir, fresh if lock is not None else None, lock)  # without the lock, touch nothing
         raise
@@ -285,7 +289,7 @@ def resume_epoch(checkpoint_dir: str | os.PathLike) -> int:
     >>> resume_epoch("/nonexistent")
     0
     """
-    from trainwell.callbacks.checkpoint import resume_checkpoint
+    from trainwell.callbacks.checkpoint import resume_checkpoint  # lazy: it imports Keras
 
     chosen = resume_checkpoint(checkpoint_dir)
     return 0 if chosen is None else int(chosen["position"]["epoch"])
@@ -339,9 +343,7 @@ def plot_history(history: dict[str, list[float]], path: str | os.PathLike) -> Pa
     names = [k for k in names if history.get(k) and not flat_zero(k)]
     if not names:
         return None
-    from matplotlib.ticker import MaxNLocator
-
-    from trainwell.io import new_figure
+    from matplotlib.ticker import MaxNLocator  # lazy: matplotlib loads only when a plot is drawn
 
     fig, axes = new_figure(1, len(names), figsize=(4.5 * len(names), 3.5))
     for ax, k in zip(axes[0], names):
@@ -383,6 +385,7 @@ def log_learning_rate(model):
     Example:
     >>> callbacks.insert(0, log_learning_rate(model))  # doctest: +SKIP
     """
+    # lazy: Keras and the callbacks load when a run starts, not with the harness
     import keras
 
     from trainwell.callbacks.schedules import current_lr
@@ -448,17 +451,16 @@ def standard_callbacks(
     Example:
     >>> cbs = standard_callbacks(cfg, "runs/x", monitor="val_accuracy", mode="max")  # doctest: +SKIP
     """
+    # lazy: Keras and the callbacks load when a run starts, not with the harness
     import keras
 
     from trainwell import quick
-    from trainwell.callbacks import Checkpoint, EarlyStopping, NaNRollback
+    from trainwell.callbacks import Checkpoint, EarlyStopping, NaNRollback, TrainingDoctor, WarmupCosine
     from trainwell.callbacks.schedules import WarmupCosineDecay
 
     run_dir = Path(run_dir)
     out: list = quick.run_callbacks()  # TRAINWELL_QUICK: stop every run after a few batches (trainwell.quick)
     if isinstance(schedule, WarmupCosineDecay):
-        from trainwell.callbacks import WarmupCosine
-
         c = schedule.get_config()
         out.append(
             WarmupCosine(
@@ -471,12 +473,7 @@ def standard_callbacks(
     if nan_rollback:
         out.append(NaNRollback(snapshot_every=snapshot_every, run_dir=run_dir if chief else None))
     if doctor:
-        try:
-            from trainwell.callbacks import TrainingDoctor
-        except (ImportError, AttributeError):  # pragma: no cover - diagnostics not installed
-            TrainingDoctor = None
-        if TrainingDoctor is not None:
-            out.append(TrainingDoctor(every_n_steps=doctor_every_n_steps, run_dir=run_dir if chief else None, verbose=1))
+        out.append(TrainingDoctor(every_n_steps=doctor_every_n_steps, run_dir=run_dir if chief else None, verbose=1))
     if early_stopping_patience is not None:
         out.append(
             EarlyStopping(
@@ -504,10 +501,6 @@ def plot_schedule(schedule, total_steps: int, path: str | os.PathLike) -> Path:
     >>> from trainwell.callbacks.schedules import WarmupStepDecay
     >>> plot_schedule(WarmupStepDecay(0.1, [50, 80]), 100, "/tmp/lr.png")  # doctest: +SKIP
     """
-    import numpy as np
-
-    from trainwell.io import new_figure
-
     steps = np.unique(np.linspace(0, max(1, total_steps), num=min(500, max(2, total_steps + 1))).astype(int))
     lrs = [float(schedule(int(s))) for s in steps]
     fig, axes = new_figure(figsize=(6, 3.5))

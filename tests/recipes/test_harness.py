@@ -1,4 +1,4 @@
-"""trainwell.recipe: the pieces both recipes share (run setup, history, plots)."""
+"""trainwell.recipes.harness: the pieces both recipes share (run setup, history, plots)."""
 
 import csv
 import dataclasses
@@ -7,8 +7,8 @@ import sys
 import textwrap
 from typing import Optional
 
-from trainwell import recipe
-from trainwell.recipe import plot_history, plot_schedule, read_history_csv
+from trainwell.recipes import harness as recipe
+from trainwell.recipes.harness import plot_history, plot_schedule, read_history_csv
 
 
 def test_plots_leave_the_matplotlib_backend_alone(tmp_path):
@@ -17,7 +17,7 @@ def test_plots_leave_the_matplotlib_backend_alone(tmp_path):
     code = textwrap.dedent(f"""
         import matplotlib
         matplotlib.use("svg")
-        from trainwell.recipe import plot_history, plot_schedule
+        from trainwell.recipes.harness import plot_history, plot_schedule
         from trainwell.callbacks.schedules import WarmupCosineDecay
         plot_history({{"loss": [1.0, 0.5], "val_loss": [1.2, 0.6]}}, r"{tmp_path}/c.png")
         plot_schedule(WarmupCosineDecay(0.1, 100, 10), 100, r"{tmp_path}/s.png")

@@ -1,0 +1,289 @@
+"""`search()`: one call that builds a KerasTuner tuner over a recipe, runs it, summarises and exports.
+
+Rerunning the same call on the same directory continues a killed search; a rerun with
+another config is refused (`check_project_config`).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import math
+from pathlib import Path
+
+import keras_tuner
+
+from trainwell.compat.keras_tuner import (
+    atomic_keras_tuner_saves,
+    has_chief_oracle,
+    is_chief_oracle,
+    recover_interrupted_trials,
+)
+from trainwell import quick
+from trainwell.config import ConfigError
+from trainwell.io import atomic_write_json
+from trainwell.recipes import get
+from trainwell.tuning.pbt import PBTTuner
+from trainwell.tuning.summary import SearchResult, summarize
+from trainwell.tuning.tuners import RecipeBayesianOptimization, RecipeHyperband, RecipeRandomSearch
+from trainwell.validation import is_int
+
+TUNERS = ("random", "bayesian", "hyperband", "pbt")
+
+
+def resolve_hypermodel(recipe, cfg=None, overrides=None):
+    """A `RecipeHyperModel` from a recipe name, a recipe module, `"module:factory"` or a HyperModel.
+
+    `"module:factory"` imports `module` and calls `factory(cfg, **overrides)`; a
+    name on the command line (`resnet-imagenet`) uses that recipe's `hypermodel()`.
+
+    Example:
+    >>> hm = resolve_hypermodel("resnet-imagenet", overrides={"dataset": "digits"})  # doctest: +SKIP
+    """
+    overrides = dict(overrides or {})
+    if hasattr(recipe, "declare_hyperparameters") and hasattr(recipe, "build"):
+        if cfg is not None or overrides:
+            raise ValueError("Pass `config`/`overrides` to the recipe's `hypermodel()`, not with a HyperModel.")
+        return recipe
+    if isinstance(recipe, str):
+        if ":" in recipe:
+            mod_name, _, attr = recipe.partition(":")
+            factory = getattr(importlib.import_module(mod_name), attr)
+            return factory(cfg, **overrides)
+        recipe = get(recipe)
+    if not hasattr(recipe, "hypermodel"):
+        raise ValueError(
+            f"Invalid value for argument `recipe`. Expected a recipe name, a recipe module with `hypermodel()`, "
+            f"'module:factory' or a HyperModel. Received: recipe={recipe!r}"
+        )
+    return recipe.hypermodel(cfg, **overrides)
+
+
+#: Failed trials in a row that end a search: KerasTuner's default (PBT: a generation's worth).
+MAX_CONSECUTIVE_FAILED_TRIALS = 3
+#: What a search records about its hypermodel, to refuse a rerun with another one.
+SEARCH_CONFIG_FILE = "trainwell_search.json"
+#: Config fields that do not change what a trial trains.
+_CONFIG_FIELDS_NOT_COMPARED = ("run_dir", "verbose")
+
+
+class SearchFailedError(RuntimeError):
+    """A search that stopped because its trials failed; the message (one line) gives their reason.
+
+    Example:
+    >>> raise SearchFailedError("The search stopped after 3 failed trials in a row ...")  # doctest: +SKIP
+    """
+
+
+def _search_config(hypermodel) -> dict | None:
+    get_config = getattr(hypermodel, "get_config", None)
+    if not callable(get_config):
+        return None
+    out = json.loads(json.dumps(get_config(), default=str))
+    out.pop("recipe", None)  # a module path, which depends on how it was imported; `name` stays
+    for k in _CONFIG_FIELDS_NOT_COMPARED:
+        (out.get("cfg") or {}).pop(k, None)
+    return out
+
+
+def check_project_config(hypermodel, project_dir, overwrite: bool = False, write: bool = True) -> None:
+    """Refuses to continue a search in `project_dir` that was started with another config.
+
+    A rerun of a search continues it (KerasTuner reloads the trials), which only makes
+    sense with the same recipe config: trials of the two would be ranked together
+    and a trial of one would resume another's checkpoint. The first run records the
+    hypermodel's config in `PROJECT/trainwell_search.json`; a rerun with a different
+    one raises a one-line `ConfigError` naming the fields and `--overwrite`.
+
+    Args:
+        hypermodel: The search's `RecipeHyperModel` (others are not checked).
+        project_dir: The search's directory.
+        overwrite: The search starts afresh: nothing to compare. Defaults to `False`.
+        write: Record the config (once the tuner made the directory). Defaults to `True`.
+
+    Example:
+    >>> check_project_config(hm, "tuning/resnet-imagenet-random")  # doctest: +SKIP
+    """
+    mine = _search_config(hypermodel)
+    if mine is None:
+        return
+    path = Path(project_dir) / SEARCH_CONFIG_FILE
+    if not overwrite and path.is_file():
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            saved = None
+        if isinstance(saved, dict) and saved != mine:
+            a, b = saved.get("cfg") or {}, mine.get("cfg") or {}
+            diff = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            diff += [f"{k}: {saved.get(k)!r} -> {mine.get(k)!r}" for k in sorted(set(saved) | set(mine))
+                     if k != "cfg" and saved.get(k) != mine.get(k)]
+            raise ConfigError(
+                f"The search in {str(project_dir)!r} was started with another config ({'; '.join(diff[:6])}"
+                f"{' ...' if len(diff) > 6 else ''}). Rerun with --overwrite (overwrite=True) to start it afresh, "
+                "or give another --project-name."
+            )
+    if write and (not has_chief_oracle() or is_chief_oracle()):
+        atomic_write_json(path, mine)
+
+
+def _stopped_by_failures(oracle) -> bool:
+    """Whether the oracle's last ended trials are the failures that stop a search."""
+    limit = getattr(oracle, "max_consecutive_failed_trials", None)
+    ended = [oracle.trials[t].status for t in getattr(oracle, "end_order", [])]
+    return bool(limit) and len(ended) >= limit and all(str(getattr(s, "value", s)) == "FAILED" for s in ended[-limit:])
+
+
+def make_tuner(
+    hypermodel, tuner: str = "random", *, max_trials: int = 10, directory="tuning", project_name=None,
+    overwrite: bool = False, objective=None, max_epochs=None, factor: int = 3, population_size: int = 4,
+    ready_interval: int = 1, seed: int | None = 0, hyperparameters=None, max_consecutive_failed_trials=None,
+    **tuner_kwargs,
+):
+    """Builds the KerasTuner tuner of `search()` without running it. See `search` for the arguments.
+
+    Example:
+    >>> tuner = make_tuner(hm, "bayesian", max_trials=20, directory="tuning")  # doctest: +SKIP
+    """
+    if tuner not in TUNERS:
+        raise ValueError(f"Invalid value for argument `tuner`. Expected one of {TUNERS}. Received: tuner={tuner!r}")
+    if not (is_int(max_trials) and max_trials >= 1):
+        raise ValueError(f"Invalid value for argument `max_trials`. Expected an int >= 1. Received: max_trials={max_trials!r}")
+    if max_epochs is not None and not (is_int(max_epochs) and max_epochs >= 1):
+        raise ValueError(f"Invalid value for argument `max_epochs`. Expected an int >= 1. Received: max_epochs={max_epochs!r}")
+    atomic_keras_tuner_saves()
+    recover_interrupted_trials()
+    objective = objective or hypermodel.objective
+    if isinstance(objective, str):
+        if objective == getattr(hypermodel, "objective_name", None):
+            direction = hypermodel.direction
+        else:
+            direction = "min" if ("loss" in objective or "error" in objective) else "max"
+        objective = keras_tuner.Objective(objective, direction)
+    project_name = project_name or f"{getattr(hypermodel, 'name', None) or 'search'}-{tuner}"
+    cfg_epochs = int(getattr(getattr(hypermodel, "cfg", None), "epochs", 0) or 0)
+    if tuner in ("hyperband", "pbt"):
+        # Every trial runs the schedule of the search's epochs: the space (a warmup
+        # fraction, ...) and its defaults are read from that run, not the config's.
+        epochs = max_epochs or cfg_epochs or (4 if tuner == "pbt" else 9)
+        if cfg_epochs and epochs != cfg_epochs and hasattr(hypermodel, "config_for"):
+            hypermodel = copy.copy(hypermodel)
+            hypermodel.cfg = hypermodel.cfg.replace(epochs=epochs)
+    project_dir = Path(directory) / project_name
+    check_project_config(hypermodel, project_dir, overwrite, write=False)
+    common = dict(
+        hypermodel=hypermodel, objective=objective, directory=str(directory), project_name=project_name,
+        overwrite=overwrite, seed=seed, hyperparameters=hyperparameters,
+        **tuner_kwargs,
+    )
+    mcf = max_consecutive_failed_trials or MAX_CONSECUTIVE_FAILED_TRIALS
+    if tuner == "pbt":
+        t = PBTTuner(
+            population_size=population_size, ready_interval=ready_interval,
+            generations=max(1, math.ceil(epochs / ready_interval)), static_hyperparameters=getattr(hypermodel, "static", ()),
+            max_consecutive_failed_trials=max_consecutive_failed_trials, **common,
+        )
+    elif tuner == "random":
+        t = RecipeRandomSearch(max_trials=max_trials, max_consecutive_failed_trials=mcf, **common)
+    elif tuner == "bayesian":
+        t = RecipeBayesianOptimization(max_trials=max_trials, max_consecutive_failed_trials=mcf, **common)
+    else:
+        t = RecipeHyperband(max_epochs=epochs, factor=factor, max_consecutive_failed_trials=mcf, **common)
+    check_project_config(hypermodel, project_dir, overwrite=True)  # records it, now the directory exists
+    return t
+
+
+def search(
+    recipe, tuner: str = "random", *, config=None, overrides=None, max_trials: int = 10, directory="tuning",
+    project_name=None, overwrite: bool = False, objective=None, max_epochs=None, factor: int = 3,
+    population_size: int = 4, ready_interval: int = 1, seed: int | None = 0, hyperparameters=None,
+    callbacks=None, top_k: int = 10, export: bool = True, verbose: int = 1, max_consecutive_failed_trials=None,
+    **tuner_kwargs,
+) -> SearchResult:
+    """Searches the hyperparameters of a recipe with KerasTuner; summarises and exports.
+
+    Rerunning the same call (`overwrite=False`) on the same directory continues a
+    killed search: KerasTuner reloads the oracle, the trials that were running are
+    run again, and each resumes from its own last checkpoint. Under KerasTuner's
+    distributed mode (`KERASTUNER_TUNER_ID`, `KERASTUNER_ORACLE_IP`,
+    `KERASTUNER_ORACLE_PORT`; see `launch_distributed`) the chief serves the oracle
+    and writes the summary, and a worker runs trials and returns an empty result.
+
+    Args:
+        recipe: A recipe name (`"resnet-imagenet"`), a recipe module, `"module:factory"`
+            or a `RecipeHyperModel`.
+        tuner: `"random"`, `"bayesian"`, `"hyperband"` or `"pbt"`. Defaults to `"random"`.
+        config: The recipe's base `Config` (or `None` for its defaults). Defaults to `None`.
+        overrides: Config fields to change, e.g. `{"dataset": "mnist5k"}`. Defaults to `None`.
+        max_trials: Trials of random and Bayesian search (Hyperband sizes its own
+            brackets; PBT runs `population_size` x generations trials plus
+            replacements). Defaults to `10`.
+        directory: Parent directory of the search. Defaults to `"tuning"`.
+        project_name: Its subdirectory. Defaults to `"<recipe>-<tuner>"`.
+        overwrite: Start afresh instead of continuing. Defaults to `False`.
+        objective: Metric name or `keras_tuner.Objective`. Defaults to the recipe's
+            (`val_accuracy`, max).
+        max_epochs: Epochs per model for Hyperband and PBT. Defaults to `None`
+            (the config's `epochs`).
+        factor: Hyperband's reduction factor. Defaults to `3`.
+        population_size: PBT population. Defaults to `4`.
+        ready_interval: PBT epochs between exploit/explore steps. Defaults to `1`.
+        seed: Oracle seed. Defaults to `0`.
+        hyperparameters: A `keras_tuner.HyperParameters` overriding parts of the space
+            (KerasTuner's own argument). Defaults to `None`.
+        callbacks: Extra Keras callbacks for every trial (deep-copied per trial).
+            Defaults to `None`.
+        top_k: Rows printed in the summary table. Defaults to `10`.
+        export: Export the best trial's model to `PROJECT/best_model`. Defaults to `True`.
+        verbose: KerasTuner's verbosity. Defaults to `1`.
+        max_consecutive_failed_trials: Stop after this many failed trials in a row
+            (KerasTuner's argument), raising `SearchFailedError` with the last
+            failure's reason once the summary is written. Every error of a trial
+            counts (a divergence, a config error) unless `max_retries_per_trial` is
+            set. Defaults to `None`: 3 (KerasTuner's default); PBT: `population_size`.
+        **tuner_kwargs: More keyword arguments for the KerasTuner tuner.
+
+    Returns:
+        A `SearchResult`.
+
+    Raises:
+        SearchFailedError: `max_consecutive_failed_trials` trials failed in a row.
+        trainwell.config.ConfigError: the directory holds a search started with
+            another config (pass `overwrite=True`).
+
+    Example:
+    >>> r = search("resnet-imagenet", "hyperband", overrides={"dataset": "digits", "image_size": 8},
+    ...            max_epochs=9, directory="tuning")  # doctest: +SKIP
+    >>> r.best_hyperparameters["peak_lr"]  # doctest: +SKIP
+    """
+    # TRAINWELL_QUICK: one short trial (PBT: 2 members x 2 epochs); see trainwell/quick.py.
+    max_trials, max_epochs, population_size, ready_interval = quick.search_lengths(
+        max_trials, max_epochs, population_size, ready_interval)
+    hm = resolve_hypermodel(recipe, config, overrides)
+    t = make_tuner(
+        hm, tuner, max_trials=max_trials, directory=directory, project_name=project_name, overwrite=overwrite,
+        objective=objective, max_epochs=max_epochs, factor=factor, population_size=population_size,
+        ready_interval=ready_interval, seed=seed, hyperparameters=hyperparameters,
+        max_consecutive_failed_trials=max_consecutive_failed_trials, **tuner_kwargs,
+    )
+    stopped = False
+    try:
+        t.search(callbacks=list(callbacks or []), verbose=verbose)
+    except RuntimeError:
+        # KerasTuner's `max_consecutive_failed_trials`: its message holds a traceback.
+        if not _stopped_by_failures(t.oracle):
+            raise
+        stopped = True
+    project_dir = Path(t.project_dir)
+    if has_chief_oracle() and not is_chief_oracle():
+        return SearchResult(t, {}, None, None, [], project_dir, {})
+    result = summarize(t, top_k=top_k, export=export, print_table=True)
+    if stopped:
+        last = t.oracle.trials[t.oracle.end_order[-1]]
+        reason = next((r["reason"] for r in result.rows if r["trial_id"] == last.trial_id), "")
+        raise SearchFailedError(
+            f"The search stopped after {t.oracle.max_consecutive_failed_trials} failed trials in a row "
+            f"({result.files.get('summary_json')}); the last one: {reason}"
+        )
+    return result

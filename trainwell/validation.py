@@ -1,0 +1,66 @@
+"""The one set of argument checks every trainwell module uses (floor 0, imports nothing of trainwell).
+
+Python's `numbers` ABCs already say what an integer or a real is (numpy registers
+its scalars with them); what they lack is "but not a bool" and "and finite", and
+Keras's one-line error idiom for a bad constructor argument. Config files have
+their own error type and wording: `trainwell.config.config_error`.
+
+Example:
+>>> is_int(3), is_int(True), is_number(float("nan"))
+(True, False, False)
+>>> raise invalid_argument("lr_factor", "a float in (0, 1)", 2.0)
+Traceback (most recent call last):
+...
+ValueError: Invalid value for argument `lr_factor`. Expected a float in (0, 1). Received: lr_factor=2.0
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+__all__ = ["is_int", "is_number", "invalid_argument"]
+
+
+def is_int(x: Any) -> bool:
+    """Whether `x` is an integer (Python or numpy), a bool not counting as one.
+
+    Args:
+        x: The value to check.
+
+    Example:
+    >>> import numpy as np
+    >>> is_int(np.int64(2)), is_int(2.0), is_int(False)
+    (True, False, False)
+    """
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def is_number(x: Any, finite: bool = True) -> bool:
+    """Whether `x` is a real number (Python or numpy, not a bool), by default also finite.
+
+    Args:
+        x: The value to check.
+        finite: Whether NaN and infinities are refused. Defaults to `True`.
+
+    Example:
+    >>> is_number(1e-3), is_number(float("inf")), is_number(float("inf"), finite=False)
+    (True, False, True)
+    """
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and (not finite or math.isfinite(float(x)))
+
+
+def invalid_argument(name: str, expected: str, value: Any) -> ValueError:
+    """The `ValueError` for a bad argument, in Keras's "Received:" idiom (the caller raises it).
+
+    Args:
+        name: The argument's name.
+        expected: What it should be, e.g. `"an int >= 1"`.
+        value: What was passed.
+
+    Example:
+    >>> str(invalid_argument("steps", "an int >= 1", 0))
+    'Invalid value for argument `steps`. Expected an int >= 1. Received: steps=0'
+    """
+    return ValueError(f"Invalid value for argument `{name}`. Expected {expected}. Received: {name}={value!r}")
