@@ -46,6 +46,8 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from trainwell.callbacks import checkpoint as ckpt_mod  # noqa: E402
+from trainwell.callbacks.checkpoint import files as ckpt_files  # noqa: E402
+from trainwell.callbacks.checkpoint import state as ckpt_state  # noqa: E402
 from trainwell.callbacks.checkpoint import Checkpoint, latest_checkpoint, load_checkpoint  # noqa: E402
 
 
@@ -117,7 +119,7 @@ def main() -> None:
             t = time.perf_counter()
             update()
             plain.append(time.perf_counter() - t)
-            snapshot = ckpt_mod._capture(asy._plan(), weights_only=False, include_metrics=False)
+            snapshot = ckpt_state.capture(asy._plan(), weights_only=False, include_metrics=False)
             t = time.perf_counter()
             update()  # copy-on-write only: the snapshot is held, nothing is being written
             held.append(time.perf_counter() - t)
@@ -149,10 +151,10 @@ def main() -> None:
         for _ in range(args.repeats):
             t = time.perf_counter()
             with zipfile.ZipFile(Path(ckpt_path) / ckpt_mod.ARRAYS_FILE) as zf:
-                state["arrays_crc32"] = ckpt_mod._zip_crcs(zf)
-            ckpt_mod._seal(state)
+                state["arrays_crc32"] = ckpt_files.zip_crcs(zf)
+            ckpt_files.seal(state)
             seal_t.append(time.perf_counter() - t)
-            ckpt_mod._VERIFIED.clear()
+            ckpt_files._VERIFIED.clear()
             t = time.perf_counter()
             ckpt_mod.resume_checkpoint(os.path.join(root, "sync"))
             verify_t.append(time.perf_counter() - t)

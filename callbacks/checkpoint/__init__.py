@@ -35,13 +35,6 @@ from trainwell.callbacks.checkpoint.files import (
 )
 from trainwell.callbacks.checkpoint.state import load_checkpoint
 
-# Private names `bench/checkpoint_io.py` still reads from this module; delete them once it imports
-# `files.seal`, `files.zip_crcs`, `files._VERIFIED` and `state.capture` from their modules.
-from trainwell.callbacks.checkpoint.files import _VERIFIED  # noqa: E402,F401
-from trainwell.callbacks.checkpoint.files import seal as _seal  # noqa: E402,F401
-from trainwell.callbacks.checkpoint.files import zip_crcs as _zip_crcs  # noqa: E402,F401
-from trainwell.callbacks.checkpoint.state import capture as _capture  # noqa: E402,F401
-
 __all__ = [
     "Checkpoint",
     "read_checkpoint",

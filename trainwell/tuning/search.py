@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 import keras_tuner
+from keras_tuner.engine.metrics_tracking import infer_metric_direction
 
 from trainwell.compat.keras_tuner import (
     atomic_keras_tuner_saves,
@@ -21,6 +22,7 @@ from trainwell.compat.keras_tuner import (
     recover_interrupted_trials,
 )
 from trainwell import quick
+from trainwell.compat import metric_direction
 from trainwell.config import ConfigError
 from trainwell.io import atomic_write_json
 from trainwell.recipes import get
@@ -159,7 +161,12 @@ def make_tuner(
         if objective == getattr(hypermodel, "objective_name", None):
             direction = hypermodel.direction
         else:
-            direction = "min" if ("loss" in objective or "error" in objective) else "max"
+            # trainwell's one rule (Keras's names), then KerasTuner's own inference (mae, mse, ...)
+            direction = metric_direction(objective) or infer_metric_direction(objective)
+            if direction is None:
+                raise ValueError(
+                    f"Cannot tell whether objective {objective!r} should go up or down. Pass "
+                    f"keras_tuner.Objective({objective!r}, 'min' or 'max'). Received: objective={objective!r}")
         objective = keras_tuner.Objective(objective, direction)
     project_name = project_name or f"{getattr(hypermodel, 'name', None) or 'search'}-{tuner}"
     cfg_epochs = int(getattr(getattr(hypermodel, "cfg", None), "epochs", 0) or 0)
