@@ -226,6 +226,7 @@ def _ok(results: list[dict]) -> list[dict]:
     return results
 
 
+@pytest.mark.serial
 def test_two_workers_train_with_identical_histories(jobs):
     w0, w1 = _ok(jobs["fixed"])
     assert w0["task"] == 0 and w1["task"] == 1
@@ -240,6 +241,7 @@ def test_two_workers_train_with_identical_histories(jobs):
         assert np.allclose(a, b, rtol=0, atol=1e-6)
 
 
+@pytest.mark.serial
 def test_two_workers_match_single_process_mirrored(jobs):
     (ref,) = _ok(jobs["reference"])
     w0, _ = _ok(jobs["fixed"])
@@ -250,6 +252,7 @@ def test_two_workers_match_single_process_mirrored(jobs):
         assert np.allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.serial
 def test_without_symbolic_build_fix_fit_fails(jobs):
     for r in jobs["no_symbolic_build"]:
         assert r.get("fixes") == ["scalar_reduce"], r.get("error")
@@ -258,6 +261,7 @@ def test_without_symbolic_build_fix_fit_fails(jobs):
         assert "_maybe_symbolic_build" in r["frames"], r["frames"]
 
 
+@pytest.mark.serial
 def test_without_scalar_reduce_fix_fit_fails(jobs):
     for r in jobs["no_scalar_reduce"]:
         assert r.get("fixes") == ["symbolic_build"], r.get("error")
