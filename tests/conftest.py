@@ -44,3 +44,14 @@ def _save_tiny_bert_preset(path, words, sequence_length: int):
 def tiny_bert_preset():
     """`tiny_bert_preset(path, words, sequence_length)`: a tiny random BERT preset for fast recipe tests."""
     return _save_tiny_bert_preset
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Runs the tests marked `slow` first (the order is kept otherwise).
+
+    `make test` spreads the tests over 2 pytest-xdist workers: started first, the longest
+    jobs (the notebooks, the recipe runs in subprocesses) do not leave one worker running
+    alone at the end while the other idles.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
