@@ -19,8 +19,8 @@ import numpy as np
 
 from trainwell.callbacks.base import StatefulCallback, stateful_callbacks
 from trainwell.callbacks.checkpoint import Checkpoint, load_checkpoint
-from trainwell.callbacks.schedules import _is_int, _is_number
 from trainwell.compat.metrics import is_improvement, metric_direction, monitored_value
+from trainwell.validation import is_int, is_number
 
 logger = logging.getLogger("trainwell.early_stopping")
 
@@ -117,22 +117,22 @@ class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
             raise ValueError(
                 f"Invalid value for argument `monitor`. Expected a metric name. Received: monitor={monitor!r}"
             )
-        if not _is_number(min_delta):
+        if not is_number(min_delta):
             raise ValueError(
                 f"Invalid value for argument `min_delta`. Expected a finite number. Received: min_delta={min_delta!r}"
             )
-        if not (_is_int(patience) and patience >= 0):
+        if not (is_int(patience) and patience >= 0):
             raise ValueError(
                 f"Invalid value for argument `patience`. Expected an int >= 0. Received: patience={patience!r}"
             )
-        if not (_is_int(verbose) or isinstance(verbose, (bool, np.bool_))):
+        if not (is_int(verbose) or isinstance(verbose, (bool, np.bool_))):
             raise ValueError(
                 f"Invalid value for argument `verbose`. Expected an int or a bool. Received: verbose={verbose!r}"
             )
         if mode not in ("auto", "min", "max"):
             warnings.warn(f"{type(self).__name__} mode '{mode}' is unknown, fallback to auto mode.", stacklevel=2)
             mode = "auto"
-        if baseline is not None and not _is_number(baseline):
+        if baseline is not None and not is_number(baseline):
             raise ValueError(
                 "Invalid value for argument `baseline`. Expected a finite number or None. "
                 f"Received: baseline={baseline!r}"
@@ -143,11 +143,11 @@ class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
                 f"Received: restore_best_weights={restore_best_weights!r}"
             )
         for name, value in (("start_from_epoch", start_from_epoch), ("warmup_epochs", warmup_epochs)):
-            if not (_is_int(value) and value >= 0):
+            if not (is_int(value) and value >= 0):
                 raise ValueError(
                     f"Invalid value for argument `{name}`. Expected an int >= 0. Received: {name}={value!r}"
                 )
-        if divergence_threshold is not None and not _is_number(divergence_threshold):
+        if divergence_threshold is not None and not is_number(divergence_threshold):
             raise ValueError(
                 "Invalid value for argument `divergence_threshold`. Expected a finite number or None. "
                 f"Received: divergence_threshold={divergence_threshold!r}"
@@ -373,7 +373,7 @@ class StopAtStep(keras.callbacks.Callback):
 
     def __init__(self, max_steps: int):
         super().__init__()
-        if not _is_int(max_steps) or max_steps < 1:
+        if not is_int(max_steps) or max_steps < 1:
             raise ValueError(
                 f"Invalid value for argument `max_steps`. Expected an int >= 1. Received: max_steps={max_steps!r}"
             )

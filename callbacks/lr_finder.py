@@ -51,7 +51,6 @@ import dataclasses
 import io
 import math
 import os
-import re
 import warnings
 from pathlib import Path
 from typing import Any, Sequence

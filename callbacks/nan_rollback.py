@@ -33,6 +33,7 @@ from trainwell import runtime
 from trainwell.callbacks.base import StatefulCallback
 from trainwell.compat.keras_internals import loss_tracker
 from trainwell.compat.learning_rate import current_lr, learning_rate_variables, scale_learning_rate
+from trainwell.validation import invalid_argument, is_int, is_number
 
 _EVENTS_FILE = "nan_rollback.jsonl"
 
@@ -121,14 +122,8 @@ def _json_float(x: float | None):
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(
-            f"Invalid value for argument `{name}`. Expected an int >= {minimum}. Received: {name}={value!r}"
-        )
-
-
-def _is_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
+    if not is_int(value) or value < minimum:
+        raise invalid_argument(name, f"an int >= {minimum}", value)
 
 
 class _Copy:
@@ -365,7 +360,7 @@ class NaNRollback(StatefulCallback):
         run_dir: str | os.PathLike | None = None,
     ) -> None:
         _check_int("snapshot_every", snapshot_every, 1)
-        if not _is_number(lr_factor) or not 0.0 < float(lr_factor) <= 1.0:
+        if not is_number(lr_factor, finite=False) or not 0.0 < float(lr_factor) <= 1.0:
             raise ValueError(
                 "Invalid value for argument `lr_factor`. Expected a float in (0, 1]. "
                 f"Received: lr_factor={lr_factor!r}"
@@ -374,7 +369,7 @@ class NaNRollback(StatefulCallback):
         if window_steps is not None:
             _check_int("window_steps", window_steps, 1)
         if spike_factor is not None and (
-            not _is_number(spike_factor) or not float(spike_factor) > 1.0 or not math.isfinite(spike_factor)
+            not is_number(spike_factor, finite=False) or not float(spike_factor) > 1.0 or not math.isfinite(spike_factor)
         ):
             raise ValueError(
                 "Invalid value for argument `spike_factor`. Expected None or a finite float > 1. "
@@ -382,7 +377,7 @@ class NaNRollback(StatefulCallback):
             )
         _check_int("spike_window", spike_window, 2)
         _check_int("check_weights_every", check_weights_every, 1)
-        if not _is_number(loss_scale_floor) or not 0.0 <= float(loss_scale_floor) < math.inf:
+        if not is_number(loss_scale_floor, finite=False) or not 0.0 <= float(loss_scale_floor) < math.inf:
             raise ValueError(
                 "Invalid value for argument `loss_scale_floor`. Expected a finite float >= 0. "
                 f"Received: loss_scale_floor={loss_scale_floor!r}"

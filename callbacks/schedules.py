@@ -36,6 +36,7 @@ from trainwell.compat.learning_rate import (
     scale_learning_rate,
     set_lr_multiplier,
 )
+from trainwell.validation import invalid_argument, is_int, is_number
 
 __all__ = [
     "WarmupCosineDecay",
@@ -52,46 +53,34 @@ __all__ = [
 
 
 # ---------------------------------------------------------------- validation
-def _is_number(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(float(x))
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _invalid(name: str, expected: str, value: Any) -> ValueError:
-    return ValueError(f"Invalid value for argument `{name}`. Expected {expected}. Received: {name}={value!r}")
-
-
 def _check_peak(peak_lr: Any) -> float:
-    if not _is_number(peak_lr) or peak_lr <= 0:
-        raise _invalid("peak_lr", "a float > 0", peak_lr)
+    if not is_number(peak_lr) or peak_lr <= 0:
+        raise invalid_argument("peak_lr", "a float > 0", peak_lr)
     return float(peak_lr)
 
 
 def _check_warmup(warmup_steps: Any, upper: float | None, upper_name: str) -> int | float:
-    if not _is_number(warmup_steps) or warmup_steps < 0 or (upper is not None and warmup_steps > upper):
+    if not is_number(warmup_steps) or warmup_steps < 0 or (upper is not None and warmup_steps > upper):
         bound = f" and <= {upper_name} ({upper})" if upper is not None else ""
-        raise _invalid("warmup_steps", f"a number >= 0{bound}", warmup_steps)
+        raise invalid_argument("warmup_steps", f"a number >= 0{bound}", warmup_steps)
     return _step_count(warmup_steps)
 
 
 def _step_count(x: Any) -> int | float:
     """A step count as given: an int stays an int, a float (as `CosineDecay` takes) a float."""
-    return int(x) if _is_int(x) else float(x)
+    return int(x) if is_int(x) else float(x)
 
 
 def _check_between(name: str, value: Any, peak_lr: float) -> float:
-    if not _is_number(value) or value < 0 or value > peak_lr:
-        raise _invalid(name, f"a float in [0, peak_lr] = [0, {peak_lr}]", value)
+    if not is_number(value) or value < 0 or value > peak_lr:
+        raise invalid_argument(name, f"a float in [0, peak_lr] = [0, {peak_lr}]", value)
     return float(value)
 
 
 def _check_warmup_start(warmup_start: Any) -> float:
     # Above `peak_lr` is a warmup that goes down, which `CosineDecay` allows too.
-    if not _is_number(warmup_start) or warmup_start < 0:
-        raise _invalid("warmup_start", "a float >= 0", warmup_start)
+    if not is_number(warmup_start) or warmup_start < 0:
+        raise invalid_argument("warmup_start", "a float >= 0", warmup_start)
     return float(warmup_start)
 
 
@@ -101,8 +90,8 @@ def _check_decay_args(peak_lr, total_steps, warmup_steps, min_lr, warmup_start):
     Step counts may be floats, as in Keras's `CosineDecay(decay_steps=1000.0)`.
     """
     peak_lr = _check_peak(peak_lr)
-    if not _is_number(total_steps) or total_steps <= 0:
-        raise _invalid("total_steps", "a number > 0", total_steps)
+    if not is_number(total_steps) or total_steps <= 0:
+        raise invalid_argument("total_steps", "a number > 0", total_steps)
     total_steps = _step_count(total_steps)
     warmup_steps = _check_warmup(warmup_steps, total_steps, "total_steps")
     min_lr = _check_between("min_lr", min_lr, peak_lr)
@@ -209,12 +198,12 @@ class WarmupCosineDecay(_WarmupSchedule):
         peak_lr, total_steps, warmup_steps, min_lr, warmup_start = _check_decay_args(
             peak_lr, total_steps, warmup_steps, min_lr, warmup_start
         )
-        if restart_steps is not None and (not _is_int(restart_steps) or restart_steps < 1):
-            raise _invalid("restart_steps", "None or an integer >= 1", restart_steps)
-        if not _is_number(t_mul) or t_mul < 1:
-            raise _invalid("t_mul", "a float >= 1", t_mul)
-        if not _is_number(m_mul) or not 0 < m_mul <= 1:
-            raise _invalid("m_mul", "a float in (0, 1]", m_mul)
+        if restart_steps is not None and (not is_int(restart_steps) or restart_steps < 1):
+            raise invalid_argument("restart_steps", "None or an integer >= 1", restart_steps)
+        if not is_number(t_mul) or t_mul < 1:
+            raise invalid_argument("t_mul", "a float >= 1", t_mul)
+        if not is_number(m_mul) or not 0 < m_mul <= 1:
+            raise invalid_argument("m_mul", "a float in (0, 1]", m_mul)
         if restart_steps is None and (t_mul != 1 or m_mul != 1):
             raise ValueError(
                 "Arguments `t_mul` and `m_mul` only apply to warm restarts: pass `restart_steps` too. "
@@ -397,13 +386,13 @@ class WarmupStepDecay(_WarmupSchedule):
         if (
             not isinstance(boundaries, (list, tuple))
             or not boundaries
-            or not all(_is_int(b) and b >= 1 for b in boundaries)
+            or not all(is_int(b) and b >= 1 for b in boundaries)
             or any(b2 <= b1 for b1, b2 in zip(boundaries, boundaries[1:]))
         ):
-            raise _invalid("boundaries", "a non-empty, strictly increasing list of integer steps >= 1", boundaries)
+            raise invalid_argument("boundaries", "a non-empty, strictly increasing list of integer steps >= 1", boundaries)
         boundaries = [int(b) for b in boundaries]
-        if not _is_number(decay_rate) or not 0 < decay_rate <= 1:
-            raise _invalid("decay_rate", "a float in (0, 1]", decay_rate)
+        if not is_number(decay_rate) or not 0 < decay_rate <= 1:
+            raise invalid_argument("decay_rate", "a float in (0, 1]", decay_rate)
         warmup_steps = _check_warmup(warmup_steps, boundaries[0], "the first boundary")
         warmup_start = _check_warmup_start(warmup_start)
         super().__init__(peak_lr, warmup_steps, warmup_start)
@@ -445,12 +434,12 @@ def scaled_lr(base_lr: float, global_batch: int, base_batch: int = 256) -> float
     >>> scaled_lr(0.1, 8192)
     3.2
     """
-    if not _is_number(base_lr) or base_lr <= 0:
-        raise _invalid("base_lr", "a float > 0", base_lr)
-    if not _is_int(global_batch) or global_batch < 1:
-        raise _invalid("global_batch", "an integer >= 1", global_batch)
-    if not _is_int(base_batch) or base_batch < 1:
-        raise _invalid("base_batch", "an integer >= 1", base_batch)
+    if not is_number(base_lr) or base_lr <= 0:
+        raise invalid_argument("base_lr", "a float > 0", base_lr)
+    if not is_int(global_batch) or global_batch < 1:
+        raise invalid_argument("global_batch", "an integer >= 1", global_batch)
+    if not is_int(base_batch) or base_batch < 1:
+        raise invalid_argument("base_batch", "an integer >= 1", base_batch)
     return float(base_lr) * int(global_batch) / int(base_batch)
 
 

@@ -17,13 +17,12 @@ from trainwell.callbacks.schedules import (
     WarmupCosineDecay,
     WarmupLinearDecay,
     _check_warmup_start,
-    _invalid,
-    _is_number,
     _step_count,
     is_trainwell_schedule,
 )
 from trainwell.compat.learning_rate import current_lr, install_schedule, raw_learning_rate
 from trainwell.io import atomic_write_bytes
+from trainwell.validation import invalid_argument, is_number
 
 _DECAYS = ("cosine", "linear")
 
@@ -109,35 +108,35 @@ class WarmupCosine(keras.callbacks.Callback):
         run_dir: str | os.PathLike | None = None,
     ) -> None:
         super().__init__()
-        if peak_lr is not None and (not _is_number(peak_lr) or peak_lr <= 0):
-            raise _invalid("peak_lr", "None or a float > 0", peak_lr)
-        if not _is_number(warmup_epochs) or warmup_epochs < 0:
-            raise _invalid("warmup_epochs", "a number >= 0", warmup_epochs)
-        if warmup_steps is not None and (not _is_number(warmup_steps) or warmup_steps < 0):
-            raise _invalid("warmup_steps", "None or a number >= 0", warmup_steps)
-        if not _is_number(min_lr) or min_lr < 0 or (peak_lr is not None and min_lr > peak_lr):
-            raise _invalid("min_lr", "a float in [0, peak_lr]", min_lr)
+        if peak_lr is not None and (not is_number(peak_lr) or peak_lr <= 0):
+            raise invalid_argument("peak_lr", "None or a float > 0", peak_lr)
+        if not is_number(warmup_epochs) or warmup_epochs < 0:
+            raise invalid_argument("warmup_epochs", "a number >= 0", warmup_epochs)
+        if warmup_steps is not None and (not is_number(warmup_steps) or warmup_steps < 0):
+            raise invalid_argument("warmup_steps", "None or a number >= 0", warmup_steps)
+        if not is_number(min_lr) or min_lr < 0 or (peak_lr is not None and min_lr > peak_lr):
+            raise invalid_argument("min_lr", "a float in [0, peak_lr]", min_lr)
         _check_warmup_start(warmup_start)
         if decay not in _DECAYS:
-            raise _invalid("decay", "one of " + ", ".join(repr(d) for d in _DECAYS), decay)
-        if restart_epochs is not None and (not _is_number(restart_epochs) or restart_epochs <= 0):
-            raise _invalid("restart_epochs", "None or a number > 0", restart_epochs)
+            raise invalid_argument("decay", "one of " + ", ".join(repr(d) for d in _DECAYS), decay)
+        if restart_epochs is not None and (not is_number(restart_epochs) or restart_epochs <= 0):
+            raise invalid_argument("restart_epochs", "None or a number > 0", restart_epochs)
         if restart_epochs is not None and decay != "cosine":
             raise ValueError(
                 "Warm restarts need `decay='cosine'`. "
                 f"Received: decay={decay!r}, restart_epochs={restart_epochs!r}"
             )
-        if not _is_number(t_mul) or t_mul < 1:
-            raise _invalid("t_mul", "a float >= 1", t_mul)
-        if not _is_number(m_mul) or not 0 < m_mul <= 1:
-            raise _invalid("m_mul", "a float in (0, 1]", m_mul)
+        if not is_number(t_mul) or t_mul < 1:
+            raise invalid_argument("t_mul", "a float >= 1", t_mul)
+        if not is_number(m_mul) or not 0 < m_mul <= 1:
+            raise invalid_argument("m_mul", "a float in (0, 1]", m_mul)
         if restart_epochs is None and (t_mul != 1 or m_mul != 1):
             raise ValueError(
                 "Arguments `t_mul` and `m_mul` only apply to warm restarts: pass `restart_epochs` too. "
                 f"Received: restart_epochs=None, t_mul={t_mul}, m_mul={m_mul}"
             )
-        if total_steps is not None and (not _is_number(total_steps) or total_steps <= 0):
-            raise _invalid("total_steps", "None or a number > 0", total_steps)
+        if total_steps is not None and (not is_number(total_steps) or total_steps <= 0):
+            raise invalid_argument("total_steps", "None or a number > 0", total_steps)
         self.peak_lr = peak_lr
         self.warmup_epochs = warmup_epochs
         self.warmup_steps = warmup_steps

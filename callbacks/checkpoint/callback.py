@@ -24,7 +24,6 @@ from trainwell import runtime
 from trainwell.callbacks.base import StatefulCallback, stateful_callbacks
 from trainwell.callbacks.checkpoint.files import (
     clean_stale_temporaries,
-    is_int,
     latest_checkpoint,
     list_checkpoints,
 )
@@ -34,6 +33,7 @@ from trainwell.callbacks.checkpoint.state import config_to_dict, load_checkpoint
 from trainwell.callbacks.checkpoint.writer import CheckpointWriter
 from trainwell.compat.keras_internals import get_initial_epoch, set_initial_epoch
 from trainwell.compat.metrics import finite_value
+from trainwell.validation import is_int
 
 
 class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallback):

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from trainwell.io import fsync_dir, remove_stale_temporaries
+from trainwell.validation import is_int
 
 logger = logging.getLogger("trainwell.checkpoint")
 
@@ -79,10 +80,6 @@ class CheckpointCorruptError(ValueError):
     A resume skips a damaged checkpoint with a warning and loads the next older
     one; this is raised when none is left.
     """
-
-
-def is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def encode_array(arr: np.ndarray) -> tuple[np.ndarray, str]:

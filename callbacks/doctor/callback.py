@@ -38,6 +38,7 @@ from trainwell.callbacks.doctor.step_rules import (
 from trainwell.compat.keras_internals import adapter_sample_source, fit_epoch_iterator
 from trainwell.compat.learning_rate import current_lr, inner_optimizer
 from trainwell.io import atomic_write_json
+from trainwell.validation import invalid_argument, is_int
 
 __all__ = ["TrainingDoctor", "Finding"]
 
@@ -51,14 +52,6 @@ _AUTO_PROBE_SIZE = 32
 #: 5-step medians and the input-bound check a few timed steps.
 _MIN_STEPS_TO_JUDGE = 30
 _CONSEQUENCES_OF_DIVERGENCE = ("dead_units", "vanishing_gradients", "oscillation", "slow_convergence")
-
-
-def _invalid(name: str, expected: str, value: Any) -> ValueError:
-    return ValueError(f"Invalid value for argument `{name}`. Expected {expected}. Received: {name}={value!r}")
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 
@@ -250,25 +243,25 @@ class TrainingDoctor(StatefulCallback):
         thresholds: dict[str, float] | None = None,
         track_updates: bool = True,
     ) -> None:
-        if not _is_int(every_n_steps) or every_n_steps < 1:
-            raise _invalid("every_n_steps", "an integer >= 1", every_n_steps)
+        if not is_int(every_n_steps) or every_n_steps < 1:
+            raise invalid_argument("every_n_steps", "an integer >= 1", every_n_steps)
         if probe_batch is not None and not isinstance(probe_batch, (tuple, list)):
-            raise _invalid("probe_batch", "None or a tuple `(x, y)` / `(x, y, sample_weight)`", type(probe_batch).__name__)
+            raise invalid_argument("probe_batch", "None or a tuple `(x, y)` / `(x, y, sample_weight)`", type(probe_batch).__name__)
         if probe_batch is not None and not 1 <= len(probe_batch) <= 3:
-            raise _invalid("probe_batch", "a tuple of 1 to 3 items `(x, y, sample_weight)`", f"<{len(probe_batch)} items>")
+            raise invalid_argument("probe_batch", "a tuple of 1 to 3 items `(x, y, sample_weight)`", f"<{len(probe_batch)} items>")
         if verbose not in (0, 1, 2):
-            raise _invalid("verbose", "0, 1 or 2", verbose)
-        if not _is_int(window) or window < 20:
-            raise _invalid("window", "an integer >= 20", window)
+            raise invalid_argument("verbose", "0, 1 or 2", verbose)
+        if not is_int(window) or window < 20:
+            raise invalid_argument("window", "an integer >= 20", window)
         if checks is not None:
             bad = [c for c in checks if c not in CODES]
             if bad or isinstance(checks, str):
-                raise _invalid("checks", f"None or a list of codes from {CODES}", checks)
+                raise invalid_argument("checks", f"None or a list of codes from {CODES}", checks)
         if thresholds is not None:
             if not isinstance(thresholds, dict) or any(k not in DEFAULT_THRESHOLDS for k in thresholds):
-                raise _invalid("thresholds", f"None or a dict with keys from {sorted(DEFAULT_THRESHOLDS)}", thresholds)
+                raise invalid_argument("thresholds", f"None or a dict with keys from {sorted(DEFAULT_THRESHOLDS)}", thresholds)
         if not isinstance(track_updates, bool):
-            raise _invalid("track_updates", "a bool", track_updates)
+            raise invalid_argument("track_updates", "a bool", track_updates)
         self.every_n_steps = int(every_n_steps)
         self.probe_batch = probe_batch
         self.run_dir = None if run_dir is None else os.fspath(run_dir)
