@@ -15,14 +15,14 @@ from pathlib import Path
 import keras_tuner
 from keras_tuner.engine.metrics_tracking import infer_metric_direction
 
+from trainwell import quick
+from trainwell.compat import metric_direction
 from trainwell.compat.keras_tuner import (
     atomic_keras_tuner_saves,
     has_chief_oracle,
     is_chief_oracle,
     recover_interrupted_trials,
 )
-from trainwell import quick
-from trainwell.compat import metric_direction
 from trainwell.config import ConfigError
 from trainwell.io import atomic_write_json
 from trainwell.recipes import get
