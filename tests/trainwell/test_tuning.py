@@ -723,3 +723,17 @@ def test_pbt_runs_on_a_chief_and_two_workers_with_exploits_from_the_donors_check
             parent = by_id[r["parent"]]
             assert (parent["member"], parent["generation"]) == (r["member"], r["generation"] - 1)
             assert r["hyperparameters"] == parent["hyperparameters"]
+
+
+def test_objective_direction_follows_keras_names_then_keras_tuner_and_refuses_a_guess(tmp_path):
+    # Before: any objective without "loss"/"error" in its name was maximised (val_mae went up).
+    from trainwell import tuning  # lazy: KerasTuner's imports; the subprocess tests import this module
+
+    def direction(objective):
+        t = tuning.make_tuner(tiny_hypermodel(epochs=1), "random", max_trials=1, directory=tmp_path,
+                              project_name=objective, objective=objective)
+        return t.oracle.objective.direction
+
+    assert [direction(o) for o in ("val_mae", "val_accuracy", "val_f1_score", "val_loss")] == ["min", "max", "max", "min"]
+    with pytest.raises(ValueError, match=r"keras_tuner.Objective\('val_custom', 'min' or 'max'\)"):
+        direction("val_custom")
