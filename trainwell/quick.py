@@ -31,6 +31,7 @@ import sys
 import keras
 
 from trainwell.config import ConfigError
+from trainwell.validation import invalid_argument, is_int
 
 #: The environment variable.
 ENV = "TRAINWELL_QUICK"
@@ -157,7 +158,7 @@ def lr_find_steps(steps: int, probe_steps: int | None):
         return steps, probe_steps
     _announce("lr_find", f"quick LR finder: at most {c.lr_steps} range-test steps and {c.lr_steps} steps per probe.")
     def cap(n):  # a bad value is left to `lr_find`'s own check
-        return n if isinstance(n, bool) or not isinstance(n, int) else min(n, c.lr_steps)
+        return min(n, c.lr_steps) if is_int(n) else n
 
     return cap(steps), cap(probe_steps)
 
@@ -185,8 +186,8 @@ class QuickRun(keras.callbacks.Callback):
 
     def __init__(self, batches: int = 1) -> None:
         super().__init__()
-        if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
-            raise ValueError(f"Invalid value for argument `batches`. Expected an integer >= 1. Received: batches={batches!r}")
+        if not (is_int(batches) and batches >= 1):
+            raise invalid_argument("batches", "an integer >= 1", batches)
         self.batches = batches
         self._trained = 0
         self._evaluated = 0
