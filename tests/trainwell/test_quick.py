@@ -96,7 +96,7 @@ def test_a_search_under_the_switch_runs_one_trial(monkeypatch, tmp_path):
 
     name = "trainwell_test_tuning_recipe"  # the tiny MLP recipe of test_tuning.py, as a module of its own
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_tuning.py"))
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "tuning" / "test_tuning.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)

@@ -3,7 +3,7 @@
 Searches run on a tiny recipe defined here (an MLP on the embedded 8x8 digits,
 built like the real recipes: `setup_run`, `standard_callbacks` with NaN rollback,
 early stopping and checkpoints, `finish_run`), so a trial takes about a second.
-Subprocess tests import this file as `test_tuning` (PYTHONPATH=tests/trainwell)
+Subprocess tests import this file as `test_tuning` (PYTHONPATH=tests/trainwell/tuning)
 and name the recipe `test_tuning:tiny_hypermodel` on the command line.
 """
 
@@ -25,7 +25,7 @@ import pytest
 from trainwell.config import BaseConfig
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+ROOT = HERE.parents[2]
 RECIPE = "tiny"
 
 
