@@ -228,3 +228,14 @@ def test_layerwise_adamw_matches_adamw_and_scales_or_freezes_variables():
     assert (config["lr_scales"], config["freeze_steps"]) == ({"a": 0.5}, 2)
     with pytest.raises(ValueError, match="Received: freeze_steps=-1"):
         LW(learning_rate=1e-3, weight_decay=0.1, freeze_steps=-1)
+
+
+def test_layerwise_adamw_head_phase_without_head_lr_runs_at_the_schedule_step_0_value():
+    from trainwell.callbacks.schedules import WarmupCosineDecay
+
+    sched = WarmupCosineDecay(0.1, total_steps=10)  # no warmup: 0.1 at step 0
+    opt = LayerwiseAdamW(learning_rate=sched, weight_decay=0.0, freeze_steps=2)
+    sched.multiplier.assign(0.5)  # what a NaN rollback does: the LR is halved, not quartered
+    assert float(opt.learning_rate) == pytest.approx(0.05)
+    opt.head_lr = 0.2  # with head_lr, the multiplier applies to it
+    assert float(opt.learning_rate) == pytest.approx(0.1)

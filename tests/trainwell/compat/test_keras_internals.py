@@ -111,3 +111,20 @@ def test_initial_epoch_default_and_tf_accessors():
     assert ti.strategy_num_workers(tf.distribute.get_strategy()) is None
     g = tf.random.get_global_generator()
     assert ti.tf_global_generator() is g
+
+
+def test_optimizer_hooks_weight_decay_pass_exclusion_and_variable_index():
+    class NoDecaySGD(ki.OwnWeightDecay, keras.optimizers.SGD):
+        pass
+
+    stepped = []
+    for cls in (keras.optimizers.SGD, NoDecaySGD):  # a zero gradient: only the decay pass moves the weights
+        a, bias = keras.Variable([1.0, 2.0]), keras.Variable([1.0], name="bias")
+        opt = cls(0.1, weight_decay=0.5)
+        opt.exclude_from_weight_decay(var_names=["bias"])
+        opt.apply([keras.ops.zeros((2,)), keras.ops.zeros((1,))], [a, bias])
+        stepped.append(a.numpy().tolist())
+        assert (ki.uses_weight_decay(opt, a), ki.uses_weight_decay(opt, bias)) == (True, False)
+        assert (ki.variable_index(opt, a), ki.variable_index(opt, bias)) == (0, 1)
+        assert ki.variable_index(opt, bias.value) == 1  # the backend variable the TF backend passes to update_step
+    assert stepped == [pytest.approx([0.95, 1.9]), [1.0, 2.0]]  # Keras decays through the name the mixin silences
