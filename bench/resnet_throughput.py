@@ -179,6 +179,7 @@ class InProcess:
     def _build_recipe(self):
         import keras
 
+        from trainwell.compat.learning_rate import raw_learning_rate
         from trainwell.recipes import resnet_imagenet as R
 
         a, s = self.args, self.spec
@@ -203,8 +204,7 @@ class InProcess:
                 steps_per_execution=self.cfg.steps_per_execution,
             )
         self.model = model
-        opt = model.optimizer
-        self.schedule = getattr(getattr(opt, "inner_optimizer", opt), "_learning_rate", None)
+        self.schedule = raw_learning_rate(model.optimizer)  # what the recipe hands its callbacks
         keras.mixed_precision.set_global_policy("float32")
 
     @property
