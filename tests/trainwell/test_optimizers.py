@@ -187,13 +187,15 @@ def _tiny_dense(seed=1):
     return keras.Model(inputs, keras.layers.Dense(2, name="logits")(h))
 
 
-def _three_steps(opt):
+def _three_steps(opt, run_eagerly=True):
+    """Three `train_on_batch` steps; eager by default (a traced train function costs ~4 s per model here)."""
     import keras
 
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(16, 6)).astype("float32"), rng.integers(0, 2, 16)
     model = _tiny_dense()
-    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  run_eagerly=run_eagerly)
     before = {v.path: v.numpy().copy() for v in model.trainable_variables}
     for _ in range(3):
         model.train_on_batch(x, y)
@@ -217,10 +219,12 @@ def test_layerwise_adamw_matches_adamw_and_scales_or_freezes_variables():
     step_half = np.abs(half["logits/kernel"] - before["logits/kernel"]).mean()
     step_full = np.abs(full["logits/kernel"] - before["logits/kernel"]).mean()
     assert 0.4 < step_half / step_full < 0.6
-    # freeze phase: the frozen variables stay put for `freeze_steps`, the rest trains at head_lr
+    # freeze phase: the frozen variables stay put for `freeze_steps`, the rest trains at head_lr;
+    # traced, as `fit` runs it (the factor and the LR are tensors of `iterations` here)
     frozen = ["body/kernel", "body/bias", "norm/gamma", "norm/beta"]
     model, before, after = _three_steps(
-        LW(learning_rate=1e-9, weight_decay=0.1, frozen_variables=frozen, freeze_steps=3, head_lr=1e-2))
+        LW(learning_rate=1e-9, weight_decay=0.1, frozen_variables=frozen, freeze_steps=3, head_lr=1e-2),
+        run_eagerly=False)
     for p in before:
         assert np.array_equal(after[p], before[p]) == (p in frozen), p
     assert np.isclose(float(model.optimizer.learning_rate), 1e-9)  # after the phase: the schedule again
