@@ -17,6 +17,7 @@ from keras import ops
 
 from trainwell.compat.keras_internals import OwnWeightDecay, uses_weight_decay, variable_index
 from trainwell.compat.learning_rate import raw_learning_rate
+from trainwell.validation import invalid_argument, is_int, is_number
 
 # Regex patterns (`re.search`) matching BatchNorm/LayerNorm scale and offset and all
 # biases in Keras 3: their variables are named "gamma", "beta" and "bias" (a
@@ -45,10 +46,7 @@ def exclude_norm_and_bias(optimizer):
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if not hasattr(inner, "exclude_from_weight_decay"):
-        raise ValueError(
-            "Invalid value for argument `optimizer`. Expected a keras.optimizers.Optimizer. "
-            f"Received: optimizer={optimizer!r}"
-        )
+        raise invalid_argument("optimizer", "a keras.optimizers.Optimizer", optimizer)
     inner.exclude_from_weight_decay(var_names=list(NORM_AND_BIAS_PATTERNS))
     return optimizer
 
@@ -57,16 +55,12 @@ def _check_patterns(arg: str, value) -> list[str] | None:
     if value is None:
         return None
     if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(p, str) for p in value):
-        raise ValueError(
-            f"Invalid value for argument `{arg}`. Expected None or a list of regex strings. Received: {arg}={value!r}"
-        )
+        raise invalid_argument(arg, "None or a list of regex strings", value)
     for p in value:
         try:
             re.compile(p)
         except re.error as e:
-            raise ValueError(
-                f"Invalid value for argument `{arg}`. Expected valid regular expressions ({e}). Received: {arg}={value!r}"
-            ) from None
+            raise invalid_argument(arg, f"valid regular expressions ({e})", value) from None
     return list(value)
 
 
@@ -144,7 +138,7 @@ class LARS(OwnWeightDecay, keras.optimizers.Optimizer):
         name: str = "lars",
         **kwargs,
     ):
-        if isinstance(learning_rate, int) and not isinstance(learning_rate, bool):
+        if is_int(learning_rate):
             learning_rate = float(learning_rate)
         for arg, value, lo, hi, lo_open in (
             ("momentum", momentum, 0.0, 1.0, False),
@@ -152,11 +146,10 @@ class LARS(OwnWeightDecay, keras.optimizers.Optimizer):
             ("trust_coefficient", trust_coefficient, 0.0, None, True),
             ("epsilon", epsilon, 0.0, None, False),
         ):
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            ok = ok and (value > lo if lo_open else value >= lo) and (hi is None or value < hi)
+            ok = is_number(value) and (value > lo if lo_open else value >= lo) and (hi is None or value < hi)
             if not ok:
                 rng = f"in [{lo}, {hi})" if hi is not None else (f"> {lo}" if lo_open else f">= {lo}")
-                raise ValueError(f"Invalid value for argument `{arg}`. Expected a float {rng}. Received: {arg}={value!r}")
+                raise invalid_argument(arg, f"a float {rng}", value)
         wd_patterns = _check_patterns("exclude_from_weight_decay", exclude_from_weight_decay)
         adapt_patterns = _check_patterns("exclude_from_layer_adaptation", exclude_from_layer_adaptation)
         super().__init__(learning_rate=learning_rate, weight_decay=float(weight_decay), name=name, **kwargs)
@@ -290,16 +283,12 @@ class LayerwiseAdamW(OwnWeightDecay, keras.optimizers.AdamW):
         super().__init__(*args, **kwargs)
         scales = dict(lr_scales or {})
         for k, s in scales.items():
-            if not isinstance(s, (int, float)) or isinstance(s, bool) or s < 0:
-                raise ValueError(
-                    f"Invalid value for argument `lr_scales`. Expected factors >= 0. Received: {k}={s!r}"
-                )
-        if isinstance(freeze_steps, bool) or not isinstance(freeze_steps, int) or freeze_steps < 0:
-            raise ValueError(
-                f"Invalid value for argument `freeze_steps`. Expected an int >= 0. Received: freeze_steps={freeze_steps!r}"
-            )
-        if head_lr is not None and (not isinstance(head_lr, (int, float)) or head_lr <= 0):
-            raise ValueError(f"Invalid value for argument `head_lr`. Expected a float > 0. Received: head_lr={head_lr!r}")
+            if not is_number(s) or s < 0:
+                raise invalid_argument("lr_scales", f"factors >= 0 ({k!r} has {s!r})", lr_scales)
+        if not is_int(freeze_steps) or freeze_steps < 0:
+            raise invalid_argument("freeze_steps", "an int >= 0", freeze_steps)
+        if head_lr is not None and (not is_number(head_lr) or head_lr <= 0):
+            raise invalid_argument("head_lr", "a float > 0", head_lr)
         self.lr_scales = {str(k): float(v) for k, v in scales.items()}
         self.frozen_variables = [str(p) for p in (frozen_variables or [])]
         self.freeze_steps = int(freeze_steps)

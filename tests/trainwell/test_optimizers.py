@@ -243,3 +243,13 @@ def test_layerwise_adamw_head_phase_without_head_lr_runs_at_the_schedule_step_0_
     assert float(opt.learning_rate) == pytest.approx(0.05)
     opt.head_lr = 0.2  # with head_lr, the multiplier applies to it
     assert float(opt.learning_rate) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"head_lr": True}, "Received: head_lr=True"),
+    ({"lr_scales": {"a": -1.0}}, r"Expected factors >= 0 \('a' has -1.0\)"),
+    ({"lr_scales": {"a": float("inf")}}, "Received: lr_scales="),
+])
+def test_layerwise_adamw_invalid_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LayerwiseAdamW(learning_rate=1e-3, **kwargs)
