@@ -151,7 +151,8 @@ def test_exclude_norm_and_bias_helper_on_adamw():
 @pytest.mark.parametrize(
     "kwargs",
     [{"momentum": 1.0}, {"momentum": -0.1}, {"weight_decay": -1.0}, {"trust_coefficient": 0.0},
-     {"epsilon": -1e-3}, {"exclude_from_weight_decay": "bias"}, {"exclude_from_layer_adaptation": ["("]}],
+     {"epsilon": -1e-3}, {"weight_decay": float("inf")}, {"exclude_from_weight_decay": "bias"},
+     {"exclude_from_layer_adaptation": ["("]}],
 )
 def test_invalid_arguments(kwargs):
     with pytest.raises(ValueError, match="Received: "):
