@@ -82,7 +82,7 @@ from trainwell.data.sources import (
 )
 from trainwell.data import embedded
 from trainwell.data.embedded import stratified_split
-from trainwell.validation import invalid_argument
+from trainwell.validation import invalid_argument, is_int, is_number
 
 logger = logging.getLogger("trainwell.data")
 
@@ -933,9 +933,9 @@ def _check_arguments(*, source, image_size, global_batch_size, augment, val_frac
     if not isinstance(source, str) or not source.strip():
         raise invalid_argument("source", "a non-empty string such as 'tfds:cifar10', 'folder:PATH', 'tfrecord:GLOB', "
               "'mnist5k', 'digits' or 'synthetic'", source)
-    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
+    if not is_int(image_size) or image_size < 1:
         raise invalid_argument("image_size", "an int >= 1", image_size)
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+    if not is_int(global_batch_size) or global_batch_size < 1:
         raise invalid_argument("global_batch_size", "an int >= 1", global_batch_size)
     if augment is None or augment is True:
         augment = "auto"
@@ -944,19 +944,19 @@ def _check_arguments(*, source, image_size, global_batch_size, augment, val_frac
     if augment not in AUGMENTATIONS:
         raise invalid_argument("augment", f"one of {', '.join(map(repr, AUGMENTATIONS))}, None or False", augment)
     for arg, v in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+        if not is_number(v) or not 0 <= v < 1:
             raise invalid_argument(arg, "a float in [0, 1)", v)
     if val_fraction + test_fraction >= 1:
         raise invalid_argument("test_fraction", f"val_fraction + test_fraction < 1 (val_fraction={val_fraction})", test_fraction)
     if eval_crop_fraction is not None and not 0 < eval_crop_fraction <= 1:
         raise invalid_argument("eval_crop_fraction", "None or a float in (0, 1]", eval_crop_fraction)
-    if num_classes is not None and (not isinstance(num_classes, int) or num_classes < 1):
+    if num_classes is not None and (not is_int(num_classes) or num_classes < 1):
         raise invalid_argument("num_classes", "None or an int >= 1", num_classes)
-    if crop_padding is not None and (isinstance(crop_padding, bool) or not isinstance(crop_padding, int) or crop_padding < 0):
+    if crop_padding is not None and (not is_int(crop_padding) or crop_padding < 0):
         raise invalid_argument("crop_padding", "None or an int >= 0", crop_padding)
-    if not isinstance(shuffle_buffer, int) or shuffle_buffer < 1:
+    if not is_int(shuffle_buffer) or shuffle_buffer < 1:
         raise invalid_argument("shuffle_buffer", "an int >= 1", shuffle_buffer)
-    if not isinstance(cycle_length, int) or cycle_length < 1:
+    if not is_int(cycle_length) or cycle_length < 1:
         raise invalid_argument("cycle_length", "an int >= 1", cycle_length)
     if not isinstance(cache, (bool, str)):
         raise invalid_argument("cache", "a bool or a file path prefix", cache)
