@@ -3,7 +3,10 @@
 Trains ResNet-50 (224 px, 1000 classes) on synthetic data (one fixed batch of random,
 already-normalised images: no decoding, so the model and the training loop are
 measured, not the input pipeline) and prints one JSON object with training images/s
-of each configuration. A configuration is a name made of dash-separated tokens:
+of each configuration. One script (~700 lines) because a bench runs as one file: the
+configurations, the alternating rounds and the callback profile share one runner and
+one JSON; what other benches share is in `bench/_common.py`. A configuration is a name
+made of dash-separated tokens:
 
 - `recipe-...`: `trainwell.recipes.resnet_imagenet` as `train()` sets it up: its
   `synthetic` data source, `build_model` (ResNet v1.5), `build_optimizer` (SGD +
@@ -179,6 +182,7 @@ class InProcess:
     def _build_recipe(self):
         import keras
 
+        from trainwell.compat.learning_rate import raw_learning_rate
         from trainwell.recipes import resnet_imagenet as R
 
         a, s = self.args, self.spec
@@ -203,8 +207,7 @@ class InProcess:
                 steps_per_execution=self.cfg.steps_per_execution,
             )
         self.model = model
-        opt = model.optimizer
-        self.schedule = getattr(getattr(opt, "inner_optimizer", opt), "_learning_rate", None)
+        self.schedule = raw_learning_rate(model.optimizer)  # what the recipe hands its callbacks
         keras.mixed_precision.set_global_policy("float32")
 
     @property

@@ -13,8 +13,11 @@ import re
 from collections.abc import Sequence
 
 import keras
-import tensorflow as tf
 from keras import ops
+
+from trainwell.compat.keras_internals import OwnWeightDecay, uses_weight_decay, variable_index
+from trainwell.compat.learning_rate import raw_learning_rate
+from trainwell.validation import invalid_argument, is_int, is_number
 
 # Regex patterns (`re.search`) matching BatchNorm/LayerNorm scale and offset and all
 # biases in Keras 3: their variables are named "gamma", "beta" and "bias" (a
@@ -43,10 +46,7 @@ def exclude_norm_and_bias(optimizer):
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if not hasattr(inner, "exclude_from_weight_decay"):
-        raise ValueError(
-            "Invalid value for argument `optimizer`. Expected a keras.optimizers.Optimizer. "
-            f"Received: optimizer={optimizer!r}"
-        )
+        raise invalid_argument("optimizer", "a keras.optimizers.Optimizer", optimizer)
     inner.exclude_from_weight_decay(var_names=list(NORM_AND_BIAS_PATTERNS))
     return optimizer
 
@@ -55,16 +55,12 @@ def _check_patterns(arg: str, value) -> list[str] | None:
     if value is None:
         return None
     if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(p, str) for p in value):
-        raise ValueError(
-            f"Invalid value for argument `{arg}`. Expected None or a list of regex strings. Received: {arg}={value!r}"
-        )
+        raise invalid_argument(arg, "None or a list of regex strings", value)
     for p in value:
         try:
             re.compile(p)
         except re.error as e:
-            raise ValueError(
-                f"Invalid value for argument `{arg}`. Expected valid regular expressions ({e}). Received: {arg}={value!r}"
-            ) from None
+            raise invalid_argument(arg, f"valid regular expressions ({e})", value) from None
     return list(value)
 
 
@@ -76,7 +72,7 @@ def _matches(patterns: list[str] | None, variable) -> bool:
 
 
 @keras.saving.register_keras_serializable(package="trainwell")
-class LARS(keras.optimizers.Optimizer):
+class LARS(OwnWeightDecay, keras.optimizers.Optimizer):
     """Layer-wise Adaptive Rate Scaling (You, Gitman & Ginsburg 2017), as TF Model Garden.
 
     No Keras built-in fits: Keras 3 has no LARS, and `SGD(weight_decay=...)` applies
@@ -97,8 +93,8 @@ class LARS(keras.optimizers.Optimizer):
     w = w - learning_rate * trust_coefficient * ||w|| / (||u|| + epsilon) * u
     ```
 
-    Weight decay is applied exactly once, LARS-style: the base class's decoupled
-    decay (`Optimizer._apply_weight_decay`) is disabled. Exclusion patterns are regexes
+    Weight decay is applied exactly once, LARS-style: Keras's decoupled decay pass
+    is off (`trainwell.compat.keras_internals.OwnWeightDecay`). Exclusion patterns are regexes
     searched in each variable's `path` (e.g. `"conv1/kernel"`, `"bn/gamma"`); pass
     `NORM_AND_BIAS_PATTERNS` to exclude BatchNorm/LayerNorm and biases (the usual
     large-batch practice). The base class's `exclude_from_weight_decay(var_list=...,
@@ -142,7 +138,7 @@ class LARS(keras.optimizers.Optimizer):
         name: str = "lars",
         **kwargs,
     ):
-        if isinstance(learning_rate, int) and not isinstance(learning_rate, bool):
+        if is_int(learning_rate):
             learning_rate = float(learning_rate)
         for arg, value, lo, hi, lo_open in (
             ("momentum", momentum, 0.0, 1.0, False),
@@ -150,11 +146,10 @@ class LARS(keras.optimizers.Optimizer):
             ("trust_coefficient", trust_coefficient, 0.0, None, True),
             ("epsilon", epsilon, 0.0, None, False),
         ):
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            ok = ok and (value > lo if lo_open else value >= lo) and (hi is None or value < hi)
+            ok = is_number(value) and (value > lo if lo_open else value >= lo) and (hi is None or value < hi)
             if not ok:
                 rng = f"in [{lo}, {hi})" if hi is not None else (f"> {lo}" if lo_open else f">= {lo}")
-                raise ValueError(f"Invalid value for argument `{arg}`. Expected a float {rng}. Received: {arg}={value!r}")
+                raise invalid_argument(arg, f"a float {rng}", value)
         wd_patterns = _check_patterns("exclude_from_weight_decay", exclude_from_weight_decay)
         adapt_patterns = _check_patterns("exclude_from_layer_adaptation", exclude_from_layer_adaptation)
         super().__init__(learning_rate=learning_rate, weight_decay=float(weight_decay), name=name, **kwargs)
@@ -169,16 +164,12 @@ class LARS(keras.optimizers.Optimizer):
         self._adapt_flags: list[bool] = []
 
     # ----------------------------------------------------------------- decay
-    def _apply_weight_decay(self, variables):
-        """Disabled: LARS adds the decay to the gradient in `update_step`."""
-        return
-
-    def _use_weight_decay(self, variable) -> bool:
+    def _decays(self, variable) -> bool:
         if not self.weight_decay:
             return False
         if _matches(self._exclude_wd_patterns, variable):
             return False
-        return super()._use_weight_decay(variable)
+        return uses_weight_decay(self, variable)
 
     def _use_layer_adaptation(self, variable) -> bool:
         patterns = self._exclude_adapt_patterns
@@ -195,12 +186,12 @@ class LARS(keras.optimizers.Optimizer):
         self.momentums = self.add_optimizer_variables(variables, "momentum")
         # Decided once on the Keras variables (their `path`): inside `update_step` the
         # TF backend passes the underlying tf.Variable.
-        self._decay_flags = [bool(self._use_weight_decay(v)) for v in variables]
+        self._decay_flags = [self._decays(v) for v in variables]
         self._adapt_flags = [bool(self._use_layer_adaptation(v)) for v in variables]
 
     def update_step(self, gradient, variable, learning_rate):
         """Applies one LARS step to `variable`."""
-        index = self._get_variable_index(variable)
+        index = variable_index(self, variable)
         dtype = variable.dtype
         lr = ops.cast(learning_rate, dtype)
         grad = ops.cast(gradient, dtype)
@@ -256,7 +247,7 @@ class LARS(keras.optimizers.Optimizer):
 
 
 @keras.saving.register_keras_serializable(package="trainwell")
-class LayerwiseAdamW(keras.optimizers.AdamW):
+class LayerwiseAdamW(OwnWeightDecay, keras.optimizers.AdamW):
     """`keras.optimizers.AdamW` with a learning-rate factor per variable.
 
     Extends Keras's `AdamW` (same arguments): Keras has no per-variable learning
@@ -265,8 +256,12 @@ class LayerwiseAdamW(keras.optimizers.AdamW):
     `learning_rate * lr_scales[variable.path]` (1.0 for paths not listed), and the
     variables in `frozen_variables` have factor 0 until the optimizer has taken
     `freeze_steps` steps. During those steps the learning rate is `head_lr`
-    (times the schedule's LR multiplier, so NaN rollback can lower it); afterwards
-    the schedule runs from its step 0, i.e. a fresh warmup.
+    (times the schedule's LR multiplier, so NaN rollback can lower it; without
+    `head_lr`, the schedule's value at its step 0); afterwards the schedule runs
+    from its step 0, i.e. a fresh warmup. The decay is AdamW's, applied in
+    `update_step` with the variable's factor (Keras's own decay pass, one LR for
+    all, is off: `trainwell.compat.keras_internals.OwnWeightDecay`); the head-only
+    phase is the public `learning_rate` property, overridden.
 
     Args:
         lr_scales: `{variable path: factor >= 0}`. Defaults to `None` (all 1).
@@ -288,16 +283,12 @@ class LayerwiseAdamW(keras.optimizers.AdamW):
         super().__init__(*args, **kwargs)
         scales = dict(lr_scales or {})
         for k, s in scales.items():
-            if not isinstance(s, (int, float)) or isinstance(s, bool) or s < 0:
-                raise ValueError(
-                    f"Invalid value for argument `lr_scales`. Expected factors >= 0. Received: {k}={s!r}"
-                )
-        if isinstance(freeze_steps, bool) or not isinstance(freeze_steps, int) or freeze_steps < 0:
-            raise ValueError(
-                f"Invalid value for argument `freeze_steps`. Expected an int >= 0. Received: freeze_steps={freeze_steps!r}"
-            )
-        if head_lr is not None and (not isinstance(head_lr, (int, float)) or head_lr <= 0):
-            raise ValueError(f"Invalid value for argument `head_lr`. Expected a float > 0. Received: head_lr={head_lr!r}")
+            if not is_number(s) or s < 0:
+                raise invalid_argument("lr_scales", f"factors >= 0 ({k!r} has {s!r})", lr_scales)
+        if not is_int(freeze_steps) or freeze_steps < 0:
+            raise invalid_argument("freeze_steps", "an int >= 0", freeze_steps)
+        if head_lr is not None and (not is_number(head_lr) or head_lr <= 0):
+            raise invalid_argument("head_lr", "a float > 0", head_lr)
         self.lr_scales = {str(k): float(v) for k, v in scales.items()}
         self.frozen_variables = [str(p) for p in (frozen_variables or [])]
         self.freeze_steps = int(freeze_steps)
@@ -311,53 +302,44 @@ class LayerwiseAdamW(keras.optimizers.AdamW):
 
     def _scale(self, variable):
         """The factor of `variable`: a Python float, or a tensor during the freeze."""
-        i = self._get_variable_index(variable)
+        i = variable_index(self, variable)
         s = self._tw_scales[i]
         if self._tw_frozen[i]:
-            gate = ops.cast(ops.greater_equal(self._iterations, self.freeze_steps), "float32")
+            gate = ops.cast(ops.greater_equal(self.iterations, self.freeze_steps), "float32")
             return gate * s
         return s
 
-    def _get_current_learning_rate(self):
-        lr = super()._get_current_learning_rate()
+    @property
+    def learning_rate(self):
+        """The LR of the next step: in the head-only phase `head_lr`, then the schedule from its step 0."""
+        lr = super().learning_rate
         if self.freeze_steps <= 0:
             return lr
-        sched = self._learning_rate
-        it = self._iterations
+        sched = raw_learning_rate(self)
+        it = self.iterations
         if isinstance(sched, keras.optimizers.schedules.LearningRateSchedule):
-            later = sched(ops.maximum(it - self.freeze_steps, 0))
+            later = ops.cast(sched(ops.maximum(it - self.freeze_steps, 0)), "float32")
             mult = ops.cast(getattr(sched, "multiplier", 1.0), "float32")
         else:
             later, mult = ops.cast(lr, "float32"), 1.0
-        head = (self.head_lr if self.head_lr is not None else ops.cast(later, "float32")) * mult
-        return ops.where(it < self.freeze_steps, ops.cast(head, "float32"), ops.cast(later, "float32"))
+        # `later` already carries the schedule's multiplier; `head_lr` gets it here.
+        head = later if self.head_lr is None else ops.cast(self.head_lr * mult, "float32")
+        return ops.where(it < self.freeze_steps, head, later)
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        keras.optimizers.AdamW.learning_rate.fset(self, value)
 
     def update_step(self, gradient, variable, learning_rate):
+        """AdamW's decoupled weight decay, then Adam's step, both at `learning_rate` times the variable's factor."""
         s = self._scale(variable)
         if not (isinstance(s, float) and s == 1.0):
             learning_rate = ops.cast(learning_rate, "float32") * s
+        if self.weight_decay is not None and uses_weight_decay(self, variable):
+            lr = ops.cast(learning_rate, variable.dtype)
+            wd = ops.cast(self.weight_decay, variable.dtype)
+            self.assign_sub(variable, variable * wd * lr)
         return super().update_step(gradient, variable, learning_rate)
-
-    def _apply_weight_decay(self, variables):
-        if self.weight_decay is None:
-            return
-
-        def distributed_apply_weight_decay(distribution, variables, **kwargs):
-            def weight_decay_fn(variable):
-                if self._use_weight_decay(variable):
-                    s = self._scale(variable)
-                    lr = tf.cast(self.learning_rate, variable.dtype) * tf.cast(s, variable.dtype)
-                    wd = tf.cast(self.weight_decay, variable.dtype)
-                    variable.assign_sub(variable * wd * lr)
-
-            for variable in variables:
-                if isinstance(variable, keras.Variable):
-                    variable = variable.value
-                distribution.extended.update(variable, weight_decay_fn, group=False)
-
-        tf.__internal__.distribute.interim.maybe_merge_call(
-            distributed_apply_weight_decay, self._distribution_strategy, variables
-        )
 
     def get_config(self):
         config = super().get_config()

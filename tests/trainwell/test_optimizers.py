@@ -151,7 +151,8 @@ def test_exclude_norm_and_bias_helper_on_adamw():
 @pytest.mark.parametrize(
     "kwargs",
     [{"momentum": 1.0}, {"momentum": -0.1}, {"weight_decay": -1.0}, {"trust_coefficient": 0.0},
-     {"epsilon": -1e-3}, {"exclude_from_weight_decay": "bias"}, {"exclude_from_layer_adaptation": ["("]}],
+     {"epsilon": -1e-3}, {"weight_decay": float("inf")}, {"exclude_from_weight_decay": "bias"},
+     {"exclude_from_layer_adaptation": ["("]}],
 )
 def test_invalid_arguments(kwargs):
     with pytest.raises(ValueError, match="Received: "):
@@ -187,13 +188,15 @@ def _tiny_dense(seed=1):
     return keras.Model(inputs, keras.layers.Dense(2, name="logits")(h))
 
 
-def _three_steps(opt):
+def _three_steps(opt, run_eagerly=True):
+    """Three `train_on_batch` steps; eager by default (a traced train function costs ~4 s per model here)."""
     import keras
 
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(16, 6)).astype("float32"), rng.integers(0, 2, 16)
     model = _tiny_dense()
-    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  run_eagerly=run_eagerly)
     before = {v.path: v.numpy().copy() for v in model.trainable_variables}
     for _ in range(3):
         model.train_on_batch(x, y)
@@ -217,10 +220,12 @@ def test_layerwise_adamw_matches_adamw_and_scales_or_freezes_variables():
     step_half = np.abs(half["logits/kernel"] - before["logits/kernel"]).mean()
     step_full = np.abs(full["logits/kernel"] - before["logits/kernel"]).mean()
     assert 0.4 < step_half / step_full < 0.6
-    # freeze phase: the frozen variables stay put for `freeze_steps`, the rest trains at head_lr
+    # freeze phase: the frozen variables stay put for `freeze_steps`, the rest trains at head_lr;
+    # traced, as `fit` runs it (the factor and the LR are tensors of `iterations` here)
     frozen = ["body/kernel", "body/bias", "norm/gamma", "norm/beta"]
     model, before, after = _three_steps(
-        LW(learning_rate=1e-9, weight_decay=0.1, frozen_variables=frozen, freeze_steps=3, head_lr=1e-2))
+        LW(learning_rate=1e-9, weight_decay=0.1, frozen_variables=frozen, freeze_steps=3, head_lr=1e-2),
+        run_eagerly=False)
     for p in before:
         assert np.array_equal(after[p], before[p]) == (p in frozen), p
     assert np.isclose(float(model.optimizer.learning_rate), 1e-9)  # after the phase: the schedule again
@@ -228,3 +233,24 @@ def test_layerwise_adamw_matches_adamw_and_scales_or_freezes_variables():
     assert (config["lr_scales"], config["freeze_steps"]) == ({"a": 0.5}, 2)
     with pytest.raises(ValueError, match="Received: freeze_steps=-1"):
         LW(learning_rate=1e-3, weight_decay=0.1, freeze_steps=-1)
+
+
+def test_layerwise_adamw_head_phase_without_head_lr_runs_at_the_schedule_step_0_value():
+    from trainwell.callbacks.schedules import WarmupCosineDecay
+
+    sched = WarmupCosineDecay(0.1, total_steps=10)  # no warmup: 0.1 at step 0
+    opt = LayerwiseAdamW(learning_rate=sched, weight_decay=0.0, freeze_steps=2)
+    sched.multiplier.assign(0.5)  # what a NaN rollback does: the LR is halved, not quartered
+    assert float(opt.learning_rate) == pytest.approx(0.05)
+    opt.head_lr = 0.2  # with head_lr, the multiplier applies to it
+    assert float(opt.learning_rate) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"head_lr": True}, "Received: head_lr=True"),
+    ({"lr_scales": {"a": -1.0}}, r"Expected factors >= 0 \('a' has -1.0\)"),
+    ({"lr_scales": {"a": float("inf")}}, "Received: lr_scales="),
+])
+def test_layerwise_adamw_invalid_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LayerwiseAdamW(learning_rate=1e-3, **kwargs)

@@ -1,10 +1,13 @@
-"""Every private Keras name trainwell's callbacks read or write, behind one accessor each.
+"""Every private Keras name trainwell's callbacks and optimizers read or write, behind one accessor each.
 
 Keras 3 gives callbacks no public way to do what an exact-resume checkpoint, a
 NaN rollback and a training doctor need: walk a model's saveables the way
 `.weights.h5` names them, set the epoch `fit` starts at, build a model from an
 input spec, read the loss tracker, compute the loss the way `fit` does, or see
-the data `fit` was given. Each such access is one function here; each calls
+the data `fit` was given. Nor does it give an optimizer subclass a public way
+to decay each variable by its own rule, ask whether a variable is excluded from
+weight decay, or find a variable's slots (`OwnWeightDecay`,
+`uses_weight_decay`, `variable_index`). Each such access is one function here; each calls
 `versions.gate(name)` (a warning on an untested Keras) and raises
 `versions.UpstreamChanged` when the name is gone. `audit()` lists the names the
 installed Keras lacks; `tests/trainwell/compat/test_keras_internals.py` fails on
@@ -46,6 +49,9 @@ __all__ = [
     "compute_loss",
     "fit_epoch_iterator",
     "adapter_sample_source",
+    "OwnWeightDecay",
+    "uses_weight_decay",
+    "variable_index",
 ]
 
 
@@ -326,6 +332,60 @@ def adapter_sample_source(adapter) -> tuple[str, Any]:
     return "none", None
 
 
+# --------------------------------------------------------------------------- optimizers
+
+
+class OwnWeightDecay:
+    """Mixin (listed first among the bases) for an optimizer that applies its weight decay in `update_step`.
+
+    Keras applies decoupled weight decay in a pass of its own before the update
+    (`BaseOptimizer._apply_weight_decay`; on TensorFlow through a `tf.distribute`
+    merge call), with one learning rate for every variable and no public switch
+    that turns it off while keeping `weight_decay`. An optimizer that decays per
+    variable (`trainwell.optimizers.LARS` adds the decay to the gradient,
+    `LayerwiseAdamW` scales it by each variable's LR factor) takes this mixin, and
+    that pass does nothing.
+
+    Example:
+    >>> class NoDecaySGD(OwnWeightDecay, keras.optimizers.SGD):
+    ...     pass
+    >>> v = keras.Variable([1.0]); NoDecaySGD(0.1, weight_decay=0.5).apply([keras.ops.zeros((1,))], [v])
+    >>> v.numpy().tolist()
+    [1.0]
+    """
+
+    def _apply_weight_decay(self, variables):
+        gate("BaseOptimizer._apply_weight_decay")
+
+
+def uses_weight_decay(optimizer, variable) -> bool:
+    """Whether `optimizer`'s weight decay applies to `variable` (`BaseOptimizer._use_weight_decay`).
+
+    False for a variable excluded with the public
+    `optimizer.exclude_from_weight_decay(var_list=..., var_names=...)`.
+
+    Example:
+    >>> opt = keras.optimizers.AdamW(weight_decay=0.1); opt.exclude_from_weight_decay(var_names=["bias"])
+    >>> uses_weight_decay(opt, keras.Variable(0.0, name="bias")), uses_weight_decay(opt, keras.Variable(0.0))
+    (False, True)
+    """
+    return bool(_required(optimizer, "_use_weight_decay", "BaseOptimizer._use_weight_decay")(variable))
+
+
+def variable_index(optimizer, variable) -> int:
+    """The position of `variable` in the per-variable lists a built optimizer keeps (`_get_variable_index`).
+
+    What Keras's own `update_step`s use to find a variable's slots; it accepts the
+    backend variable (the `tf.Variable` the TensorFlow backend passes) too.
+
+    Example:
+    >>> a, b = keras.Variable(1.0), keras.Variable(2.0)
+    >>> opt = keras.optimizers.SGD(); opt.build([a, b]); variable_index(opt, b)
+    1
+    """
+    return int(_required(optimizer, "_get_variable_index", "BaseOptimizer._get_variable_index")(variable))
+
+
 # --------------------------------------------------------------------------- audit
 
 def _has_module_attr(module: str, attr: str) -> Callable[[], bool]:
@@ -361,6 +421,9 @@ _CHECKS: tuple[tuple[str, Callable[[], bool]], ...] = (
     ("Model._compute_loss", _has_class_attr("keras", "Model", "_compute_loss")),
     ("ArrayDataAdapter", _has_module_attr("keras.src.trainers.data_adapters.array_data_adapter", "ArrayDataAdapter")),
     ("TFDatasetAdapter", _has_module_attr("keras.src.trainers.data_adapters.tf_dataset_adapter", "TFDatasetAdapter")),
+    ("BaseOptimizer._apply_weight_decay", _has_class_attr("keras.optimizers", "Optimizer", "_apply_weight_decay")),
+    ("BaseOptimizer._use_weight_decay", _has_class_attr("keras.optimizers", "Optimizer", "_use_weight_decay")),
+    ("BaseOptimizer._get_variable_index", _has_class_attr("keras.optimizers", "Optimizer", "_get_variable_index")),
 )
 
 

@@ -1,6 +1,6 @@
 """Image classification input pipelines: TFDS, image folders, ImageNet TFRecords, embedded, synthetic.
 
-One module (~1,100 lines) because every source feeds the same decode, augment, batch
+One module (~1,200 lines) because every source feeds the same decode, augment, batch
 and shard steps, which must stay identical across sources for exact resume.
 
 One function, `build_image_datasets`, returns train/val/test `tf.data.Dataset`s of
@@ -82,7 +82,7 @@ from trainwell.data.sources import (
 )
 from trainwell.data import embedded
 from trainwell.data.embedded import stratified_split
-from trainwell.validation import invalid_argument
+from trainwell.validation import invalid_argument, is_int, is_number
 
 logger = logging.getLogger("trainwell.data")
 
@@ -863,37 +863,12 @@ def build_image_datasets(
     >>> images.shape, labels.shape
     (TensorShape([128, 28, 28, 1]), TensorShape([128, 10]))
     """
-    if not isinstance(source, str) or not source.strip():
-        raise invalid_argument("source", "a non-empty string such as 'tfds:cifar10', 'folder:PATH', 'tfrecord:GLOB', "
-              "'mnist5k', 'digits' or 'synthetic'", source)
-    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
-        raise invalid_argument("image_size", "an int >= 1", image_size)
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise invalid_argument("global_batch_size", "an int >= 1", global_batch_size)
-    if augment is None or augment is True:
-        augment = "auto"
-    if augment is False:
-        augment = "none"
-    if augment not in AUGMENTATIONS:
-        raise invalid_argument("augment", f"one of {', '.join(map(repr, AUGMENTATIONS))}, None or False", augment)
-    for arg, v in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
-            raise invalid_argument(arg, "a float in [0, 1)", v)
-    if val_fraction + test_fraction >= 1:
-        raise invalid_argument("test_fraction", f"val_fraction + test_fraction < 1 (val_fraction={val_fraction})", test_fraction)
-    if eval_crop_fraction is not None and not 0 < eval_crop_fraction <= 1:
-        raise invalid_argument("eval_crop_fraction", "None or a float in (0, 1]", eval_crop_fraction)
-    if num_classes is not None and (not isinstance(num_classes, int) or num_classes < 1):
-        raise invalid_argument("num_classes", "None or an int >= 1", num_classes)
-    if crop_padding is not None and (isinstance(crop_padding, bool) or not isinstance(crop_padding, int) or crop_padding < 0):
-        raise invalid_argument("crop_padding", "None or an int >= 0", crop_padding)
-    if not isinstance(shuffle_buffer, int) or shuffle_buffer < 1:
-        raise invalid_argument("shuffle_buffer", "an int >= 1", shuffle_buffer)
-    if not isinstance(cycle_length, int) or cycle_length < 1:
-        raise invalid_argument("cycle_length", "an int >= 1", cycle_length)
-    if not isinstance(cache, (bool, str)):
-        raise invalid_argument("cache", "a bool or a file path prefix", cache)
-
+    augment = _check_arguments(
+        source=source, image_size=image_size, global_batch_size=global_batch_size, augment=augment,
+        val_fraction=val_fraction, test_fraction=test_fraction, eval_crop_fraction=eval_crop_fraction,
+        num_classes=num_classes, crop_padding=crop_padding, shuffle_buffer=shuffle_buffer,
+        cycle_length=cycle_length, cache=cache,
+    )
     batch_size = global_batch_size
     num_pipelines, pipeline_id = 1, 0
     if input_context is not None:
@@ -901,25 +876,14 @@ def build_image_datasets(
         num_pipelines, pipeline_id = input_context.num_input_pipelines, input_context.input_pipeline_id
     shard = (num_pipelines, pipeline_id) if num_pipelines > 1 else None
 
-    kind, _, rest = source.partition(":")
-    kind = kind.strip().lower()
-    common = dict(val_fraction=val_fraction, test_fraction=test_fraction, split_seed=split_seed, seed=seed)
-    if source in ("mnist5k", "digits") or (kind == "embedded" and rest in ("mnist5k", "digits")):
-        src = _embedded_source(rest or source, **common)
-    elif kind == "synthetic":
+    if source.partition(":")[0].strip().lower() == "synthetic":
         return _synthetic(source, image_size, global_batch_size, batch_size, seed, num_classes or 1000, one_hot,
                           synthetic_examples)
-    elif kind == "folder" and rest:
-        src = _folder_source(rest, data_dir=data_dir, **common)
-    elif kind == "tfrecord" and rest:
-        src = _tfrecord_source(rest, data_dir=data_dir, num_classes=num_classes, num_examples=num_examples,
-                               label_offset=label_offset, cycle_length=cycle_length, **common)
-    elif kind == "tfds" and rest:
-        src = _tfds_source(rest, data_dir=data_dir, input_context=input_context if shard else None,
-                           cycle_length=cycle_length, **common)
-    else:
-        raise invalid_argument("source", "'tfds:NAME', 'folder:PATH', 'tfrecord:GLOB', 'mnist5k', 'digits' or 'synthetic'", source)
-    n_classes = src.num_classes
+    src = _open_source(
+        source, data_dir=data_dir, num_classes=num_classes, num_examples=num_examples, label_offset=label_offset,
+        cycle_length=cycle_length, input_context=input_context if shard else None,
+        val_fraction=val_fraction, test_fraction=test_fraction, split_seed=split_seed, seed=seed,
+    )
     channels = src.channels
     if augment == "auto":
         augment = "pad_crop" if channels == 1 else ("pad_crop_flip" if image_size <= SMALL_IMAGE_MAX else "inception")
@@ -928,13 +892,97 @@ def build_image_datasets(
     mean, std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else (GRAY_MEAN, GRAY_STD)
     transform = _Transform(image_size=image_size, channels=channels, augment=augment,
                            eval_crop_fraction=eval_crop_fraction, mean=mean, std=std,
-                           num_classes=n_classes, one_hot=one_hot, crop_padding=crop_padding)
+                           num_classes=src.num_classes, one_hot=one_hot, crop_padding=crop_padding)
     skips = SkipCounter()
     for split_name, paths in src.unreadable.items():
         for path_ in paths:
             skips.record(split_name, path_)
-    label_offset_ = (1 if label_offset is None else label_offset)
+    pipeline = _Pipeline(
+        src=src, transform=transform, skips=skips, shard=shard, options=_shard_options(src, shard, deterministic),
+        batch_size=batch_size, seed=seed, cache=cache, shuffle_buffer=shuffle_buffer,
+        label_offset=1 if label_offset is None else label_offset,
+    )
 
+    counts = {s: (src.splits[s].count if src.splits[s] is not None else 0) for s in _SPLITS}
+    if counts["train"] == 0:
+        raise DataError(f"The training split of {source!r} is empty.")
+    return ImageDatasets(
+        train=pipeline.train(src.splits["train"]),
+        val=pipeline.evaluation("val", src.splits["val"]) if src.splits["val"] is not None else None,
+        test=pipeline.evaluation("test", src.splits["test"]) if src.splits["test"] is not None else None,
+        num_classes=src.num_classes,
+        class_names=list(src.class_names),
+        image_size=image_size,
+        channels=channels,
+        source=source,
+        augment=augment,
+        global_batch_size=global_batch_size,
+        batch_size=batch_size,
+        counts=counts,
+        steps=_steps(counts, global_batch_size),
+        mean=tuple(mean),
+        std=tuple(std),
+        one_hot=one_hot,
+        _skips=skips,
+    )
+
+
+def _check_arguments(*, source, image_size, global_batch_size, augment, val_fraction, test_fraction,
+                     eval_crop_fraction, num_classes, crop_padding, shuffle_buffer, cycle_length, cache) -> str:
+    """Raises `invalid_argument`'s error for a bad argument; returns `augment` as a name (`"auto"`...)."""
+    if not isinstance(source, str) or not source.strip():
+        raise invalid_argument("source", "a non-empty string such as 'tfds:cifar10', 'folder:PATH', 'tfrecord:GLOB', "
+              "'mnist5k', 'digits' or 'synthetic'", source)
+    if not is_int(image_size) or image_size < 1:
+        raise invalid_argument("image_size", "an int >= 1", image_size)
+    if not is_int(global_batch_size) or global_batch_size < 1:
+        raise invalid_argument("global_batch_size", "an int >= 1", global_batch_size)
+    if augment is None or augment is True:
+        augment = "auto"
+    if augment is False:
+        augment = "none"
+    if augment not in AUGMENTATIONS:
+        raise invalid_argument("augment", f"one of {', '.join(map(repr, AUGMENTATIONS))}, None or False", augment)
+    for arg, v in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+        if not is_number(v) or not 0 <= v < 1:
+            raise invalid_argument(arg, "a float in [0, 1)", v)
+    if val_fraction + test_fraction >= 1:
+        raise invalid_argument("test_fraction", f"val_fraction + test_fraction < 1 (val_fraction={val_fraction})", test_fraction)
+    if eval_crop_fraction is not None and not 0 < eval_crop_fraction <= 1:
+        raise invalid_argument("eval_crop_fraction", "None or a float in (0, 1]", eval_crop_fraction)
+    if num_classes is not None and (not is_int(num_classes) or num_classes < 1):
+        raise invalid_argument("num_classes", "None or an int >= 1", num_classes)
+    if crop_padding is not None and (not is_int(crop_padding) or crop_padding < 0):
+        raise invalid_argument("crop_padding", "None or an int >= 0", crop_padding)
+    if not is_int(shuffle_buffer) or shuffle_buffer < 1:
+        raise invalid_argument("shuffle_buffer", "an int >= 1", shuffle_buffer)
+    if not is_int(cycle_length) or cycle_length < 1:
+        raise invalid_argument("cycle_length", "an int >= 1", cycle_length)
+    if not isinstance(cache, (bool, str)):
+        raise invalid_argument("cache", "a bool or a file path prefix", cache)
+    return augment
+
+
+def _open_source(source, *, data_dir, num_classes, num_examples, label_offset, cycle_length, input_context,
+                 val_fraction, test_fraction, split_seed, seed) -> _Source:
+    """The `_Source` that `source` names (not `"synthetic"`); an unknown name raises `invalid_argument`'s error."""
+    kind, _, rest = source.partition(":")
+    kind = kind.strip().lower()
+    common = dict(val_fraction=val_fraction, test_fraction=test_fraction, split_seed=split_seed, seed=seed)
+    if source in ("mnist5k", "digits") or (kind == "embedded" and rest in ("mnist5k", "digits")):
+        return _embedded_source(rest or source, **common)
+    if kind == "folder" and rest:
+        return _folder_source(rest, data_dir=data_dir, **common)
+    if kind == "tfrecord" and rest:
+        return _tfrecord_source(rest, data_dir=data_dir, num_classes=num_classes, num_examples=num_examples,
+                                label_offset=label_offset, cycle_length=cycle_length, **common)
+    if kind == "tfds" and rest:
+        return _tfds_source(rest, data_dir=data_dir, input_context=input_context, cycle_length=cycle_length, **common)
+    raise invalid_argument("source", "'tfds:NAME', 'folder:PATH', 'tfrecord:GLOB', 'mnist5k', 'digits' or 'synthetic'", source)
+
+
+def _shard_options(src: _Source, shard, deterministic: bool) -> tf.data.Options:
+    """The datasets' options: determinism and the auto-shard policy (OFF when sharded by `input_context`)."""
     options = tf.data.Options()
     options.deterministic = deterministic
     if shard is not None:
@@ -949,11 +997,43 @@ def build_image_datasets(
         options.experimental_distribute.auto_shard_policy = (
             tf.data.experimental.AutoShardPolicy.FILE if file_ok else tf.data.experimental.AutoShardPolicy.DATA
         )
+    return options
 
-    file_sharded = options.experimental_distribute.auto_shard_policy == tf.data.experimental.AutoShardPolicy.FILE
-    safety_net = not file_sharded
 
-    def to_bytes(split_kind):
+def _steps(counts: dict[str, int | None], global_batch_size: int) -> dict[str, int | None]:
+    """Steps per epoch of each split: whole batches for train (the remainder is dropped), all for val/test."""
+    return {
+        "train": None if counts["train"] is None else counts["train"] // global_batch_size,
+        **{s: (None if counts[s] is None else math.ceil(counts[s] / global_batch_size)) for s in ("val", "test")},
+    }
+
+
+@dataclasses.dataclass
+class _Pipeline:
+    """Turns a source's `_Split`s into batched `(image, label)` datasets: read, check, decode and augment, batch."""
+
+    src: _Source
+    transform: _Transform
+    skips: SkipCounter
+    shard: tuple[int, int] | None
+    options: tf.data.Options
+    batch_size: int
+    seed: int
+    cache: bool | str
+    shuffle_buffer: int
+    label_offset: int
+
+    @property
+    def file_sharded(self) -> bool:
+        return self.options.experimental_distribute.auto_shard_policy == tf.data.experimental.AutoShardPolicy.FILE
+
+    @property
+    def safety_net(self) -> bool:
+        """Whether `ignore_errors` may drop what the decoders reject (FILE sharding cannot walk through it)."""
+        return not self.file_sharded
+
+    def to_bytes(self, split_kind):
+        """`(payload, label) -> (encoded image bytes, label)` for records of `split_kind`."""
         if split_kind == "path":
             return lambda payload, label: (tf.io.read_file(payload), label)
         if split_kind == "example":
@@ -962,21 +1042,23 @@ def build_image_datasets(
                 TFRECORD_IMAGE_KEY: tf.io.FixedLenFeature([], tf.string, default_value=""),
                 TFRECORD_LABEL_KEY: tf.io.FixedLenFeature([], tf.int64, default_value=-(10**9)),
             }
+            label_offset = self.label_offset
 
             def parse(payload, label):
                 ex = tf.io.parse_single_example(payload, spec)
-                return ex[TFRECORD_IMAGE_KEY], ex[TFRECORD_LABEL_KEY] - label_offset_
+                return ex[TFRECORD_IMAGE_KEY], ex[TFRECORD_LABEL_KEY] - label_offset
 
             return parse
         return lambda payload, label: (payload, label)
 
-    def records(rec: _Split):
-        return rec.make(shard if (shard is not None and not src.shards_itself) else None)
+    def records(self, rec: _Split):
+        return rec.make(self.shard if (self.shard is not None and not self.src.shards_itself) else None)
 
-    def checked(split, kind, make_image):
+    def checked(self, split, kind, make_image):
         """Map `(payload, label, key, *extra)` to `(image, label, ok)`; bad records are counted."""
-        read = to_bytes(kind)
-        on_error = _skip_recorder(skips, split, hashed_key=kind not in ("path", "bytes_path"))
+        read = self.to_bytes(kind)
+        on_error = _skip_recorder(self.skips, split, hashed_key=kind not in ("path", "bytes_path"))
+        transform = self.transform
 
         def fn(payload, label, key, *extra):
             image_bytes, label = read(payload, label)
@@ -988,33 +1070,36 @@ def build_image_datasets(
 
         return fn
 
-    def finish(ds, split, *, encoded):
+    def finish(self, ds, split, *, encoded):
+        """Drops flagged records, caches evaluation images, batches, normalises, prefetches."""
         train = split == "train"
         if encoded:
             # Flagged records are counted and dropped; anything the decoders still reject
             # (rare: the structure looked fine) is dropped by ignore_errors and logged.
-            if safety_net:
+            if self.safety_net:
                 ds = ds.ignore_errors(log_warning=True)
             ds = ds.filter(_flag_only).map(_drop_flag)
-        if cache and not train:  # evaluation output is deterministic: cache the decoded images
-            ds = ds.cache("" if cache is True else f"{cache}_{split}")
-        ds = ds.batch(batch_size, drop_remainder=train)
-        return ds.map(transform.normalise, num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE).with_options(options)
+        if self.cache and not train:  # evaluation output is deterministic: cache the decoded images
+            ds = ds.cache("" if self.cache is True else f"{self.cache}_{split}")
+        ds = ds.batch(self.batch_size, drop_remainder=train)
+        return ds.map(self.transform.normalise, num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE).with_options(self.options)
 
-    def build_train(rec: _Split):
-        ds = records(rec)
+    def train(self, rec: _Split):
+        """The training dataset: (cached,) shuffled, augmented with a per-element seed, batched."""
+        ds = self.records(rec)
         encoded = rec.kind != "array"
         kind = rec.kind
+        cache, seed, transform = self.cache, self.seed, self.transform
         if cache and encoded:
             # Cache the encoded images (files read, records parsed) before shuffling.
-            read = to_bytes(rec.kind)
+            read = self.to_bytes(rec.kind)
             ds = ds.map(lambda p, y, k: (*read(p, y), k), num_parallel_calls=AUTOTUNE)
-            if safety_net:
+            if self.safety_net:
                 ds = ds.ignore_errors(log_warning=True)
             kind = "bytes_path" if rec.kind == "path" else "bytes"
         if cache:
             ds = ds.cache("" if cache is True else f"{cache}_train")
-        buffer = rec.count if rec.kind in ("path", "array") and rec.count else shuffle_buffer
+        buffer = rec.count if rec.kind in ("path", "array") and rec.count else self.shuffle_buffer
         ds = ds.shuffle(max(1, min(buffer, 1_000_000)), seed=seed, reshuffle_each_iteration=True)
         # Per-element augmentation seed: fixed by position and `seed`; positions get
         # other images each epoch. `[seed, position]` counted by a `scan` has no
@@ -1023,56 +1108,31 @@ def build_image_datasets(
         # autosharding cannot walk through a `scan` (nor a zipped `Dataset.random`):
         # FILE-sharded pipelines keep the seeded stateful draw, reproducible in one
         # process; pass `input_context` for exactly reproducible multi-worker runs.
-        if file_sharded:
+        if self.file_sharded:
             ds = ds.map(lambda p, y, k: (p, y, k, tf.random.uniform([2], maxval=tf.int64.max, dtype=tf.int64,
                                                                      seed=seed)))
         else:
             seed_t = tf.constant(int(seed), tf.int64)
             ds = ds.scan(tf.constant(0, tf.int64), lambda i, e: (i + 1, (*e, tf.stack([seed_t, i]))))
         if encoded:
-            fn = checked("train", kind, lambda image_bytes, s: transform.train_image(image_bytes, s, encoded=True))
+            fn = self.checked("train", kind, lambda image_bytes, s: transform.train_image(image_bytes, s, encoded=True))
             ds = ds.map(fn, num_parallel_calls=AUTOTUNE)
         else:
             ds = ds.map(lambda p, y, k, s: (transform.train_image(p, s, encoded=False), transform.label(y)),
                         num_parallel_calls=AUTOTUNE)
-        return finish(ds, "train", encoded=encoded)
+        return self.finish(ds, "train", encoded=encoded)
 
-    def build_eval(split, rec: _Split):
-        ds = records(rec)
+    def evaluation(self, split, rec: _Split):
+        """A validation or test dataset: centre crop, no shuffle, every example (the last batch may be short)."""
+        ds = self.records(rec)
+        transform = self.transform
         if rec.kind != "array":
-            fn = checked(split, rec.kind, lambda image_bytes: transform.eval_image(image_bytes, encoded=True))
+            fn = self.checked(split, rec.kind, lambda image_bytes: transform.eval_image(image_bytes, encoded=True))
             ds = ds.map(fn, num_parallel_calls=AUTOTUNE)
         else:
             ds = ds.map(lambda p, y, k: (transform.eval_image(p, encoded=False), transform.label(y)),
                         num_parallel_calls=AUTOTUNE)
-        return finish(ds, split, encoded=rec.kind != "array")
-
-    counts = {s: (src.splits[s].count if src.splits[s] is not None else 0) for s in _SPLITS}
-    if counts["train"] == 0:
-        raise DataError(f"The training split of {source!r} is empty.")
-    steps = {
-        "train": None if counts["train"] is None else counts["train"] // global_batch_size,
-        **{s: (None if counts[s] is None else math.ceil(counts[s] / global_batch_size)) for s in ("val", "test")},
-    }
-    return ImageDatasets(
-        train=build_train(src.splits["train"]),
-        val=build_eval("val", src.splits["val"]) if src.splits["val"] is not None else None,
-        test=build_eval("test", src.splits["test"]) if src.splits["test"] is not None else None,
-        num_classes=n_classes,
-        class_names=list(src.class_names),
-        image_size=image_size,
-        channels=channels,
-        source=source,
-        augment=augment,
-        global_batch_size=global_batch_size,
-        batch_size=batch_size,
-        counts=counts,
-        steps=steps,
-        mean=tuple(mean),
-        std=tuple(std),
-        one_hot=one_hot,
-        _skips=skips,
-    )
+        return self.finish(ds, split, encoded=rec.kind != "array")
 
 
 def _synthetic(source, image_size, global_batch_size, batch_size, seed, num_classes, one_hot, sizes):

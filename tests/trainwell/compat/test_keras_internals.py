@@ -1,4 +1,4 @@
-"""trainwell.compat.keras_internals / tf_internals: each accessor against the installed Keras/TF.
+"""trainwell.compat.keras_internals: each accessor against the installed Keras (TF's: test_tf_internals.py).
 
 These fail when an upstream name moves or stops doing what trainwell relies on.
 """
@@ -10,7 +10,6 @@ import pytest
 import tensorflow as tf
 
 from trainwell.compat import keras_internals as ki
-from trainwell.compat import tf_internals as ti
 from trainwell.compat import versions
 
 
@@ -25,7 +24,6 @@ def _model(compile_it=True):
 
 def test_every_private_name_is_where_it_was():
     assert ki.audit() == []
-    assert ti.audit() == []
 
 
 def test_audit_names_a_missing_name(monkeypatch):
@@ -104,10 +102,22 @@ def test_loss_seeds_and_training_arg():
     assert tuple(state.shape) == (2,) and ki.keras_global_seed_state() is state
 
 
-def test_initial_epoch_default_and_tf_accessors():
+def test_initial_epoch_default():
     assert ki.get_initial_epoch(_model()) is None
-    t = tf.constant([1.0, 2.0])
-    assert ti.host_array(t).tolist() == [1.0, 2.0]
-    assert ti.strategy_num_workers(tf.distribute.get_strategy()) is None
-    g = tf.random.get_global_generator()
-    assert ti.tf_global_generator() is g
+
+
+def test_optimizer_hooks_weight_decay_pass_exclusion_and_variable_index():
+    class NoDecaySGD(ki.OwnWeightDecay, keras.optimizers.SGD):
+        pass
+
+    stepped = []
+    for cls in (keras.optimizers.SGD, NoDecaySGD):  # a zero gradient: only the decay pass moves the weights
+        a, bias = keras.Variable([1.0, 2.0]), keras.Variable([1.0], name="bias")
+        opt = cls(0.1, weight_decay=0.5)
+        opt.exclude_from_weight_decay(var_names=["bias"])
+        opt.apply([keras.ops.zeros((2,)), keras.ops.zeros((1,))], [a, bias])
+        stepped.append(a.numpy().tolist())
+        assert (ki.uses_weight_decay(opt, a), ki.uses_weight_decay(opt, bias)) == (True, False)
+        assert (ki.variable_index(opt, a), ki.variable_index(opt, bias)) == (0, 1)
+        assert ki.variable_index(opt, bias.value) == 1  # the backend variable the TF backend passes to update_step
+    assert stepped == [pytest.approx([0.95, 1.9]), [1.0, 2.0]]  # Keras decays through the name the mixin silences

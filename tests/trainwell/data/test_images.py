@@ -343,6 +343,8 @@ def test_missing_and_empty_sources(tmp_path):
         ({"val_fraction": 1.0}, "val_fraction=1.0"),
         ({"val_fraction": 0.6, "test_fraction": 0.5}, "test_fraction=0.5"),
         ({"eval_crop_fraction": 0.0}, "eval_crop_fraction=0.0"),
+        ({"shuffle_buffer": True}, "shuffle_buffer=True"),  # a bool is not a count
+        ({"num_classes": True}, "num_classes=True"),
     ],
 )
 def test_invalid_arguments(kwargs, match):
