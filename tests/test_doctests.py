@@ -46,7 +46,8 @@ def test_docstring_examples_run(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # an example that writes a file writes it here
     module = importlib.import_module(name)
     finder = doctest.DocTestFinder(exclude_empty=True)
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    # verbose=False: doctest's default follows `-v` on the command line and reports passes through `out`.
+    runner = doctest.DocTestRunner(verbose=False, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     failed = []
     for test in finder.find(module, name):
         if test.examples:

@@ -44,3 +44,32 @@ def resolve_path(path: str, data_dir: str | None = None) -> str:
     if data_dir and not os.path.isabs(path) and "://" not in path:
         path = os.path.join(os.path.expanduser(data_dir), path)
     return path
+
+
+def open_tfds_builder(name: str, data_dir: str | None = None):
+    """`tfds.builder(name, data_dir=...)`, or one line naming the source when TFDS does not know it.
+
+    TFDS's own errors (`DatasetNotFoundError` and friends) run to many lines with a
+    list of every registered name; the loaders want one `DataError` line instead.
+
+    Args:
+        name: A registered TFDS name, e.g. `"mnist"` or `"imdb_reviews/plain_text"`.
+        data_dir: Where TFDS keeps prepared datasets. Defaults to `None` (TFDS's own default).
+
+    Returns:
+        The `tfds.core.DatasetBuilder`.
+
+    Example:
+    >>> open_tfds_builder("no_such_dataset")
+    Traceback (most recent call last):
+    ...
+    trainwell.data.base.DataError: Unknown TFDS dataset 'no_such_dataset' (source 'tfds:no_such_dataset'): ...
+    """
+    # lazy: TFDS loads on first use, not with this module
+    import tensorflow_datasets as tfds
+
+    try:
+        return tfds.builder(name, data_dir=data_dir)
+    except Exception as e:  # DatasetNotFoundError and friends
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"Unknown TFDS dataset {name!r} (source 'tfds:{name}'): {first}") from None

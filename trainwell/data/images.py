@@ -81,6 +81,7 @@ from trainwell.data.sources import (
     resolve_path,
 )
 from trainwell.data import embedded
+from trainwell.data.base import open_tfds_builder
 from trainwell.data.embedded import stratified_split
 from trainwell.validation import invalid_argument, is_int, is_number
 
@@ -648,11 +649,7 @@ def _tfds_source(name, *, val_fraction, test_fraction, split_seed, seed, data_di
     # lazy: TFDS loads on first use, not with this module
     import tensorflow_datasets as tfds
 
-    try:
-        builder = tfds.builder(name, data_dir=data_dir)
-    except Exception as e:  # DatasetNotFoundError and friends
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise DataError(f"Unknown TFDS dataset {name!r} (source 'tfds:{name}'): {first}") from None
+    builder = open_tfds_builder(name, data_dir)
     info = builder.info
     image_keys = [k for k, f in info.features.items() if isinstance(f, tfds.features.Image)]
     label_keys = [k for k, f in info.features.items() if isinstance(f, tfds.features.ClassLabel)]

@@ -64,7 +64,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from trainwell.data.base import DataError, DataNotFoundError, resolve_path
+from trainwell.data.base import DataError, DataNotFoundError, open_tfds_builder, resolve_path
 from trainwell.data.embedded import load_rotten_tomatoes, stratified_split
 from trainwell.io import atomic_write_json
 from trainwell.validation import invalid_argument
@@ -408,11 +408,7 @@ def _tfds_source(name: str, data_dir: str | None, text_field, label_field) -> tu
     # lazy: TFDS loads on first use, not with this module
     import tensorflow_datasets as tfds
 
-    try:
-        builder = tfds.builder(name, data_dir=data_dir)
-    except Exception as e:  # DatasetNotFoundError and friends
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise DataError(f"Unknown TFDS dataset {name!r} (source 'tfds:{name}'): {first}") from None
+    builder = open_tfds_builder(name, data_dir)
     info = builder.info
     features = dict(info.features.items())
     text_keys = [k for k, f in features.items() if isinstance(f, tfds.features.Text)]
