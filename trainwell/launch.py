@@ -7,8 +7,10 @@ the same workers join one `jax.distributed` job instead: every worker also gets
 Keras's `KERAS_DISTRIBUTION_JOB_ADDRESSES` (the same addresses; the first is JAX's
 coordinator), `KERAS_DISTRIBUTION_NUM_PROCESSES` and `KERAS_DISTRIBUTION_PROCESS_ID`
 (= `task.index`), which `trainwell.runtime.make_strategy("multiworker")` hands to
-`keras.distribution.initialize()`. Each backend reads only its own variables, so
-the launcher does not need to know which backend the workers run. It is meant for trying
+`keras.distribution.initialize()`. With `KERAS_BACKEND=jax` the workers get no
+`TF_CONFIG` (tf.data would otherwise pick file sharding for a `tf.distribute` that
+does not run), with `KERAS_BACKEND=tensorflow` no `KERAS_DISTRIBUTION_*`; unset
+(Keras's `keras.json` decides in the worker), both, and each backend reads its own. It is meant for trying
 and testing multi-worker training on one machine; on a real cluster every host
 starts one worker with its own `TF_CONFIG` (see the README's "Distributed
 training" section).
@@ -34,8 +36,8 @@ workers on a private network that only they (and you) can reach.
 What the launcher does:
 
 - Picks N free TCP ports on 127.0.0.1 and starts every worker with
-  `TF_CONFIG={"cluster": {"worker": [...]}, "task": {"type": "worker", "index": i}}`,
-  the `KERAS_DISTRIBUTION_*` variables of the same cluster (`keras_distribution_envs`)
+  `TF_CONFIG={"cluster": {"worker": [...]}, "task": {"type": "worker", "index": i}}`
+  and/or the `KERAS_DISTRIBUTION_*` variables of the same cluster (`worker_envs`),
   and `TRAINWELL_LAUNCHED=1` (so a worker never launches workers itself), inside
   the private network namespace (see above).
 - Streams the chief's (worker 0's) stdout and stderr to its own; the other
@@ -236,6 +238,32 @@ def keras_distribution_envs(workers: int, host: str = "127.0.0.1",
          "KERAS_DISTRIBUTION_PROCESS_ID": str(c["task"]["index"])}
         for c in configs
     ]
+
+
+def worker_envs(workers: int, backend: str | None = None, host: str = "127.0.0.1",
+                ports: Sequence[int] | None = None) -> list[dict[str, str]]:
+    """The cluster variables of each of `workers` local workers for Keras's `backend`.
+
+    `TF_CONFIG` (`tf_configs`) unless `backend` is `"jax"`, the `KERAS_DISTRIBUTION_*`
+    variables (`keras_distribution_envs`) unless it is `"tensorflow"`; both describe
+    the same cluster.
+
+    Args:
+        workers: Number of workers, >= 1.
+        backend: The workers' `KERAS_BACKEND`. Defaults to `None` (unknown: both).
+        host: Host of every worker. Defaults to `"127.0.0.1"`.
+        ports: One port per worker. Defaults to `None` (free ports).
+
+    Example:
+    >>> sorted(worker_envs(2, "jax", ports=[1234, 1235])[0])
+    ['KERAS_DISTRIBUTION_JOB_ADDRESSES', 'KERAS_DISTRIBUTION_NUM_PROCESSES', 'KERAS_DISTRIBUTION_PROCESS_ID']
+    """
+    if not (is_int(workers) and workers >= 1):
+        raise ValueError(f"Invalid value for argument `workers`. Expected an int >= 1. Received: workers={workers!r}")
+    ports = list(ports) if ports is not None else free_ports(workers, host)
+    tf = [{"TF_CONFIG": c} for c in tf_configs(workers, host, ports)]
+    keras = keras_distribution_envs(workers, host, ports)
+    return [{**(t if backend != "jax" else {}), **(k if backend != "tensorflow" else {})} for t, k in zip(tf, keras)]
 
 
 def _status(code: int | None) -> int | None:
@@ -486,9 +514,8 @@ def launch(
 
     status = None
     try:
-        ports = free_ports(workers)
-        envs = [{**base_env, "TF_CONFIG": c, **k}
-                for c, k in zip(tf_configs(workers, ports=ports), keras_distribution_envs(workers, ports=ports))]
+        backend = base_env.get("KERAS_BACKEND", "").strip().lower() or None
+        envs = [{**base_env, **w} for w in worker_envs(workers, backend)]
         status = supervise(
             [prefix + list(command)] * workers, envs, decide,
             outputs=files, cwd=cwd, timeout_s=timeout_s, poll_s=poll_s, on_start=on_start,

@@ -368,3 +368,17 @@ def test_any_across_workers_ors_the_replicas_flags(python_subprocess):
     """, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split("\n")[-4:-1] == ["[True, False, True]", "[False, True]", "1"]
+
+
+def test_worker_envs_per_backend():
+    # TensorFlow reads TF_CONFIG, JAX (keras.distribution.initialize) the KERAS_DISTRIBUTION_* variables;
+    # the two describe one cluster, and a worker whose backend is known gets only its own.
+    both = launch.worker_envs(2, ports=[1111, 2222])
+    assert [json.loads(e["TF_CONFIG"])["task"]["index"] for e in both] == [0, 1]
+    assert [e["KERAS_DISTRIBUTION_PROCESS_ID"] for e in both] == ["0", "1"]
+    assert {e["KERAS_DISTRIBUTION_JOB_ADDRESSES"] for e in both} == {"127.0.0.1:1111,127.0.0.1:2222"}
+    assert {e["KERAS_DISTRIBUTION_NUM_PROCESSES"] for e in both} == {"2"}
+    assert all("TF_CONFIG" not in e for e in launch.worker_envs(2, "jax", ports=[1111, 2222]))
+    assert all(set(e) == {"TF_CONFIG"} for e in launch.worker_envs(2, "tensorflow", ports=[1111, 2222]))
+    with pytest.raises(ValueError, match="Received: workers=0"):
+        launch.worker_envs(0)
