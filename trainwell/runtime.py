@@ -588,6 +588,50 @@ def any_across_workers(strategy, flags, flags_fn=None):
     return [bool(x > 0) for x in np.asarray(total).reshape(-1)]
 
 
+def broadcast_from_chief(strategy, values) -> list[int]:
+    """The chief's integers, on every worker: one small collective.
+
+    For a choice the chief makes and every worker must share (e.g. the name of
+    the run directory, `trainwell.rundir.shared_run_dir`). On TensorFlow only
+    replica 0 (on the chief) contributes to a SUM all-reduce; on JAX
+    `jax.experimental.multihost_utils.broadcast_one_to_all` sends process 0's
+    values (as uint32 halves of int64: JAX computes in 32 bits by default). A
+    collective under multi-worker: every worker calls it with as many values.
+
+    Args:
+        strategy: The `tf.distribute.Strategy` or `JaxStrategy`, or `None` (no
+            collective on TensorFlow; every JAX process on JAX).
+        values: Integers (int64 range); only the chief's matter.
+
+    Returns:
+        The chief's values, as a list of ints.
+
+    Example:
+    >>> broadcast_from_chief(None, [20261201, 7])
+    [20261201, 7]
+    """
+    mine = np.asarray([int(v) for v in values], dtype=np.int64)
+    group = _jax_process_group(strategy)
+    if group is not None:
+        if group[1] <= 1:
+            return mine.tolist()
+        # lazy: JAX is loaded already (a JAX process group exists)
+        from jax.experimental import multihost_utils
+
+        got = np.asarray(multihost_utils.broadcast_one_to_all(mine.view(np.uint32)), dtype=np.uint32)
+        return got.view(np.int64).tolist()
+    if strategy is None:
+        return mine.tolist()
+    tf = _tf()
+
+    def value_fn(ctx):
+        keep = ctx.replica_id_in_sync_group == 0  # replica 0 lives on the chief, the first task of the group
+        return tf.constant(mine if keep else np.zeros_like(mine), dtype=tf.int64)
+
+    per_replica = strategy.experimental_distribute_values_from_function(value_fn)
+    return np.asarray(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)).reshape(-1).tolist()
+
+
 def sync_workers(strategy) -> None:
     """Returns once every worker of `strategy` has called it: a barrier (one small all-reduce).
 

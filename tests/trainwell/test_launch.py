@@ -365,9 +365,10 @@ def test_any_across_workers_ors_the_replicas_flags(python_subprocess):
         print(runtime.any_across_workers(s, [False, False, True], flags_fn=lambda rid: [rid == 1, False, rid == 0]))
         print(runtime.any_across_workers(s, [False, True]))  # one worker: this process's flags, no collective
         print(runtime.num_workers(s))
+        print(runtime.broadcast_from_chief(s, [20261201235959, -3]))  # replica 0's values (one all-reduce)
     """, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split("\n")[-4:-1] == ["[True, False, True]", "[False, True]", "1"]
+    assert r.stdout.split("\n")[-5:-1] == ["[True, False, True]", "[False, True]", "1", "[20261201235959, -3]"]
 
 
 def test_worker_envs_per_backend():

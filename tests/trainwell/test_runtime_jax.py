@@ -19,7 +19,7 @@ def _last_json(out: str) -> dict:
 
 def test_cpu2_data_parallel_splits_the_batch_and_matches_one_device(python_subprocess):
     r = python_subprocess("""
-    import json, numpy as np, keras, jax
+    import json, sys, numpy as np, keras, jax
     from trainwell import runtime
     two = runtime.make_strategy("cpu:2")  # before any JAX computation
     one = runtime.make_strategy("one_device")
@@ -52,13 +52,15 @@ def test_cpu2_data_parallel_splits_the_batch_and_matches_one_device(python_subpr
     print(json.dumps({"replicas": [runtime.num_replicas(one), runtime.num_replicas(two)],
                       "devices": [dev1, dev2], "shards": [shards1[:1], seen[:1]], "loss": [loss1, loss2],
                       "dw": max(float(np.max(np.abs(a - b))) for a, b in zip(w1, w2)),
-                      "outside": keras.distribution.distribution() is None}))
+                      "outside": keras.distribution.distribution() is None,
+                      "precision": runtime.resolve_precision("auto"), "tf": "tensorflow" in sys.modules}))
     """, env=JAX_ENV, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     out = _last_json(r.stdout)
     assert out["replicas"] == [1, 2] and out["devices"] == [1, 2], out
     assert out["shards"] == [[[16, 8]], [[8, 8]]], out  # the global batch of 16: 8 rows per device on cpu:2
     assert out["outside"], "scope() must restore the previous (no) distribution"
+    assert out["precision"] == "float32" and not out["tf"], out  # the JAX path never loads TensorFlow
     l1, l2 = out["loss"]
     assert l1[-1] < l1[0] and all(abs(a - b) <= 1e-5 * max(1.0, abs(a)) for a, b in zip(l1, l2)), out["loss"]
     assert out["dw"] < 1e-5, out["dw"]
