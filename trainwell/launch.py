@@ -7,7 +7,8 @@ the same workers join one `jax.distributed` job instead: every worker also gets
 Keras's `KERAS_DISTRIBUTION_JOB_ADDRESSES` (the same addresses; the first is JAX's
 coordinator), `KERAS_DISTRIBUTION_NUM_PROCESSES` and `KERAS_DISTRIBUTION_PROCESS_ID`
 (= `task.index`), which `trainwell.runtime.make_strategy("multiworker")` hands to
-`keras.distribution.initialize()`. With `KERAS_BACKEND=jax` the workers get no
+`keras.distribution.initialize()`, and `JAX_COORDINATOR_BIND_ADDRESS` (the
+coordinator listens on 127.0.0.1 only). With `KERAS_BACKEND=jax` the workers get no
 `TF_CONFIG` (tf.data would otherwise pick file sharding for a `tf.distribute` that
 does not run), with `KERAS_BACKEND=tensorflow` no `KERAS_DISTRIBUTION_*`; unset
 (Keras's `keras.json` decides in the worker), both, and each backend reads its own. It is meant for trying
@@ -18,7 +19,8 @@ training" section).
 Network exposure. Every worker runs a TensorFlow gRPC server (collectives and the
 coordination service) that takes commands from anyone who can connect, without
 authentication (on JAX: worker 0 runs JAX's coordination service, and the CPU
-collectives use Gloo's TCP connections, equally unauthenticated), and TensorFlow binds it to all interfaces: `GrpcServer::Init`
+collectives use Gloo's TCP connections, equally unauthenticated), and TensorFlow
+binds it to all interfaces: `GrpcServer::Init`
 listens on `"0.0.0.0:" + port` whatever host `TF_CONFIG` names, and has no option
 for another bind address. So on Linux the launcher runs its workers in a private
 network namespace whose only interface is loopback (`unshare --user --net`, joined
@@ -219,7 +221,9 @@ def keras_distribution_envs(workers: int, host: str = "127.0.0.1",
 
     `keras.distribution.initialize()` reads them (the first address is JAX's
     coordinator); they describe the same cluster as `tf_configs` with the same
-    `ports`, so one launcher serves both backends.
+    `ports`, so one launcher serves both backends. `JAX_COORDINATOR_BIND_ADDRESS`
+    (read by `jax.distributed.initialize`) makes the coordinator listen on `host`
+    only, instead of JAX's default, every interface (`[::]:PORT`).
 
     Args:
         workers: Number of processes, >= 1.
@@ -233,9 +237,10 @@ def keras_distribution_envs(workers: int, host: str = "127.0.0.1",
     """
     configs = [json.loads(c) for c in tf_configs(workers, host, ports)]
     addresses = ",".join(configs[0]["cluster"]["worker"])
+    coordinator = configs[0]["cluster"]["worker"][0]
     return [
         {"KERAS_DISTRIBUTION_JOB_ADDRESSES": addresses, "KERAS_DISTRIBUTION_NUM_PROCESSES": str(workers),
-         "KERAS_DISTRIBUTION_PROCESS_ID": str(c["task"]["index"])}
+         "KERAS_DISTRIBUTION_PROCESS_ID": str(c["task"]["index"]), "JAX_COORDINATOR_BIND_ADDRESS": coordinator}
         for c in configs
     ]
 
@@ -255,7 +260,7 @@ def worker_envs(workers: int, backend: str | None = None, host: str = "127.0.0.1
         ports: One port per worker. Defaults to `None` (free ports).
 
     Example:
-    >>> sorted(worker_envs(2, "jax", ports=[1234, 1235])[0])
+    >>> sorted(worker_envs(2, "jax", ports=[1234, 1235])[0])[1:]
     ['KERAS_DISTRIBUTION_JOB_ADDRESSES', 'KERAS_DISTRIBUTION_NUM_PROCESSES', 'KERAS_DISTRIBUTION_PROCESS_ID']
     """
     if not (is_int(workers) and workers >= 1):

@@ -55,8 +55,8 @@ def validate_strategy_spec(spec: Any) -> None:
         return
     raise ValueError(
         "Invalid value for argument `strategy`. Expected one of "
-        f"{', '.join(repr(s) for s in STRATEGY_SPECS)} (N >= 1), a tf.distribute.Strategy "
-        f"(TensorFlow backend) or a keras.distribution DataParallel/ModelParallel (JAX backend). Received: strategy={spec!r}"
+        f"{', '.join(repr(s) for s in STRATEGY_SPECS)} (N >= 1), a tf.distribute.Strategy (TensorFlow "
+        f"backend) or a keras.distribution DataParallel/ModelParallel (JAX backend). Received: strategy={spec!r}"
     )
 
 
@@ -252,8 +252,8 @@ class JaxStrategy:
     def __init__(self, distribution=None):
         if distribution is not None and not _is_keras_distribution(distribution):
             raise ValueError(
-                "Invalid value for argument `distribution`. Expected a keras.distribution DataParallel/ModelParallel or None. "
-                f"Received: distribution={distribution!r}"
+                "Invalid value for argument `distribution`. Expected a keras.distribution DataParallel/ModelParallel "
+                f"or None. Received: distribution={distribution!r}"
             )
         self.distribution = distribution
 
@@ -395,8 +395,9 @@ def make_jax_strategy(spec: Any = "auto") -> JaxStrategy:
     if not isinstance(spec, str):
         if not _is_keras_distribution(spec):
             raise ValueError(
-                "Invalid value for argument `strategy`. A tf.distribute.Strategy cannot distribute a model on "
-                f"Keras's JAX backend; pass a spec string or a keras.distribution DataParallel/ModelParallel. Received: strategy={spec!r}"
+                "Invalid value for argument `strategy`. A tf.distribute.Strategy cannot distribute a model on Keras's "
+                "JAX backend; pass a spec string or a keras.distribution DataParallel/ModelParallel. "
+                f"Received: strategy={spec!r}"
             )
         return JaxStrategy(spec)
     # lazy: JAX loads with Keras's JAX backend only
@@ -568,14 +569,14 @@ def any_across_workers(strategy, flags, flags_fn=None):
     group = _jax_process_group(strategy)
     if group is not None:
         ids = strategy.local_replica_ids() if isinstance(strategy, JaxStrategy) and flags_fn is not None else [0]
-        mine = [any(col) for col in zip(*(replica_flags(i) for i in ids))] if n else []
+        mine = [any(col) for col in zip(*(replica_flags(i) for i in ids))]
         if group[1] <= 1:
             return mine
         # lazy: JAX is loaded already (a JAX process group exists)
         from jax.experimental import multihost_utils
 
         everyone = np.asarray(multihost_utils.process_allgather(np.asarray(mine, dtype=np.int32)))
-        return [bool(x) for x in everyone.reshape(group[1], n).max(axis=0)] if n else []
+        return [bool(x) for x in everyone.reshape(group[1], n).max(axis=0)]
     if strategy is None or (flags_fn is None and num_workers(strategy) <= 1):
         return local
     tf = _tf()

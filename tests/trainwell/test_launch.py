@@ -379,6 +379,7 @@ def test_worker_envs_per_backend():
     assert [e["KERAS_DISTRIBUTION_PROCESS_ID"] for e in both] == ["0", "1"]
     assert {e["KERAS_DISTRIBUTION_JOB_ADDRESSES"] for e in both} == {"127.0.0.1:1111,127.0.0.1:2222"}
     assert {e["KERAS_DISTRIBUTION_NUM_PROCESSES"] for e in both} == {"2"}
+    assert {e["JAX_COORDINATOR_BIND_ADDRESS"] for e in both} == {"127.0.0.1:1111"}  # not JAX's default [::]
     assert all("TF_CONFIG" not in e for e in launch.worker_envs(2, "jax", ports=[1111, 2222]))
     assert all(set(e) == {"TF_CONFIG"} for e in launch.worker_envs(2, "tensorflow", ports=[1111, 2222]))
     with pytest.raises(ValueError, match="Received: workers=0"):

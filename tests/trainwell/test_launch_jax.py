@@ -25,8 +25,11 @@ got_none = runtime.any_across_workers(None, [False, pid == 1])
 chosen = runtime.broadcast_from_chief(s, [20261201235959 + pid, -pid])  # e.g. the run directory's stamp
 if runtime.is_chief(None):
     open(os.path.join(out, f"chief-{pid}"), "w").write("written by the chief only")
+port = int(os.environ["KERAS_DISTRIBUTION_JOB_ADDRESSES"].split(",")[0].rsplit(":", 1)[1])
+listen = sorted({line.split()[1].split(":")[0] for name in ("tcp", "tcp6") for line in open(f"/proc/net/{name}")
+                 if line.split()[3] == "0A" and line.split()[1].endswith(f":{port:04X}")})
 with open(os.path.join(out, f"process-{pid}.json"), "w") as f:
-    json.dump({"flags": got, "flags_none": got_none, "chosen": chosen, "chief": runtime.is_chief(s),
+    json.dump({"flags": got, "flags_none": got_none, "chosen": chosen, "listen": listen, "chief": runtime.is_chief(s),
                "workers": [runtime.num_workers(s), runtime.num_workers(None)],
                "replicas": runtime.num_replicas(s)}, f)
 runtime.sync_workers(s)  # neither leaves before the other got here
@@ -48,3 +51,5 @@ def test_two_jax_processes_agree_and_only_the_chief_writes(tmp_path):
         assert r["chosen"] == [20261201235959, 0], (i, r)  # the chief's, beyond 32 bits
         assert r["workers"] == [2, 2] and r["replicas"] == 2 and r["chief"] == (i == 0), (i, r)
     assert sorted(p.name for p in tmp_path.glob("chief-*")) == ["chief-0"]
+    # JAX's coordinator listens on 127.0.0.1 only (IPv4, or IPv4-mapped in tcp6), not on every interface ([::])
+    assert results[0]["listen"] and all(a.endswith("0100007F") for a in results[0]["listen"]), results[0]
