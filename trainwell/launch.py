@@ -2,14 +2,25 @@
 
 `trainwell train RECIPE --workers N` runs the recipe as N processes on this
 machine, each a `MultiWorkerMirroredStrategy` worker with its own `TF_CONFIG`
-(cluster on free loopback ports, `task.index` = 0..N-1). It is meant for trying
+(cluster on free loopback ports, `task.index` = 0..N-1). On Keras's JAX backend
+the same workers join one `jax.distributed` job instead: every worker also gets
+Keras's `KERAS_DISTRIBUTION_JOB_ADDRESSES` (the same addresses; the first is JAX's
+coordinator), `KERAS_DISTRIBUTION_NUM_PROCESSES` and `KERAS_DISTRIBUTION_PROCESS_ID`
+(= `task.index`), which `trainwell.runtime.make_strategy("multiworker")` hands to
+`keras.distribution.initialize()`, and `JAX_COORDINATOR_BIND_ADDRESS` (the
+coordinator listens on 127.0.0.1 only). With `KERAS_BACKEND=jax` the workers get no
+`TF_CONFIG` (tf.data would otherwise pick file sharding for a `tf.distribute` that
+does not run), with `KERAS_BACKEND=tensorflow` no `KERAS_DISTRIBUTION_*`; unset
+(Keras's `keras.json` decides in the worker), both, and each backend reads its own. It is meant for trying
 and testing multi-worker training on one machine; on a real cluster every host
 starts one worker with its own `TF_CONFIG` (see the README's "Distributed
 training" section).
 
 Network exposure. Every worker runs a TensorFlow gRPC server (collectives and the
 coordination service) that takes commands from anyone who can connect, without
-authentication, and TensorFlow binds it to all interfaces: `GrpcServer::Init`
+authentication (on JAX: worker 0 runs JAX's coordination service, and the CPU
+collectives use Gloo's TCP connections, equally unauthenticated), and TensorFlow
+binds it to all interfaces: `GrpcServer::Init`
 listens on `"0.0.0.0:" + port` whatever host `TF_CONFIG` names, and has no option
 for another bind address. So on Linux the launcher runs its workers in a private
 network namespace whose only interface is loopback (`unshare --user --net`, joined
@@ -28,6 +39,7 @@ What the launcher does:
 
 - Picks N free TCP ports on 127.0.0.1 and starts every worker with
   `TF_CONFIG={"cluster": {"worker": [...]}, "task": {"type": "worker", "index": i}}`
+  and/or the `KERAS_DISTRIBUTION_*` variables of the same cluster (`worker_envs`),
   and `TRAINWELL_LAUNCHED=1` (so a worker never launches workers itself), inside
   the private network namespace (see above).
 - Streams the chief's (worker 0's) stdout and stderr to its own; the other
@@ -203,6 +215,62 @@ def tf_configs(workers: int, host: str = "127.0.0.1", ports: Sequence[int] | Non
     return [json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}) for i in range(workers)]
 
 
+def keras_distribution_envs(workers: int, host: str = "127.0.0.1",
+                            ports: Sequence[int] | None = None) -> list[dict[str, str]]:
+    """The `KERAS_DISTRIBUTION_*` variables of each of `workers` JAX processes on `host`.
+
+    `keras.distribution.initialize()` reads them (the first address is JAX's
+    coordinator); they describe the same cluster as `tf_configs` with the same
+    `ports`, so one launcher serves both backends. `JAX_COORDINATOR_BIND_ADDRESS`
+    (read by `jax.distributed.initialize`) makes the coordinator listen on `host`
+    only, instead of JAX's default, every interface (`[::]:PORT`).
+
+    Args:
+        workers: Number of processes, >= 1.
+        host: Host of every process. Defaults to `"127.0.0.1"`.
+        ports: One port per process (only the first is used, by the coordinator).
+            Defaults to `None` (free ports).
+
+    Example:
+    >>> keras_distribution_envs(2, ports=[1234, 1235])[1]["KERAS_DISTRIBUTION_PROCESS_ID"]
+    '1'
+    """
+    configs = [json.loads(c) for c in tf_configs(workers, host, ports)]
+    addresses = ",".join(configs[0]["cluster"]["worker"])
+    coordinator = configs[0]["cluster"]["worker"][0]
+    return [
+        {"KERAS_DISTRIBUTION_JOB_ADDRESSES": addresses, "KERAS_DISTRIBUTION_NUM_PROCESSES": str(workers),
+         "KERAS_DISTRIBUTION_PROCESS_ID": str(c["task"]["index"]), "JAX_COORDINATOR_BIND_ADDRESS": coordinator}
+        for c in configs
+    ]
+
+
+def worker_envs(workers: int, backend: str | None = None, host: str = "127.0.0.1",
+                ports: Sequence[int] | None = None) -> list[dict[str, str]]:
+    """The cluster variables of each of `workers` local workers for Keras's `backend`.
+
+    `TF_CONFIG` (`tf_configs`) unless `backend` is `"jax"`, the `KERAS_DISTRIBUTION_*`
+    variables (`keras_distribution_envs`) unless it is `"tensorflow"`; both describe
+    the same cluster.
+
+    Args:
+        workers: Number of workers, >= 1.
+        backend: The workers' `KERAS_BACKEND`. Defaults to `None` (unknown: both).
+        host: Host of every worker. Defaults to `"127.0.0.1"`.
+        ports: One port per worker. Defaults to `None` (free ports).
+
+    Example:
+    >>> sorted(worker_envs(2, "jax", ports=[1234, 1235])[0])[1:]
+    ['KERAS_DISTRIBUTION_JOB_ADDRESSES', 'KERAS_DISTRIBUTION_NUM_PROCESSES', 'KERAS_DISTRIBUTION_PROCESS_ID']
+    """
+    if not (is_int(workers) and workers >= 1):
+        raise ValueError(f"Invalid value for argument `workers`. Expected an int >= 1. Received: workers={workers!r}")
+    ports = list(ports) if ports is not None else free_ports(workers, host)
+    tf = [{"TF_CONFIG": c} for c in tf_configs(workers, host, ports)]
+    keras = keras_distribution_envs(workers, host, ports)
+    return [{**(t if backend != "jax" else {}), **(k if backend != "tensorflow" else {})} for t, k in zip(tf, keras)]
+
+
 def _status(code: int | None) -> int | None:
     """A Popen return code as a shell reports it (signal S -> 128 + S)."""
     if code is None:
@@ -365,7 +433,9 @@ def launch(
     Args:
         command: The command each worker runs, e.g.
             `[sys.executable, "-m", "trainwell.cli", "train", "resnet-imagenet", ...]`.
-            It must make a multi-worker strategy from `TF_CONFIG`.
+            It must make a multi-worker strategy from `TF_CONFIG` (TensorFlow) or
+            the `KERAS_DISTRIBUTION_*` variables (JAX):
+            `trainwell.runtime.make_strategy("multiworker")` does either.
         workers: Number of worker processes, >= 1.
         env: Extra environment variables for every worker. Defaults to `None`.
         cwd: Working directory of the workers. Defaults to `None` (this one).
@@ -422,8 +492,8 @@ def launch(
             if required:
                 raise
             print(
-                f"trainwell launch: cannot isolate the workers' network ({e}); their TensorFlow gRPC ports "
-                "listen on every interface of this machine, without authentication.",
+                f"trainwell launch: cannot isolate the workers' network ({e}); their gRPC ports (TensorFlow's "
+                "servers, JAX's coordinator) listen on every interface of this machine, without authentication.",
                 file=sys.stderr,
             )
     prefix = network.prefix if network is not None else []
@@ -449,8 +519,10 @@ def launch(
 
     status = None
     try:
+        backend = base_env.get("KERAS_BACKEND", "").strip().lower() or None
+        envs = [{**base_env, **w} for w in worker_envs(workers, backend)]
         status = supervise(
-            [prefix + list(command)] * workers, [{**base_env, "TF_CONFIG": c} for c in tf_configs(workers)], decide,
+            [prefix + list(command)] * workers, envs, decide,
             outputs=files, cwd=cwd, timeout_s=timeout_s, poll_s=poll_s, on_start=on_start,
         )
         if status is None:

@@ -1,17 +1,25 @@
 """Runtime: distribution strategy, precision policy, seeding, cross-worker helpers.
 
-These are thin, explicit wrappers over `tf.distribute` and
-`keras.mixed_precision`: Keras already provides the machinery, what it lacks is
-one call that picks the right thing for the machine (`"auto"`), a way to test data
-parallelism without GPUs (`"cpu:N"` logical devices), and a run directory whose
-manifest says exactly what ran (`trainwell.rundir`).
+These are thin, explicit wrappers over `tf.distribute` (TensorFlow backend),
+`keras.distribution` (JAX backend) and `keras.mixed_precision`: Keras already
+provides the machinery, what it lacks is one call that picks the right thing for
+the machine (`"auto"`), a way to test data parallelism without GPUs (`"cpu:N"`
+logical or host devices), and a run directory whose manifest says exactly what ran
+(`trainwell.rundir`).
+
+The backend is Keras's (`KERAS_BACKEND`). On TensorFlow a strategy is a
+`tf.distribute.Strategy`; on JAX it is a `JaxStrategy` around a
+`keras.distribution.DataParallel` (or none), used the same way: models are built
+under `strategy.scope()` and `num_replicas(strategy)` counts the replicas.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import sys
 from typing import Any
 
 import numpy as np
@@ -41,13 +49,33 @@ def validate_strategy_spec(spec: Any) -> None:
         m = _CPU_RE.match(spec)
         if spec in STRATEGY_SPECS[:-1] or (m and int(m.group(1)) >= 1):
             return
-    elif isinstance(spec, _tf().distribute.Strategy):
+    elif isinstance(spec, JaxStrategy) or _is_keras_distribution(spec):
+        return
+    elif _is_tf_strategy(spec):
         return
     raise ValueError(
         "Invalid value for argument `strategy`. Expected one of "
-        f"{', '.join(repr(s) for s in STRATEGY_SPECS)} (N >= 1) or a "
-        f"tf.distribute.Strategy. Received: strategy={spec!r}"
+        f"{', '.join(repr(s) for s in STRATEGY_SPECS)} (N >= 1), a tf.distribute.Strategy (TensorFlow "
+        f"backend) or a keras.distribution DataParallel/ModelParallel (JAX backend). Received: strategy={spec!r}"
     )
+
+
+def _keras_backend() -> str:
+    # lazy: Keras loads on first use, not with this module
+    import keras
+
+    return keras.config.backend()
+
+
+def _is_tf_strategy(obj) -> bool:
+    tf = sys.modules.get("tensorflow")  # a strategy exists only once TensorFlow is loaded: never import it here
+    return tf is not None and isinstance(obj, tf.distribute.Strategy)
+
+
+def _is_keras_distribution(obj) -> bool:
+    # Keras exports no base class of its distributions; these are the two it offers.
+    keras = sys.modules.get("keras")  # never imports Keras for this check
+    return keras is not None and isinstance(obj, (keras.distribution.DataParallel, keras.distribution.ModelParallel))
 
 
 def _tf_config_cluster() -> dict | None:
@@ -108,10 +136,13 @@ def ensure_logical_cpus(n: int) -> list[str]:
 
 
 def make_strategy(spec: Any = "auto"):
-    """Returns a `tf.distribute.Strategy` for `spec`.
+    """Returns the distribution strategy for `spec` on Keras's backend.
+
+    On the TensorFlow backend the result is a `tf.distribute.Strategy`; on the JAX
+    backend a `JaxStrategy` (see `make_jax_strategy` for what each spec means there).
 
     Args:
-        spec: One of:
+        spec: One of (TensorFlow backend):
             - `"auto"`: a TPU when one is configured (`TPU_NAME`, Colab, `/dev/accel0`),
               else `MultiWorkerMirroredStrategy` when `TF_CONFIG` names a cluster of more
               than one task, else `MirroredStrategy` over all GPUs, else the default
@@ -134,11 +165,18 @@ def make_strategy(spec: Any = "auto"):
     ...     model = build_model()
     """
     validate_strategy_spec(spec)
+    if _keras_backend() == "jax":
+        return make_jax_strategy(spec)
     tf = _tf()
     if isinstance(spec, tf.distribute.Strategy):
         if isinstance(spec, tf.distribute.MultiWorkerMirroredStrategy):
             _apply_multiworker_fixes()
         return spec
+    if not isinstance(spec, str):
+        raise ValueError(
+            "Invalid value for argument `strategy`. A keras.distribution strategy needs Keras's JAX backend "
+            f"(KERAS_BACKEND=jax); this process runs TensorFlow. Received: strategy={spec!r}"
+        )
     m = _CPU_RE.match(spec)
     if m:
         devices = ensure_logical_cpus(int(m.group(1)))
@@ -175,6 +213,241 @@ def _apply_multiworker_fixes() -> None:
     from trainwell.compat import keras_fixes
 
     keras_fixes.apply()
+
+
+# --------------------------------------------------------------------------- the JAX backend
+#: Keras's own environment variables for `keras.distribution.initialize()` (JAX multi-process);
+#: `trainwell.launch` sets them for every local worker, as it sets `TF_CONFIG`.
+KERAS_DISTRIBUTION_ENV = (
+    "KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_PROCESS_ID",
+)
+_HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+class JaxStrategy:
+    """The JAX backend's counterpart of a `tf.distribute.Strategy`: a `keras.distribution` to build under.
+
+    Keras's JAX trainer reads the *global* `keras.distribution.distribution()`
+    whenever it creates variables or feeds a batch; it has no strategy object that
+    a model keeps, as TensorFlow's has. This wrapper gives the recipes the one
+    interface they use on both backends: `with strategy.scope():` (sets the
+    distribution, restores the previous one on exit: Keras's own
+    `Distribution.scope()`), `num_replicas_in_sync` and `num_workers`. With no
+    distribution (one device) `scope()` changes nothing, like TensorFlow's default
+    strategy. Build the model, compile **and fit/evaluate** inside the scope: on JAX a
+    `fit` outside it feeds every batch whole to every device (no data parallelism).
+
+    Args:
+        distribution: A `keras.distribution.DataParallel` (or `ModelParallel`),
+            or `None` for a single device. Defaults to `None`.
+
+    Example:
+    >>> strategy = JaxStrategy()
+    >>> strategy.num_replicas_in_sync
+    1
+    >>> with strategy.scope():  # doctest: +SKIP
+    ...     model = build_model(); model.compile(...); model.fit(...)
+    """
+
+    def __init__(self, distribution=None):
+        if distribution is not None and not _is_keras_distribution(distribution):
+            raise ValueError(
+                "Invalid value for argument `distribution`. Expected a keras.distribution DataParallel/ModelParallel "
+                f"or None. Received: distribution={distribution!r}"
+            )
+        self.distribution = distribution
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Data-parallel replicas over every process (the devices of the mesh's batch axis)."""
+        if self.distribution is None:
+            return 1
+        mesh = self.distribution.device_mesh
+        return int(mesh.shape[mesh.axis_names.index(self.distribution.batch_dim_name)])
+
+    @property
+    def num_workers(self) -> int:
+        """Processes taking part (`jax.process_count()`; 1 unless `jax.distributed` is initialised)."""
+        return _jax_process_group(self)[1]
+
+    def local_replica_ids(self) -> list[int]:
+        """Indices, in the mesh, of this process's devices (`[0]` without a distribution)."""
+        if self.distribution is None:
+            return [0]
+        # lazy: a JaxStrategy exists only once JAX is loaded
+        import jax
+
+        me = jax.process_index()
+        devices = self.distribution.device_mesh.backend_mesh.devices.flat
+        return [i for i, d in enumerate(devices) if d.process_index == me]
+
+    @contextlib.contextmanager
+    def scope(self):
+        """Makes the distribution current (Keras's `Distribution.scope()`); restores the previous one on exit."""
+        if self.distribution is None:
+            yield self
+            return
+        with self.distribution.scope():
+            yield self
+
+    def __repr__(self) -> str:
+        return f"JaxStrategy({self.distribution!r}, num_replicas_in_sync={self.num_replicas_in_sync})"
+
+
+def ensure_host_devices(n: int) -> list:
+    """Gives JAX `n` CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=n`) and returns them.
+
+    The JAX counterpart of `ensure_logical_cpus`. XLA reads the flag once, when JAX
+    initialises its backends (its first computation or device query), so this must
+    run before that; importing Keras or JAX is early enough. If JAX already runs with
+    another number of CPU devices, raises a one-line `RuntimeError` that says so.
+
+    Args:
+        n: Number of CPU devices, >= 1.
+
+    Returns:
+        The `jax.Device`s.
+
+    Example:
+    >>> ensure_host_devices(2)  # doctest: +SKIP
+    [CpuDevice(id=0), CpuDevice(id=1)]
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"Invalid value for argument `n`. Expected an int >= 1. Received: n={n!r}")
+    flags = re.sub(rf"{_HOST_DEVICES_FLAG}=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"{_HOST_DEVICES_FLAG}={n}"])
+    # lazy: JAX loads with Keras's JAX backend only
+    import jax
+
+    devices = jax.local_devices(backend="cpu")
+    if len(devices) != n:
+        raise RuntimeError(
+            f"strategy='cpu:{n}' needs {n} JAX CPU devices but JAX is already initialised with {len(devices)}: "
+            f"call trainwell.runtime.make_strategy('cpu:{n}') before any JAX computation, or start the process "
+            f"with XLA_FLAGS={_HOST_DEVICES_FLAG}={n}."
+        )
+    return devices
+
+
+def _jax_multiprocess_requested() -> bool:
+    raw = os.environ.get("KERAS_DISTRIBUTION_NUM_PROCESSES", "").strip()
+    return raw.isdigit() and int(raw) > 1
+
+
+def initialize_jax_processes() -> None:
+    """Joins this process to its JAX multi-process job (`keras.distribution.initialize()`), once.
+
+    Keras reads `KERAS_DISTRIBUTION_JOB_ADDRESSES` (the first address is the
+    coordinator), `KERAS_DISTRIBUTION_NUM_PROCESSES` and
+    `KERAS_DISTRIBUTION_PROCESS_ID` (set by `trainwell train --workers N`);
+    without them `jax.distributed.initialize()` detects the cluster itself (Slurm,
+    Cloud TPU, ...). Must run before any JAX computation. A second call does nothing.
+
+    Example:
+    >>> initialize_jax_processes()  # doctest: +SKIP
+    """
+    # lazy: JAX loads with Keras's JAX backend only
+    import jax
+    import keras
+
+    if jax.distributed.is_initialized():
+        return
+    try:
+        keras.distribution.initialize()
+    except (ValueError, RuntimeError) as e:
+        missing = [k for k in KERAS_DISTRIBUTION_ENV if not os.environ.get(k)]
+        raise RuntimeError(
+            f"strategy='multiworker' on JAX could not join its processes ({str(e).splitlines()[0]}). "
+            + (f"Set {', '.join(missing)} (trainwell train --workers N does), or run where "
+               "jax.distributed detects the cluster." if missing else
+               "Call make_strategy before any JAX computation, in a fresh process.")
+        ) from None
+
+
+def make_jax_strategy(spec: Any = "auto") -> JaxStrategy:
+    """The `JaxStrategy` for `spec` on Keras's JAX backend.
+
+    Args:
+        spec: One of:
+            - `"auto"`: several processes when `KERAS_DISTRIBUTION_NUM_PROCESSES` > 1
+              or `jax.distributed` is initialised (as `"multiworker"`), else
+              `keras.distribution.DataParallel` over the local accelerators (GPUs,
+              TPU cores) when there are several, else no distribution (one device).
+            - `"mirrored"`, `"tpu"`: `DataParallel` over the local devices (`"tpu"`: TPU cores).
+            - `"multiworker"`: `initialize_jax_processes()`, then `DataParallel` over
+              every device of every process.
+            - `"one_device"`: no distribution (JAX's default device).
+            - `"cpu:N"`: `DataParallel` over N CPU devices (`ensure_host_devices`), so
+              data parallelism can be tested without accelerators; N = 1: none.
+            - a `JaxStrategy` (returned as is) or a `keras.distribution` `DataParallel`/`ModelParallel` (wrapped).
+            Defaults to `"auto"`.
+
+    Returns:
+        The `JaxStrategy`.
+
+    Example:
+    >>> make_jax_strategy("cpu:2").num_replicas_in_sync  # doctest: +SKIP
+    2
+    """
+    validate_strategy_spec(spec)
+    if isinstance(spec, JaxStrategy):
+        return spec
+    if not isinstance(spec, str):
+        if not _is_keras_distribution(spec):
+            raise ValueError(
+                "Invalid value for argument `strategy`. A tf.distribute.Strategy cannot distribute a model on Keras's "
+                "JAX backend; pass a spec string or a keras.distribution DataParallel/ModelParallel. "
+                f"Received: strategy={spec!r}"
+            )
+        return JaxStrategy(spec)
+    # lazy: JAX loads with Keras's JAX backend only
+    import jax
+
+    m = _CPU_RE.match(spec)
+    if m:
+        devices = ensure_host_devices(int(m.group(1)))
+        if jax.distributed.is_initialized():
+            devices = jax.devices("cpu")  # every process's
+        return _data_parallel(devices) if len(devices) > 1 else JaxStrategy(None)
+    if spec == "auto" and (_jax_multiprocess_requested() or jax.distributed.is_initialized()):
+        spec = "multiworker"
+    if spec == "multiworker":
+        initialize_jax_processes()
+        return _data_parallel(jax.devices())
+    if spec == "one_device":
+        return JaxStrategy(None)
+    if spec == "tpu":
+        devices = _jax_local_devices("tpu")
+        if not devices:
+            raise RuntimeError("strategy='tpu' on JAX: no TPU device is visible (jax.local_devices()).")
+    else:
+        devices = jax.local_devices()
+        if spec == "auto" and len(devices) == 1:
+            return JaxStrategy(None)
+    return _data_parallel(devices)
+
+
+def _data_parallel(devices) -> JaxStrategy:
+    # lazy: Keras loads on first use, not with this module
+    import keras
+
+    return JaxStrategy(keras.distribution.DataParallel(devices=list(devices)))
+
+
+def _jax_local_devices(platform: str) -> list:
+    # lazy: JAX loads with Keras's JAX backend only
+    import jax
+
+    return [d for d in jax.local_devices() if d.platform == platform]
+
+
+def _jax_process_group(strategy) -> tuple[int, int] | None:
+    """`(process index, process count)` when `strategy` is a JAX one or JAX runs multi-process, else None."""
+    jax = sys.modules.get("jax")  # never imports JAX for this check
+    if jax is None or not (isinstance(strategy, JaxStrategy) or _is_keras_distribution(strategy)
+                           or (strategy is None and jax.distributed.is_initialized())):
+        return None
+    return jax.process_index(), jax.process_count()
 
 
 #: Environment variable: seconds a cross-worker collective may wait for a peer
@@ -228,10 +501,17 @@ def _make_multiworker(tf):
 def num_workers(strategy) -> int:
     """Number of worker processes taking part in `strategy` (1 unless multi-worker).
 
+    On JAX the processes are global (`jax.process_count()`), so `strategy=None`
+    counts them too once `jax.distributed` is initialised: callbacks that find no
+    `model.distribute_strategy` (JAX models have none) still see every worker.
+
     Example:
     >>> num_workers(None)
     1
     """
+    group = _jax_process_group(strategy)
+    if group is not None:
+        return group[1]
     if strategy is None:
         return 1
     # lazy: it imports TensorFlow, which a strategy has loaded already; runtime itself stays light
@@ -255,11 +535,19 @@ def any_across_workers(strategy, flags, flags_fn=None):
     It is a collective under multi-worker: every worker must call it the same
     number of times, in the same order.
 
+    On JAX the reduction is between processes: each process ORs its local
+    replicas' flags and `jax.experimental.multihost_utils.process_allgather`
+    gathers one small int32 vector per process (no collective with one process).
+    `strategy=None` reduces over every JAX process once `jax.distributed` is
+    initialised.
+
     Args:
-        strategy: The `tf.distribute.Strategy` (or `None`: no reduction).
+        strategy: The `tf.distribute.Strategy` or `JaxStrategy` (or `None`: no
+            reduction on TensorFlow; every JAX process on JAX).
         flags: Sequence of booleans, this process's view.
         flags_fn: Optional `replica_id_in_sync_group -> sequence of booleans`, the
-            flags of each replica (for tests: replicas that disagree). Defaults to
+            flags of each replica (for tests: replicas that disagree; on JAX the
+            replica ids are this process's devices in the mesh). Defaults to
             `None` (every local replica contributes `flags`).
 
     Returns:
@@ -270,20 +558,79 @@ def any_across_workers(strategy, flags, flags_fn=None):
     [False, True]
     """
     local = [bool(f) for f in flags]
+    n = len(local)
+
+    def replica_flags(replica_id) -> list[bool]:
+        vals = flags_fn(replica_id) if flags_fn is not None else local
+        if len(vals) != n:
+            raise ValueError(f"flags_fn returned {len(vals)} flags, expected {n}. Received: {vals!r}")
+        return [bool(v) for v in vals]
+
+    group = _jax_process_group(strategy)
+    if group is not None:
+        ids = strategy.local_replica_ids() if isinstance(strategy, JaxStrategy) and flags_fn is not None else [0]
+        mine = [any(col) for col in zip(*(replica_flags(i) for i in ids))]
+        if group[1] <= 1:
+            return mine
+        # lazy: JAX is loaded already (a JAX process group exists)
+        from jax.experimental import multihost_utils
+
+        everyone = np.asarray(multihost_utils.process_allgather(np.asarray(mine, dtype=np.int32)))
+        return [bool(x) for x in everyone.reshape(group[1], n).max(axis=0)]
     if strategy is None or (flags_fn is None and num_workers(strategy) <= 1):
         return local
     tf = _tf()
-    n = len(local)
 
     def value_fn(ctx):
-        vals = flags_fn(ctx.replica_id_in_sync_group) if flags_fn is not None else local
-        if len(vals) != n:
-            raise ValueError(f"flags_fn returned {len(vals)} flags, expected {n}. Received: {vals!r}")
-        return tf.constant([1 if v else 0 for v in vals], dtype=tf.int32)
+        return tf.constant([1 if v else 0 for v in replica_flags(ctx.replica_id_in_sync_group)], dtype=tf.int32)
 
     per_replica = strategy.experimental_distribute_values_from_function(value_fn)
     total = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
     return [bool(x > 0) for x in np.asarray(total).reshape(-1)]
+
+
+def broadcast_from_chief(strategy, values) -> list[int]:
+    """The chief's integers, on every worker: one small collective.
+
+    For a choice the chief makes and every worker must share (e.g. the name of
+    the run directory, `trainwell.rundir.shared_run_dir`). On TensorFlow only
+    replica 0 (on the chief) contributes to a SUM all-reduce; on JAX
+    `jax.experimental.multihost_utils.broadcast_one_to_all` sends process 0's
+    values (as uint32 halves of int64: JAX computes in 32 bits by default). A
+    collective under multi-worker: every worker calls it with as many values.
+
+    Args:
+        strategy: The `tf.distribute.Strategy` or `JaxStrategy`, or `None` (no
+            collective on TensorFlow; every JAX process on JAX).
+        values: Integers (int64 range); only the chief's matter.
+
+    Returns:
+        The chief's values, as a list of ints.
+
+    Example:
+    >>> broadcast_from_chief(None, [20261201, 7])
+    [20261201, 7]
+    """
+    mine = np.asarray([int(v) for v in values], dtype=np.int64)
+    group = _jax_process_group(strategy)
+    if group is not None:
+        if group[1] <= 1:
+            return mine.tolist()
+        # lazy: JAX is loaded already (a JAX process group exists)
+        from jax.experimental import multihost_utils
+
+        got = np.asarray(multihost_utils.broadcast_one_to_all(mine.view(np.uint32)), dtype=np.uint32)
+        return got.view(np.int64).tolist()
+    if strategy is None:
+        return mine.tolist()
+    tf = _tf()
+
+    def value_fn(ctx):
+        keep = ctx.replica_id_in_sync_group == 0  # replica 0 lives on the chief, the first task of the group
+        return tf.constant(mine if keep else np.zeros_like(mine), dtype=tf.int64)
+
+    per_replica = strategy.experimental_distribute_values_from_function(value_fn)
+    return np.asarray(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)).reshape(-1).tolist()
 
 
 def sync_workers(strategy) -> None:
@@ -305,13 +652,19 @@ def sync_workers(strategy) -> None:
     if num_workers(strategy) <= 1:
         return
     try:
-        any_across_workers(strategy, [False])
+        if _jax_process_group(strategy) is not None:
+            # lazy: JAX is loaded already (a JAX process group exists)
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("trainwell.runtime.sync_workers")
+        else:
+            any_across_workers(strategy, [False])
     except Exception:  # noqa: BLE001 - a failed barrier at the very end changes nothing
         pass
 
 
 def num_replicas(strategy) -> int:
-    """Number of replicas in sync of `strategy` (1 for the default strategy).
+    """Number of replicas in sync of `strategy` (1 for the default strategy or no JAX distribution).
 
     Example:
     >>> num_replicas(make_strategy("auto"))  # doctest: +SKIP
@@ -323,10 +676,16 @@ def num_replicas(strategy) -> int:
 def gpu_compute_capabilities() -> list[tuple[int, int]]:
     """Compute capabilities of the visible GPUs, e.g. `[(9, 0)]` on an H100/H200.
 
+    Read from TensorFlow's device details, or from JAX's devices on the JAX backend
+    (where TensorFlow may see no GPU, or be absent).
+
     Example:
     >>> gpu_compute_capabilities()  # doctest: +SKIP
     []
     """
+    if _keras_backend() == "jax":
+        return [tuple(int(c) for c in str(d.compute_capability).split("."))
+                for d in _jax_local_devices("gpu") if getattr(d, "compute_capability", None)]
     tf = _tf()
     caps = []
     for gpu in tf.config.list_physical_devices("GPU"):
@@ -355,8 +714,8 @@ def resolve_precision(spec: str = "auto") -> str:
         )
     if spec != "auto":
         return spec
-    tf = _tf()
-    if _tpu_requested() or tf.config.list_logical_devices("TPU"):
+    if _tpu_requested() or (_jax_local_devices("tpu") if _keras_backend() == "jax"
+                            else _tf().config.list_logical_devices("TPU")):
         return "mixed_bfloat16"
     caps = gpu_compute_capabilities()
     if caps and all(c >= (7, 0) for c in caps):
@@ -421,12 +780,16 @@ def is_chief(strategy=None) -> bool:
     """Whether this process is the chief (the one that writes run artifacts).
 
     True for single-process runs; under multi-worker, the `chief` task or worker 0
-    when the cluster has no chief.
+    when the cluster has no chief; on JAX, process 0 (`jax.process_index() == 0`,
+    also with `strategy=None` once `jax.distributed` is initialised).
 
     Example:
     >>> is_chief()
     True
     """
+    group = _jax_process_group(strategy)
+    if group is not None:
+        return group[0] == 0
     resolver = getattr(strategy, "cluster_resolver", None) if strategy is not None else None
     if resolver is not None and getattr(resolver, "task_type", None) is not None:
         task_type, task_id = resolver.task_type, resolver.task_id

@@ -365,6 +365,22 @@ def test_any_across_workers_ors_the_replicas_flags(python_subprocess):
         print(runtime.any_across_workers(s, [False, False, True], flags_fn=lambda rid: [rid == 1, False, rid == 0]))
         print(runtime.any_across_workers(s, [False, True]))  # one worker: this process's flags, no collective
         print(runtime.num_workers(s))
+        print(runtime.broadcast_from_chief(s, [20261201235959, -3]))  # replica 0's values (one all-reduce)
     """, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split("\n")[-4:-1] == ["[True, False, True]", "[False, True]", "1"]
+    assert r.stdout.split("\n")[-5:-1] == ["[True, False, True]", "[False, True]", "1", "[20261201235959, -3]"]
+
+
+def test_worker_envs_per_backend():
+    # TensorFlow reads TF_CONFIG, JAX (keras.distribution.initialize) the KERAS_DISTRIBUTION_* variables;
+    # the two describe one cluster, and a worker whose backend is known gets only its own.
+    both = launch.worker_envs(2, ports=[1111, 2222])
+    assert [json.loads(e["TF_CONFIG"])["task"]["index"] for e in both] == [0, 1]
+    assert [e["KERAS_DISTRIBUTION_PROCESS_ID"] for e in both] == ["0", "1"]
+    assert {e["KERAS_DISTRIBUTION_JOB_ADDRESSES"] for e in both} == {"127.0.0.1:1111,127.0.0.1:2222"}
+    assert {e["KERAS_DISTRIBUTION_NUM_PROCESSES"] for e in both} == {"2"}
+    assert {e["JAX_COORDINATOR_BIND_ADDRESS"] for e in both} == {"127.0.0.1:1111"}  # not JAX's default [::]
+    assert all("TF_CONFIG" not in e for e in launch.worker_envs(2, "jax", ports=[1111, 2222]))
+    assert all(set(e) == {"TF_CONFIG"} for e in launch.worker_envs(2, "tensorflow", ports=[1111, 2222]))
+    with pytest.raises(ValueError, match="Received: workers=0"):
+        launch.worker_envs(0)
