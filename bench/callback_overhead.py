@@ -239,6 +239,7 @@ def short_case(args) -> dict:
             "cpu_vs_bare": {k: round(v / med_cpu["bare"], 4) for k, v in med_cpu.items() if k != "bare"},
             "extra_ms_per_step_vs_bare": {k: round(v - med["bare"], 3) for k, v in med.items() if k != "bare"},
             "trainwell_vs_keras": round(med["trainwell"] / med["keras"], 4),
+            "trainwell_vs_keras_cpu": round(med_cpu["trainwell"] / med_cpu["keras"], 4),
             "target_trainwell_within_1_02x_keras_met": med["trainwell"] / med["keras"] <= 1.02,
         }
     out["load_avg_1min"] = os.getloadavg()[0]
