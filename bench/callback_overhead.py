@@ -17,6 +17,28 @@ Target: trainwell steps/s >= 0.97 x bare.
 
 Usage: python bench/callback_overhead.py [--rounds 3] [--epochs 4] [--steps 30]
 Prints one JSON object.
+
+The short-step case (`--case short`, issue #21): on an accelerator a step takes a
+few milliseconds and any per-step Python work or host sync shows in throughput, so
+a small MLP (784-256-256-10, batch 128: about 4 ms a step on a 2-core CPU) trains
+`--short-epochs` x `--short-steps` steps (9 x 128: the first epoch traces and is
+not timed, the 1,024 steps after it are), each configuration in a fresh process,
+the order rotated each round, the median of `--rounds` rounds, at
+`steps_per_execution` 1 and 8 (`--spe`). Every configuration validates on the
+same 512 examples each epoch. Configurations:
+
+- `bare`: `fit` with no callbacks (constant LR);
+- `keras`: Keras's nearest stack: `CosineDecay` with warmup (the optimizer's
+  schedule) + `TerminateOnNaN` + `BackupAndRestore` each epoch + `EarlyStopping`;
+- `trainwell`: trainwell's defaults: `WarmupCosine` + `NaNRollback` + `Checkpoint`
+  each epoch + `EarlyStopping`;
+- `warmup_cosine`, `nan_rollback`, `checkpoint`, `early_stopping`: each trainwell
+  callback alone (attribution).
+
+Figures: ms per step of the timed steps (wall and CPU), and ratios against `bare`
+and `keras`. Target (#21): `trainwell` <= 1.02 x `keras` at both values of spe.
+
+    python bench/callback_overhead.py --case short --rounds 3
 """
 
 from __future__ import annotations
@@ -25,6 +47,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -96,13 +119,154 @@ def run(kind: str, data, epochs: int, steps: int, workdir: str) -> tuple[float, 
     return n / (timer.t1 - timer.t0), n / (timer.c1 - timer.c0)
 
 
+# --------------------------------------------------------------------------- the short-step case
+SHORT_KINDS = ("bare", "keras", "trainwell", "warmup_cosine", "nan_rollback", "checkpoint", "early_stopping")
+SHORT_BATCH = 128
+SHORT_LR = 0.05
+
+
+def short_callbacks(kind: str, directory: str, total_steps: int, steps_per_epoch: int) -> list:
+    """The callbacks of one short-step configuration (see the module docstring)."""
+    import keras
+
+    from trainwell.callbacks import Checkpoint, EarlyStopping, NaNRollback, WarmupCosine
+
+    patience = 1000  # never stops: every configuration trains every step
+    if kind == "bare":
+        return []
+    if kind == "keras":  # the warmup + cosine schedule is the optimizer's (see build_short)
+        return [keras.callbacks.TerminateOnNaN(),
+                keras.callbacks.BackupAndRestore(os.path.join(directory, "backup"), save_freq="epoch",
+                                                 delete_checkpoint=False),
+                keras.callbacks.EarlyStopping(monitor="val_loss", patience=patience)]
+    parts = {
+        "warmup_cosine": lambda: WarmupCosine(warmup_epochs=1),
+        "nan_rollback": NaNRollback,
+        "checkpoint": lambda: Checkpoint(os.path.join(directory, "ckpt")),
+        "early_stopping": lambda: EarlyStopping(monitor="val_loss", patience=patience),
+    }
+    if kind == "trainwell":
+        return [parts[k]() for k in ("warmup_cosine", "nan_rollback", "early_stopping", "checkpoint")]
+    return [parts[kind]()]
+
+
+def build_short(kind: str, spe: int, total_steps: int, steps_per_epoch: int):
+    """784-256-256-10 MLP, SGD with momentum; `keras` gets Keras's `CosineDecay` with a 1-epoch warmup."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    lr = SHORT_LR
+    if kind == "keras":
+        lr = keras.optimizers.schedules.CosineDecay(
+            0.0, decay_steps=total_steps - steps_per_epoch, warmup_target=SHORT_LR, warmup_steps=steps_per_epoch)
+    model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(256, activation="relu"),
+                              keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)])
+    model.compile(keras.optimizers.SGD(lr, momentum=0.9),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+                  steps_per_execution=spe)
+    return model
+
+
+def short_child(kind: str, spe: int, epochs: int, steps: int, profile: str | None = None) -> dict:
+    """One configuration in this (fresh) process: ms per timed step, wall and CPU."""
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SHORT_BATCH * steps, 784)).astype("float32")
+    y = rng.integers(0, 10, size=(len(x),)).astype("int32")
+    val = tf.data.Dataset.from_tensor_slices((x[:512], y[:512])).batch(SHORT_BATCH)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(SHORT_BATCH, drop_remainder=True).repeat()
+    model = build_short(kind, spe, epochs * steps, steps)
+    timer = _Timer()
+    with tempfile.TemporaryDirectory() as d:
+        cbs = short_callbacks(kind, d, epochs * steps, steps)
+        prof = None
+        if profile:
+            import cProfile
+
+            prof = cProfile.Profile()
+        import keras
+
+        class ProfileTimedPart(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                if epoch == 0 and prof is not None:
+                    prof.enable()
+
+            def on_train_end(self, logs=None):
+                if prof is not None:
+                    prof.disable()
+
+        model.fit(ds, epochs=epochs, steps_per_epoch=steps, validation_data=val, verbose=0,
+                  callbacks=cbs + [timer.callback, ProfileTimedPart()])
+    if prof is not None:
+        prof.dump_stats(profile)
+    n = (epochs - 1) * steps
+    return {"kind": kind, "spe": spe, "ms_per_step": 1000 * (timer.t1 - timer.t0) / n,
+            "cpu_ms_per_step": 1000 * (timer.c1 - timer.c0) / n}
+
+
+def short_case(args) -> dict:
+    configs = [(k, spe) for spe in args.spe for k in SHORT_KINDS]
+    runs: dict[tuple, list[dict]] = {c: [] for c in configs}
+    for r in range(args.rounds):
+        shift = (r * len(configs)) // max(1, args.rounds)  # rotate the order each round
+        for kind, spe in configs[shift:] + configs[:shift]:
+            cmd = [sys.executable, os.path.abspath(__file__), "--short-child", kind, "--spe", str(spe),
+                   "--short-epochs", str(args.short_epochs), "--short-steps", str(args.short_steps)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True,
+                                 env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            runs[(kind, spe)].append(res)
+            print(f"round {r} spe {spe} {kind}: {res['ms_per_step']:.3f} ms/step "
+                  f"({res['cpu_ms_per_step']:.3f} CPU ms)", file=sys.stderr, flush=True)
+    out: dict = {
+        "benchmark": "callback_overhead",
+        "case": "short",
+        "model": "MLP 784-256-256-10, batch 128, SGD momentum 0.9",
+        "steps_timed": (args.short_epochs - 1) * args.short_steps,
+        "steps_per_epoch": args.short_steps,
+        "rounds": args.rounds,
+    }
+    for spe in args.spe:
+        med = {k: statistics.median(x["ms_per_step"] for x in runs[(k, spe)]) for k in SHORT_KINDS}
+        med_cpu = {k: statistics.median(x["cpu_ms_per_step"] for x in runs[(k, spe)]) for k in SHORT_KINDS}
+        out[f"spe_{spe}"] = {
+            "ms_per_step": {k: round(v, 3) for k, v in med.items()},
+            "ms_per_step_all": {k: [round(x["ms_per_step"], 3) for x in runs[(k, spe)]] for k in SHORT_KINDS},
+            "cpu_ms_per_step": {k: round(v, 3) for k, v in med_cpu.items()},
+            "wall_vs_bare": {k: round(v / med["bare"], 4) for k, v in med.items() if k != "bare"},
+            "cpu_vs_bare": {k: round(v / med_cpu["bare"], 4) for k, v in med_cpu.items() if k != "bare"},
+            "extra_ms_per_step_vs_bare": {k: round(v - med["bare"], 3) for k, v in med.items() if k != "bare"},
+            "trainwell_vs_keras": round(med["trainwell"] / med["keras"], 4),
+            "trainwell_vs_keras_cpu": round(med_cpu["trainwell"] / med_cpu["keras"], 4),
+            "target_trainwell_within_1_02x_keras_met": med["trainwell"] / med["keras"] <= 1.02,
+        }
+    out["load_avg_1min"] = os.getloadavg()[0]
+    print(json.dumps(out, indent=2))
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--case", choices=("cnn", "short"), default="cnn",
+                   help="cnn: the small CNN in one process; short: the ~4 ms MLP, a process per run")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--steps", type=int, default=30, help="steps per epoch")
     p.add_argument("--attribute", action="store_true", help="also time each trainwell callback alone")
+    p.add_argument("--spe", type=int, nargs="+", default=[1, 8], help="short case: steps_per_execution values")
+    p.add_argument("--short-epochs", type=int, default=9, help="short case: epochs (the first is not timed)")
+    p.add_argument("--short-steps", type=int, default=128, help="short case: steps per epoch")
+    p.add_argument("--short-child", choices=SHORT_KINDS, help=argparse.SUPPRESS)
+    p.add_argument("--profile", help="with --short-child: write a cProfile of the timed epochs here")
     args = p.parse_args(argv)
+    if args.short_child:
+        res = short_child(args.short_child, args.spe[0], args.short_epochs, args.short_steps, args.profile)
+        print(json.dumps(res))
+        return res
+    if args.case == "short":
+        return short_case(args)
     import numpy as np
 
     rng = np.random.default_rng(0)

@@ -41,6 +41,14 @@ Run:
     python bench/pbt_vs_random.py                      # 8 trials x 12 epochs x 3 seeds: ~20-30 min on 2 loaded cores
     python bench/pbt_vs_random.py --quick              # 2 members x 2 epochs x 1 seed smoke run
     python bench/pbt_vs_random.py --trials 4 --epochs 8 --batch-size 64 --seeds 3   # the earlier design
+    python bench/pbt_vs_random.py --trials 4 --seeds 1 --with-rebuild   # + PBT with a new model per segment
+
+Wall time (`wall_s`) and CPU time (`cpu_s`, this process's) are the search's alone (not
+the bench's evaluation of the best model after it); `wall_time_vs_random` is PBT's over
+random search's, per seed (target <= 1.2), and `cpu_time_vs_random` the same in CPU time
+(steadier than wall time when other jobs share the machine). With `--with-rebuild` a third search, `pbt_rebuild`, runs PBT with
+`reuse_models=False` (a new model and trace per segment, as before the model cache):
+it must give the same lineage and scores as `pbt`, only slower.
 """
 
 from __future__ import annotations
@@ -137,19 +145,24 @@ def hypermodel(cfg: Optional[Config] = None, **overrides):
 
 def run_search(kind: str, seed: int, trials: int, epochs: int, root: Path, batch_size: int = 16,
                ready_interval: int = 1) -> dict:
+    """One search; `kind` is "random", "pbt" or "pbt_rebuild" (PBT with a new model per segment)."""
     from trainwell import tuning
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     hm = hypermodel(Config(epochs=epochs, seed=seed, batch_size=batch_size))
     # PBT's member 0 would start from the space's defaults; off here, so the initial
     # population is the same random sample (same oracle seed) as random search's trials.
-    kw = (dict(population_size=trials, ready_interval=ready_interval, max_epochs=epochs, start_with_defaults=False)
-          if kind == "pbt" else dict(max_trials=trials))
+    kw = (dict(population_size=trials, ready_interval=ready_interval, max_epochs=epochs, start_with_defaults=False,
+               reuse_models=kind == "pbt")
+          if kind.startswith("pbt") else dict(max_trials=trials))
     # Oracle seeds 1000 apart: KerasTuner draws value i of a search with seed `seed + i`,
     # so nearby seeds would share most of their samples.
     with contextlib.redirect_stdout(sys.stderr):  # the summary tables; stdout is the JSON only
-        result = tuning.search(hm, kind, directory=root, project_name=f"{kind}-{seed}", seed=1000 * (seed + 1), verbose=0,
-                               export=False, **kw)
+        result = tuning.search(hm, "pbt" if kind.startswith("pbt") else kind, directory=root,
+                               project_name=f"{kind}-{seed}", seed=1000 * (seed + 1), verbose=0, export=False, **kw)
+    # the search itself (the test evaluation below is the bench's); CPU time is far less sensitive
+    # than wall time to other jobs on a shared machine
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     best = result.tuner.oracle.get_trial(result.best_trial_id)
     model = result.tuner.load_model(best)
     _, _, test, _ = _data(hm.config_for(best.hyperparameters))
@@ -164,9 +177,14 @@ def run_search(kind: str, seed: int, trials: int, epochs: int, root: Path, batch
         "best_hyperparameters": {k: rnd(v, 5) for k, v in result.best_hyperparameters.items()},
         "trials": len(result.rows),
         "total_epochs": epochs_run,
-        "wall_s": rnd(time.perf_counter() - t0, 1),
+        "wall_s": rnd(wall, 1),
+        "cpu_s": rnd(cpu, 1),
     }
-    if kind == "pbt":
+    cache = getattr(result.tuner, "model_cache", None)
+    if cache is not None:
+        out["segments_reusing_the_model"] = sum(e == "reused" for _, e in cache.events)
+        out["segments_building_a_model"] = sum(e == "built" for _, e in cache.events)
+    if kind.startswith("pbt"):
         lineage = result.tuner.oracle.lineage()
         chain, tid = [], result.best_trial_id
         by_id = {r["trial_id"]: r for r in lineage}
@@ -186,15 +204,18 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16, help="SGD batch size")
     ap.add_argument("--ready-interval", type=int, default=1, help="PBT: epochs per segment")
     ap.add_argument("--seeds", default="3", help="a count (3: seeds 0,1,2) or a list (0,4,7)")
+    ap.add_argument("--with-rebuild", action="store_true",
+                    help="also PBT with a new model per segment (reuse_models=False), the earlier behaviour")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
         args.trials, args.epochs, args.seeds = 2, 2, "1"
     seeds = parse_seeds(args.seeds)
-    per_seed = {"random": [], "pbt": []}
+    kinds = ["random", "pbt"] + (["pbt_rebuild"] if args.with_rebuild else [])
+    per_seed = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory(prefix="bench-pbt-") as tmp:
         for i, seed in enumerate(seeds):
-            for kind in (("random", "pbt") if i % 2 == 0 else ("pbt", "random")):
+            for kind in kinds[i % len(kinds):] + kinds[: i % len(kinds)]:  # the order rotates with the seed
                 per_seed[kind].append(run_search(kind, seed, args.trials, args.epochs, Path(tmp),
                                                  batch_size=args.batch_size, ready_interval=args.ready_interval))
 
@@ -204,7 +225,13 @@ def main() -> None:
     summary = {k: {"median_best_val_accuracy": med(k, "best_val_accuracy"),
                    "median_test_accuracy_of_best": med(k, "test_accuracy_of_best"),
                    "median_wall_s": med(k, "wall_s"),
+                   "median_cpu_s": med(k, "cpu_s"),
                    "total_epochs": per_seed[k][0]["total_epochs"]} for k in per_seed}
+    def ratio(key):
+        return {k: rnd(statistics.median(p[key] / r[key] for p, r in zip(per_seed[k], per_seed["random"])), 3)
+                for k in kinds if k != "random"}
+
+    wall_ratio = ratio("wall_s")
     wins = sum(p["test_accuracy_of_best"] > r["test_accuracy_of_best"] for p, r in zip(per_seed["pbt"], per_seed["random"]))
     print_json({
         "benchmark": "pbt_vs_random",
@@ -216,8 +243,12 @@ def main() -> None:
         "pbt_ready_interval": args.ready_interval,
         "seeds": seeds,
         "random": per_seed["random"],
-        "pbt": per_seed["pbt"],
+        **{k: per_seed[k] for k in kinds if k != "random"},
         "summary": summary,
+        # PBT's wall time over random search's at the same epochs, median over seeds of the per-seed ratio.
+        "wall_time_vs_random": wall_ratio,
+        "cpu_time_vs_random": ratio("cpu_s"),
+        "target_pbt_wall_within_1_2x_met": wall_ratio["pbt"] <= 1.2,
         "pbt_minus_random": {
             "median_best_val_accuracy": rnd(summary["pbt"]["median_best_val_accuracy"]
                                             - summary["random"]["median_best_val_accuracy"], 4),

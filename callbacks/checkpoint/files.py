@@ -419,6 +419,53 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
     return Path(chosen["path"])
 
 
+def copy_checkpoint(src: str | os.PathLike, directory: str | os.PathLike, **entry) -> Path:
+    """Copies the committed checkpoint `src` into the `Checkpoint` directory `directory`.
+
+    The copy is written as a checkpoint is (a `.tmp-ckpt-*` directory, fsynced,
+    committed with one rename, `commit_directory`), so a loader never sees half
+    of it; a checkpoint of the same name already there is replaced. `entry`
+    updates the copy's index record (state.json's `entry`, outside its
+    checksum), e.g. `stopped=False` for a run that goes on from it. A
+    `Checkpoint` in `directory` resumes from the copy as from its own.
+
+    Args:
+        src: A committed checkpoint (`.../ckpt-120`). Required.
+        directory: The `Checkpoint` directory to copy into (created if needed).
+            Required.
+        **entry: Fields of the copy's index record to set.
+
+    Returns:
+        The copy's path (`directory/ckpt-<step>`).
+
+    Raises:
+        CheckpointCorruptError: `src` is damaged or not a checkpoint.
+
+    Example:
+    >>> copy_checkpoint("runs/a/checkpoints/ckpt-120", "runs/b/checkpoints", stopped=False)  # doctest: +SKIP
+    PosixPath('runs/b/checkpoints/ckpt-120')
+    """
+    src, directory = Path(src), Path(directory)
+    try:
+        meta = _read_state(src)
+    except Exception as e:  # noqa: BLE001 - any failure to read a checkpoint means damage
+        raise CheckpointCorruptError(f"Checkpoint {str(src)!r} is damaged or unreadable ({_damage(e)})") from e
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=directory))
+    try:
+        shutil.copyfile(src / ARRAYS_FILE, tmp / ARRAYS_FILE)
+        with open(tmp / ARRAYS_FILE, "rb") as f:
+            os.fsync(f.fileno())
+        meta.setdefault("entry", {}).update(entry)
+        write_text(tmp / STATE_FILE, json.dumps(meta, indent=1, sort_keys=True))
+        fsync_dir(tmp)
+        commit_directory(tmp, directory / src.name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory / src.name
+
+
 def write_npz(path: Path, arrays: dict) -> None:
     with open(path, "wb") as f:
         np.savez(f, **arrays)

@@ -62,7 +62,7 @@ from keras_tuner.engine import hyperparameters as hp_types
 from keras_tuner.engine.trial import TrialStatus
 
 from trainwell import io as tw_io
-from trainwell.tuning.tuners import META_PREFIXES, RecipeTunerMixin, hp_values
+from trainwell.tuning.tuners import META_PREFIXES, ModelCache, RecipeTunerMixin, hp_values
 from trainwell.validation import is_int
 
 META_KEYS = ("pbt/member", "pbt/generation", "pbt/initial_epoch", "pbt/epochs", "pbt/parent", "pbt/donor", "pbt/action")
@@ -407,8 +407,11 @@ class PBTTuner(RecipeTunerMixin, keras_tuner.Tuner):
     a parent with other values: the trial keeps its own) and runs the recipe's schedule of
     `generations * ready_interval` epochs up to `pbt/epochs`. The score is the
     objective at the segment's last epoch (PBT ranks members as they are now),
-    and early stopping is off (PBT decides). Works under KerasTuner's
-    distributed mode like any Tuner; the oracle stays in the chief.
+    and early stopping is off (PBT decides). A member's compiled model is kept
+    between its segments (`reuse_models`), so a generation costs about what
+    its epochs cost in one `fit`, not a new trace per segment. Works under
+    KerasTuner's distributed mode like any Tuner; the oracle stays in the chief
+    (each worker keeps the models of the segments it ran).
 
     Args:
         hypermodel: A `RecipeHyperModel`.
@@ -417,6 +420,12 @@ class PBTTuner(RecipeTunerMixin, keras_tuner.Tuner):
         perturb_factors, resample_probability, static_hyperparameters,
         start_with_defaults, max_trials, seed, hyperparameters, tune_new_entries,
         allow_new_entries, max_retries_per_trial, max_consecutive_failed_trials: See `PBTOracle`.
+        reuse_models: Keep each member's compiled model between its segments
+            and restore the checkpoint into it, instead of building and tracing
+            a new one per segment (`trainwell.tuning.tuners.ModelCache`: a new
+            model only when a hyperparameter changes the graph). Holds up to
+            `population_size` models in memory per process; `False` frees each
+            after its segment. Defaults to `True`.
         **kwargs: `keras_tuner.Tuner` arguments (`directory`, `project_name`,
             `overwrite`, ...).
 
@@ -434,8 +443,12 @@ class PBTTuner(RecipeTunerMixin, keras_tuner.Tuner):
         truncation_fraction=0.25, perturb_factors=(0.8, 1.2), resample_probability=0.25,
         static_hyperparameters=None, start_with_defaults=True, max_trials=None, seed=None,
         hyperparameters=None, max_retries_per_trial=0, max_consecutive_failed_trials=None,
-        tune_new_entries=True, allow_new_entries=True, **kwargs,
+        tune_new_entries=True, allow_new_entries=True, reuse_models=True, **kwargs,
     ):
+        if not isinstance(reuse_models, bool):
+            raise ValueError(
+                f"Invalid value for argument `reuse_models`. Expected a bool. Received: reuse_models={reuse_models!r}"
+            )
         if static_hyperparameters is None:
             static_hyperparameters = getattr(hypermodel, "static", ())
         oracle = PBTOracle(
@@ -450,6 +463,7 @@ class PBTTuner(RecipeTunerMixin, keras_tuner.Tuner):
         )
         super().__init__(oracle=oracle, hypermodel=hypermodel, **kwargs)
         self.schedule_epochs = int(generations) * int(ready_interval)
+        self.model_cache = ModelCache() if reuse_models else None
 
 
 def plot_lineage(lineage: Sequence[dict], path, objective_name: str = "score"):

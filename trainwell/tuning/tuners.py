@@ -7,11 +7,10 @@ from another trial's checkpoint (Hyperband's promotions, PBT's exploits).
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import json
 import math
 import os
-import shutil
 import time
 import warnings
 from pathlib import Path
@@ -19,11 +18,13 @@ from pathlib import Path
 import keras
 import keras_tuner
 
-from trainwell.callbacks.checkpoint import STATE_FILE, latest_checkpoint
+from trainwell.callbacks.checkpoint import latest_checkpoint, list_checkpoints
+from trainwell.callbacks.checkpoint.files import copy_checkpoint as copy_checkpoint_files
 from trainwell.callbacks.nan_rollback import TrainingDivergedError
-from trainwell.compat import learning_rate_variables
+from trainwell.compat import get_lr_multiplier, learning_rate_variables, set_lr_multiplier
+from trainwell.compat.keras_internals import model_fully_built
 from trainwell.compat.keras_tuner import is_chief_oracle, serve_chief
-from trainwell.io import atomic_write_json, fsync_dir
+from trainwell.io import atomic_write_json
 from trainwell.recipes.hypermodel import checkpoint_dir
 
 #: Hyperparameter names KerasTuner (`tuner/...`) and PBT (`pbt/...`) add to a trial's
@@ -65,7 +66,8 @@ def copy_checkpoint(src_run_dir, dst_run_dir) -> Path:
     states), so the recipe's `train()` in `dst_run_dir` resumes from it exactly as
     if it had written it. The copy is marked as "not stopped": the source run was
     stopped at the end of its segment on purpose, and the destination goes on.
-    Written to a temporary directory and renamed into place.
+    The checkpoint format's own `copy_checkpoint` writes it (temporary directory,
+    one rename).
 
     Args:
         src_run_dir: Run directory (with `checkpoints/`) to copy from.
@@ -80,22 +82,7 @@ def copy_checkpoint(src_run_dir, dst_run_dir) -> Path:
     src = latest_checkpoint(checkpoint_dir(src_run_dir))
     if src is None:
         raise FileNotFoundError(f"No committed checkpoint to copy in {str(checkpoint_dir(src_run_dir))!r}")
-    src = Path(src)
-    dst_dir = checkpoint_dir(dst_run_dir)
-    dst_dir.mkdir(parents=True, exist_ok=True)
-    tmp = dst_dir / f".tmp-{src.name}-copy-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    meta = json.loads((tmp / STATE_FILE).read_text(encoding="utf-8"))
-    meta.setdefault("entry", {})["stopped"] = False
-    meta["entry"]["copied_from"] = str(src)
-    atomic_write_json(tmp / STATE_FILE, meta)
-    final = dst_dir / src.name
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync_dir(dst_dir)
-    return final
+    return copy_checkpoint_files(src, checkpoint_dir(dst_run_dir), stopped=False, copied_from=str(src))
 
 
 def starts_from_copied_checkpoint(run_dir) -> bool:
@@ -105,14 +92,184 @@ def starts_from_copied_checkpoint(run_dir) -> bool:
     >>> starts_from_copied_checkpoint("/nonexistent")
     False
     """
-    latest = latest_checkpoint(checkpoint_dir(run_dir))
-    if latest is None:
-        return False
+    entries = list_checkpoints(checkpoint_dir(run_dir))
+    return bool(entries and entries[-1].get("copied_from"))
+
+
+# --------------------------------------------------------------------------- compiled models kept between segments
+def _names(obj, out: list) -> list:
+    """Every `"name"` value of a (serialized) config, depth first, in order."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k == "name" and isinstance(v, str):
+                out.append(v)
+            else:
+                _names(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _names(v, out)
+    return out
+
+
+def _renamed(obj, mapping: dict):
+    if isinstance(obj, dict):
+        return {k: _renamed(v, mapping) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_renamed(v, mapping) for v in obj]
+    if isinstance(obj, str):
+        return mapping.get(obj, obj)
+    return obj
+
+
+def _without_plain_lr(obj):
+    """A serialized optimizer with its numeric learning rates masked (an optimizer variable, not the graph)."""
+    if isinstance(obj, dict):
+        return {k: ("<variable>" if k == "learning_rate" and isinstance(v, (int, float)) else _without_plain_lr(v))
+                for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_without_plain_lr(v) for v in obj]
+    return obj
+
+
+def _graph_description(model):
+    compile_config = dict(model.get_compile_config() or {})
+    if not compile_config:
+        return None
+    compile_config["optimizer"] = _without_plain_lr(compile_config.get("optimizer"))
+    return {"model": model.get_config(), "compile": compile_config}
+
+
+def same_graph(model, other) -> bool:
+    """Whether two compiled models trace to the same train step (up to auto-generated names and a plain LR).
+
+    The same class, distribution strategy, variables (shapes, dtypes) and
+    optimizer, and the same `get_config()` and `get_compile_config()` (optimizer,
+    loss, metrics, `steps_per_execution`, `jit_compile`, ...) once the names Keras
+    numbers (`dense_3`) are matched up and a numeric learning rate (a variable,
+    assigned, not traced) is left out. Anything that cannot be compared counts
+    as different.
+
+    Example:
+    >>> same_graph(build_model(cfg), build_model(cfg))  # doctest: +SKIP
+    True
+    """
     try:
-        meta = json.loads((Path(latest) / STATE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        if type(model) is not type(other) or type(model.optimizer) is not type(other.optimizer):
+            return False
+        if getattr(model, "distribute_strategy", None) is not getattr(other, "distribute_strategy", None):
+            return False
+        if not (model_fully_built(model) and model_fully_built(other)):
+            return False
+        shapes = [(tuple(v.shape), str(v.dtype)) for v in model.variables]
+        if shapes != [(tuple(v.shape), str(v.dtype)) for v in other.variables]:
+            return False
+        a, b = _graph_description(model), _graph_description(other)
+        if a is None or b is None:
+            return False
+        names_a, names_b = _names(a, []), _names(b, [])
+        if len(names_a) != len(names_b):
+            return False
+        mapping: dict = {}
+        for x, y in zip(names_a, names_b):
+            if mapping.setdefault(x, y) != y:
+                return False
+        return _renamed(a, mapping) == _renamed(b, {})  # both with tuples as lists
+    except Exception:  # noqa: BLE001 - a model that cannot describe itself is rebuilt
         return False
-    return bool((meta.get("entry") or {}).get("copied_from"))
+
+
+def adopt_state(model, fresh) -> None:
+    """Gives `model` the whole state of `fresh`, a new build of the same graph (see `same_graph`).
+
+    Weights and seed-generator states (`model.variables`), every optimizer
+    variable (`fresh`'s optimizer is built for this: iterations, learning rate,
+    slots at their initial values) and the schedule's LR multiplier: after this
+    `model` is what the recipe's build returned, but with its traced functions.
+
+    Example:
+    >>> adopt_state(cached_model, build_model(cfg))  # doctest: +SKIP
+    """
+    for dst, src in zip(model.variables, fresh.variables):
+        dst.assign(src.value)
+    if not fresh.optimizer.built:
+        strategy = getattr(fresh, "distribute_strategy", None)
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            fresh.optimizer.build(fresh.trainable_variables)
+    if not model.optimizer.built:
+        strategy = getattr(model, "distribute_strategy", None)
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            model.optimizer.build(model.trainable_variables)
+    for dst, src in zip(model.optimizer.variables, fresh.optimizer.variables):
+        dst.assign(src.value)
+    set_lr_multiplier(model.optimizer, get_lr_multiplier(fresh.optimizer))
+    model.reset_metrics()
+
+
+class ModelCache:
+    """The compiled model of each PBT member, kept between the member's segments.
+
+    A segment is a new `fit` of the recipe, which builds a new model: Keras
+    traces its train and test functions again (seconds per segment, the bulk of
+    PBT's cost over random search at the same epochs). While a segment runs,
+    `serving` makes the recipe module's `build_model` hand back the member's
+    model from its previous segment instead, when the recipe's own new build
+    describes the same graph (`same_graph`: a continued member always; an
+    exploit when explore changed only a plain learning rate): the new build
+    lends it its whole state (`adopt_state`), and the segment's `Checkpoint`
+    then restores the member's or the donor's checkpoint into it, as into a new
+    model. Only a segment that resumes from a checkpoint reuses a model. The
+    new build still runs (it is cheap beside a trace, and its side effects,
+    e.g. seeding, stay as they were), so a segment trains exactly as it would in
+    a fresh process (a search killed and continued gives the same results).
+
+    Example:
+    >>> cache = ModelCache()
+    >>> with cache.serving(hypermodel.recipe, key=0, resumes=True):  # doctest: +SKIP
+    ...     run = hypermodel.run(hp, run_dir)
+    """
+
+    def __init__(self):
+        self._models: dict = {}
+        #: `(key, "reused" | "built")` per segment served, for tests and benchmarks.
+        self.events: list[tuple] = []
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+    @contextlib.contextmanager
+    def serving(self, recipe, key, resumes: bool):
+        """While the block runs, `recipe.build_model`'s first call may return `key`'s cached model.
+
+        The model the block used is cached for `key` when the block ends without
+        an error; after an error `key` has none (the next segment builds anew).
+        """
+        build = getattr(recipe, "build_model", None)
+        if build is None or key is None:
+            yield
+            return
+        cached = self._models.pop(key, None)
+        served: list = []
+
+        def build_model(*args, **kwargs):
+            model = build(*args, **kwargs)
+            if served:  # a second build in the same run (e.g. for export): not the trained model
+                return model
+            if resumes and cached is not None and same_graph(cached, model):
+                adopt_state(cached, model)
+                model = cached
+                self.events.append((key, "reused"))
+            else:
+                self.events.append((key, "built"))
+            served.append(model)
+            return model
+
+        recipe.build_model = build_model
+        try:
+            yield
+        finally:
+            recipe.build_model = build
+        if served:
+            self._models[key] = served[0]
 
 
 class KeepConfiguredLearningRate(keras.callbacks.Callback):
@@ -220,6 +377,8 @@ class RecipeTunerMixin:
     schedule_epochs = None
     #: Keep the recipe's early stopping in trials.
     trial_early_stopping = True
+    #: A `ModelCache` keeping each PBT member's compiled model between its segments; None: a new model each trial.
+    model_cache = None
 
     def _populate_initial_space(self):
         # KerasTuner builds the model (repeatedly) to discover the space; a recipe
@@ -254,12 +413,19 @@ class RecipeTunerMixin:
             # restore the parent's; this trial trains at its own (a PBT exploit's
             # explored value). Before the user's callbacks, which see the result.
             callbacks.insert(0, KeepConfiguredLearningRate())
-        # Frees the previous trial's graphs; it runs `gc.collect()` itself (a second
-        # full collection here cost ~0.7 s a trial on a loaded 2-core VM, ~20% of a
-        # 1-epoch PBT segment of a small MLP).
-        keras.backend.clear_session()
+        member = values.get("pbt/member") if self.model_cache is not None else None
+        if member is None:
+            # Frees the previous trial's graphs; it runs `gc.collect()` itself (a second
+            # full collection here cost ~0.7 s a trial on a loaded 2-core VM, ~20% of a
+            # 1-epoch PBT segment of a small MLP). Not while models are kept: their
+            # graphs are what is being saved, and the collection cost seconds a segment.
+            keras.backend.clear_session()
+            serving = contextlib.nullcontext()
+        else:
+            serving = self.model_cache.serving(getattr(self.hypermodel, "recipe", None), int(member),
+                                               resumes=has_checkpoint(run_dir))
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), serving:
                 # A copied checkpoint was written under the donor's config.
                 warnings.filterwarnings("ignore", message=r"Resuming from .*different run config")
                 run = self.hypermodel.run(

@@ -63,6 +63,10 @@ def test_arguments_are_validated_with_the_received_idiom(tmp_path):
         _oracle(tmp_path, resample_probability=2)
     with pytest.raises(ValueError, match=r"Received: max_trials=5"):
         _oracle(tmp_path, max_trials=5)
+    from trainwell.tuning.pbt import PBTTuner
+
+    with pytest.raises(ValueError, match=r"Expected a bool. Received: reuse_models='yes'"):
+        PBTTuner(None, reuse_models="yes")
     cfg = _oracle(tmp_path).get_config()
     assert cfg["population_size"] == 4 and cfg["perturb_factors"] == [0.8, 1.2] and cfg["resample_probability"] == 0.25
 

@@ -347,6 +347,76 @@ def test_pbt_exploit_trains_at_its_explored_learning_rate_not_the_donors(tmp_pat
         assert lr == pytest.approx(r["hyperparameters"]["learning_rate"], rel=1e-5), r
 
 
+def test_same_graph_matches_auto_names_and_a_plain_learning_rate_but_not_traced_constants():
+    """What lets PBT keep a member's model: a rebuild only when a hyperparameter changes the traced step."""
+    from trainwell.tuning.tuners import same_graph
+
+    cfg = Config(constant_lr=True)
+    model = build_model(cfg, 10)
+    assert same_graph(model, build_model(cfg, 10))  # Keras numbered the second one's layers dense_2, dense_3
+    assert same_graph(model, build_model(cfg.replace(learning_rate=0.2), 10))  # an optimizer variable: assigned
+    assert not same_graph(model, build_model(cfg.replace(label_smoothing=0.1), 10))  # a constant of the loss
+    assert not same_graph(model, build_model(cfg.replace(units=8), 10))  # other variables
+    assert not same_graph(model, build_model(cfg.replace(weight_decay=0.0), 10))  # the optimizer's update
+    scheduled = Config()  # a schedule's constants are traced into the step
+    assert not same_graph(build_model(scheduled, 10), build_model(scheduled.replace(learning_rate=0.2), 10))
+
+
+def test_adopt_state_gives_a_trained_model_the_state_of_a_new_build():
+    import keras
+    import numpy as np
+
+    from trainwell.tuning.tuners import adopt_state
+
+    cfg = Config(constant_lr=True)
+    model = build_model(cfg, 10)
+    x = np.random.default_rng(0).random((64, 64)).astype("float32")
+    model.fit(x, np.eye(10, dtype="float32")[np.arange(64) % 10], epochs=1, verbose=0)  # moves weights, slots, iterations
+    fresh = build_model(cfg.replace(learning_rate=0.2), 10)
+    adopt_state(model, fresh)
+    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(model.variables, fresh.variables))
+    opt = model.optimizer
+    assert int(opt.iterations.numpy()) == 0 and float(keras.ops.convert_to_numpy(opt.learning_rate)) == pytest.approx(0.2)
+    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(opt.variables, fresh.optimizer.variables))
+    assert len(opt.variables) == 6 and all(not v.numpy().any() for v in opt.variables if "momentum" in v.path)
+
+
+def test_pbt_keeps_each_members_model_and_trains_exactly_as_with_a_new_model_per_segment(tmp_path):
+    """A continued member and an exploit that changed only a plain LR reuse the member's traced model.
+
+    The results are bit for bit those of `reuse_models=False` (a new model per segment, which is
+    also what a search killed and continued in a new process builds): scores, lineage and the
+    final checkpoints.
+    """
+    import keras_tuner as kt
+    import numpy as np
+
+    from trainwell import tuning
+    from trainwell.callbacks.checkpoint import latest_checkpoint, read_checkpoint
+
+    hp = kt.HyperParameters()
+    hp.Float("learning_rate", 1e-3, 1.0, sampling="log", default=0.05)  # the only tuned value: a plain LR
+    runs = {}
+    for reuse in (True, False):
+        result = tuning.search(tiny_hypermodel(epochs=2, constant_lr=True), "pbt", population_size=2,
+                               ready_interval=1, max_epochs=2, directory=tmp_path / str(reuse), hyperparameters=hp,
+                               tune_new_entries=False, verbose=0, seed=3, export=False, reuse_models=reuse)
+        lineage = sorted(result.tuner.oracle.lineage(), key=lambda r: int(r["trial_id"]))
+        final = {r["trial_id"]: read_checkpoint(latest_checkpoint(
+            result.project_dir / f"trial_{r['trial_id']}" / "run" / "checkpoints"))[1]
+            for r in lineage if r["generation"] == 1}
+        runs[reuse] = (result.tuner, lineage, final)
+    tuner, lineage, final = runs[True]
+    assert runs[False][0].model_cache is None
+    assert sorted(tuner.model_cache.events) == [(0, "built"), (0, "reused"), (1, "built"), (1, "reused")]
+    assert sum(r["action"] == "exploit" for r in lineage) == 1  # the worse member: its model is reused too
+    assert [(r["member"], r["action"], r["hyperparameters"], r["score"]) for r in lineage] == [
+        (r["member"], r["action"], r["hyperparameters"], r["score"]) for r in runs[False][1]]
+    for tid, arrays in final.items():
+        other = runs[False][2][tid]
+        assert sorted(arrays) == sorted(other) and all(np.array_equal(arrays[k], other[k]) for k in arrays)
+
+
 @pytest.mark.parametrize("tuner, stopped_after", [("random", 3), ("pbt", 4)])
 def test_a_search_whose_trials_all_fail_stops_with_their_reason(tmp_path, capsys, tuner, stopped_after):
     """KerasTuner's `max_consecutive_failed_trials`: any error of a trial counts, and no best is reported."""
