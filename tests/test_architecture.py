@@ -59,11 +59,7 @@ FLOORS = {
 
 #: Violations accepted for now, as (rule, file relative to the repository), each with its reason.
 #: Each is a strict xfail below: once it passes (XPASS fails the run), delete its entry.
-KNOWN: set = {
-    # PBTOracle.populate_space calls KerasTuner's private Oracle._random_values (and reads
-    # self._seed_state): to move behind trainwell.compat.keras_tuner (owner: trainwell/tuning).
-    ("private", "trainwell/tuning/pbt.py"),
-}
+KNOWN: set = set()
 
 
 # --------------------------------------------------------------------------- reading the code

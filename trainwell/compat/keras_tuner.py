@@ -3,7 +3,7 @@
 Every `keras_tuner.src` name trainwell needs is imported here and nowhere else, and
 every patch of KerasTuner is applied here, gated on the KerasTuner version it was
 written for (`KERAS_TUNER_FIXED_IN`), with a test that fails when KerasTuner changes
-(tests/trainwell/test_tuning.py: the kill-during-save and reload tests). What is patched
+(tests/trainwell/tuning/test_tuning.py: the kill-during-save and reload tests; tests/trainwell/compat/test_keras_tuner.py: the oracle accessors). What is patched
 or reached into, and why:
 
 - `save_json` (`atomic_keras_tuner_saves`): KerasTuner 1.4 writes its state files in
@@ -14,6 +14,9 @@ or reached into, and why:
 - the chief oracle's gRPC service (`serve_chief`): KerasTuner's own polls every 20 s.
 - whether this process is KerasTuner's chief or a worker (`is_chief_oracle`,
   `has_chief_oracle`): KerasTuner exposes it only under `keras_tuner.src`.
+- an oracle's sampler of unseen values and its seed counter (`oracle_random_values`,
+  `next_oracle_seed`): PBT's oracle samples its first generation and its explore steps
+  the way KerasTuner's own oracles do, and KerasTuner keeps both private.
 
 Example:
 >>> has_chief_oracle()  # no KERASTUNER_* variables set: not a distributed search
@@ -35,6 +38,7 @@ from keras_tuner.src.distribute.oracle_chief import OracleServicer, exit_chief
 from keras_tuner.src.engine import oracle as oracle_module
 from keras_tuner.src.engine.trial import TrialStatus
 
+from trainwell.compat.versions import UpstreamChanged
 from trainwell.io import atomic_write_text
 
 
@@ -56,6 +60,45 @@ def has_chief_oracle() -> bool:
     False
     """
     return bool(dist_utils.has_chief_oracle())
+
+
+def _oracle_private(oracle, attr: str):
+    try:
+        return getattr(oracle, attr)
+    except AttributeError:
+        raise UpstreamChanged(
+            f"trainwell needs KerasTuner's private `Oracle.{attr}`, which keras-tuner {keras_tuner.__version__} "
+            "does not have; trainwell is tested with keras-tuner 1.4. Install it, or update `trainwell.compat.keras_tuner`."
+        ) from None
+
+
+def oracle_random_values(oracle) -> dict | None:
+    """Values for every active hyperparameter not tried before (`Oracle._random_values`), or `None`.
+
+    KerasTuner's own sampler: it keeps the oracle's seed sequence and its record of the
+    values tried, so a subclass samples exactly as `RandomSearchOracle` does.
+
+    Example:
+    >>> hp = keras_tuner.HyperParameters()
+    >>> _ = hp.Int("units", 1, 4)
+    >>> oracle = keras_tuner.oracles.RandomSearchOracle(objective="loss", hyperparameters=hp, seed=0)
+    >>> sorted(oracle_random_values(oracle))
+    ['units']
+    """
+    return _oracle_private(oracle, "_random_values")()
+
+
+def next_oracle_seed(oracle) -> int:
+    """The oracle's seed counter (`Oracle._seed_state`), then advances it by one, as KerasTuner's samplers do.
+
+    Example:
+    >>> oracle = keras_tuner.oracles.RandomSearchOracle(objective="loss", seed=3)
+    >>> next_oracle_seed(oracle) + 1 == next_oracle_seed(oracle)
+    True
+    """
+    state = int(_oracle_private(oracle, "_seed_state"))
+    oracle._seed_state = state + 1
+    return state
 
 
 #: The KerasTuner version from which trainwell's fixes of its saves and reload are no

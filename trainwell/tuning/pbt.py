@@ -62,6 +62,7 @@ from keras_tuner.engine import hyperparameters as hp_types
 from keras_tuner.engine.trial import TrialStatus
 
 from trainwell import io as tw_io
+from trainwell.compat.keras_tuner import next_oracle_seed, oracle_random_values
 from trainwell.tuning.tuners import META_PREFIXES, ModelCache, RecipeTunerMixin, hp_values
 from trainwell.validation import is_int
 
@@ -235,9 +236,7 @@ class PBTOracle(keras_tuner.Oracle):
         return max(1, int(math.floor(self.population_size * self.truncation_fraction)))
 
     def _rng(self):
-        rng = np.random.default_rng([int(self.seed), int(self._seed_state)])
-        self._seed_state += 1
-        return rng
+        return np.random.default_rng([int(self.seed), next_oracle_seed(self)])
 
     def _default_values(self) -> dict:
         hps = self.hyperparameters.copy()
@@ -304,7 +303,7 @@ class PBTOracle(keras_tuner.Oracle):
         }
 
     def _sample(self) -> dict:
-        values = self._random_values()
+        values = oracle_random_values(self)
         if values is None:  # the space is small: allow a repeat
             rng = self._rng()
             values = {hp.name: hp.random_sample(int(rng.integers(0, 2**31 - 1))) for hp in self.hyperparameters.space}
