@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from trainwell.compat.backend import backend_name
 from trainwell.config import ConfigError
 from trainwell.io import atomic_write_json, atomic_write_text
 from trainwell.runtime import is_chief, num_replicas, num_workers
@@ -53,6 +54,8 @@ def package_versions() -> dict[str, str]:
         "keras-tuner",
         "tensorflow-datasets",
         "keras-hub",
+        "jax",
+        "jaxlib",
         "numpy",
         "matplotlib",
     ):
@@ -393,7 +396,7 @@ def write_manifest(
 ) -> Path:
     """Writes `manifest.json` (and `config.yaml` for a dataclass config) to `run_dir`.
 
-    The manifest records what ran: package versions, git commit, devices, strategy
+    The manifest records what ran: the Keras backend, package versions, git commit, devices, strategy
     and number of replicas, precision policy, seed, command line, host and time.
 
     Args:
@@ -421,6 +424,7 @@ def write_manifest(
         "command": [sys.executable] + sys.argv,
         "host": socket.gethostname(),
         "platform": platform.platform(),
+        "backend": backend_name(),
         "versions": package_versions(),
         "git_commit": git_commit(Path(__file__).resolve().parent) or git_commit(),
         "devices": device_summary(),
