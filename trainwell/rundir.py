@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 import yaml
 
-from trainwell.compat.backend import backend_name
 from trainwell.config import ConfigError
 from trainwell.io import atomic_write_json, atomic_write_text
 from trainwell.runtime import is_chief, num_replicas, num_workers
@@ -416,6 +415,8 @@ def write_manifest(
     >>> write_manifest(tempfile.mkdtemp(), {"epochs": 1}, seed=0).name
     'manifest.json'
     """
+    from trainwell.compat.backend import backend_name  # here: it imports Keras, which this module otherwise need not
+
     run_dir = Path(run_dir)
     cfg_dict = _config_dict(config)
     manifest = {

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     from trainwell.callbacks.checkpoint import Checkpoint
     from trainwell.callbacks.checkpoint import files as ckpt_files
     from trainwell.callbacks.early_stopping import EarlyStopping
-    from trainwell.compat.backend import StateReader
+    from trainwell.compat.backend import StateReader, build_before_fit
 
     keras.utils.set_random_seed(1234)
     tf.config.experimental.enable_op_determinism()
@@ -128,6 +128,7 @@ def main(argv=None) -> int:
         EarlyStopping(monitor="loss", patience=100),
         LogIds(),
     ]
+    build_before_fit(model, ds)  # on JAX, the same data order as on TensorFlow
     model.fit(
         ds,
         epochs=args.epochs,

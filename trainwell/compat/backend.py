@@ -26,6 +26,8 @@ The API:
   around it, the same on both trainers.
 - `compile_function(fn)`, `copy_arrays(values)`: one compiled dispatch; device
   copies that outlive the next step.
+- `build_before_fit(model, dataset)`: keeps a reshuffling `tf.data` pipeline's
+  k-th iterator the k-th epoch on JAX too (its `fit` otherwise makes one more).
 
 The checkpoint format never depends on the backend: state is read and written
 through Keras variables (NumPy arrays on disk).
@@ -54,6 +56,7 @@ __all__ = [
     "wrap_train_function",
     "compile_function",
     "copy_arrays",
+    "build_before_fit",
 ]
 
 # The state tuple of Keras's JAX train step, in its order (`JAXTrainer._get_jax_state`).
@@ -287,3 +290,39 @@ def _jax_copy():
 
         _COPY.append(jax.jit(lambda xs: [jnp.copy(x) for x in xs]))
     return _COPY[0]
+
+
+def build_before_fit(model, dataset) -> None:
+    """Builds `model`'s compiled loss and metrics from `dataset`'s element spec before `fit` (JAX only).
+
+    Keras's JAX `fit` builds an unbuilt model, loss or metrics from one batch of
+    a fresh iterator of the training data before training; TensorFlow's builds
+    them inside the first step. A `tf.data` pipeline shuffled with a fixed seed
+    and `reshuffle_each_iteration=True` gives its k-th iterator the k-th order,
+    so on JAX every epoch would see the next epoch's order: a run resumed on the
+    other backend would skip and repeat examples of the resumed epoch. Building
+    from the element spec first makes the two backends read the same batches.
+    A no-op on TensorFlow, for data without an `element_spec`, and when
+    everything is built.
+
+    Args:
+        model: A compiled Keras model. Required.
+        dataset: The training data given to `fit`. Required.
+
+    Example:
+    >>> import keras, tensorflow as tf
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model.compile("sgd", "mse", metrics=["mae"])
+    >>> build_before_fit(model, tf.data.Dataset.from_tensors((tf.zeros((4, 2)), tf.zeros((4, 1)))))
+    """
+    spec = getattr(dataset, "element_spec", None)
+    if not is_jax() or spec is None:
+        return
+    from trainwell.compat.keras_internals import (  # here: only JAX needs them
+        compiled_metrics_unbuilt,
+        model_fully_built,
+        symbolic_build,
+    )
+
+    if compiled_metrics_unbuilt(model) or not model_fully_built(model):
+        symbolic_build(model, spec)
