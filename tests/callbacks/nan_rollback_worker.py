@@ -1,4 +1,4 @@
-"""Subprocess of test_jax_backend.py: the NaNRollback checks of test_nan_rollback.py, on whatever
+"""Subprocess of test_nan_rollback.py: its NaNRollback checks, on whatever
 backend `KERAS_BACKEND` names (the test runs it on JAX), printed as one JSON line.
 
 - `inf`: inf inputs at batches 5 and 30 (NaN weights), `NaNRollback(snapshot_every=4)`;
