@@ -314,10 +314,11 @@ def test_checkpoints_move_between_tensorflow_and_jax(jax_runs):
     rows = _read_ids(root / "cross.ids")
     assert [s for s, _ in rows] == list(range(1, 15)) + list(range(13, 20)) + list(range(17, 25))
     assert _effective(rows) == _read_ids(root / "ref.ids")  # data position and order carried over exactly
-    # Dropout draws differ between backends, so the weights differ; the fit must not. The one-backend
-    # JAX run's loss 0.0335 and TensorFlow's 0.0340 (measured), the data's noise floor 0.01.
+    # Dropout draws differ between backends, so the weights differ; the fit must not. After 24 steps
+    # (targets' variance 1.45) one-backend runs ended at a loss of 0.111 (JAX), 0.128 (JAX, another data
+    # order) and 0.188 (TensorFlow): a spread of 0.077; a run that switched twice at 0.221.
     ref, cross = _final_mse(root / "ref.npz"), _final_mse(root / "cross.npz")
-    assert abs(cross - ref) <= 0.25 * ref, (cross, ref)
+    assert abs(cross - ref) <= 0.15, (cross, ref)  # twice the spread of one-backend runs
 
 
 # --------------------------------------------------------------------------- in-process resume
