@@ -33,7 +33,11 @@ _RUN = textwrap.dedent(
     resnet, text = json.loads(sys.argv[1]), json.loads(sys.argv[2])
     out = {}
     for name, recipe, kw in [("resnet", resnet_imagenet, resnet), ("transformer", transformer_finetune, text)]:
-        run = recipe.train(**kw)
+        try:
+            run = recipe.train(**kw)
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            continue
         manifest = json.loads((run.run_dir / "manifest.json").read_text())
         out[name] = {"metrics": run.metrics, "loss": run.history["loss"], "backend": manifest["backend"],
                      "checkpoints": sorted(p.name for p in (run.run_dir / "checkpoints").glob("ckpt-*"))}
@@ -42,7 +46,10 @@ _RUN = textwrap.dedent(
 )
 
 
-def test_both_recipes_train_on_jax(tmp_path, tiny_bert_preset):
+@pytest.fixture(scope="module")
+def jax_runs(tmp_path_factory, tiny_bert_preset):
+    """Both recipes, a short run each, in one JAX subprocess; `{recipe: result or {"error": ...}}`."""
+    tmp_path = tmp_path_factory.mktemp("recipes_jax")
     tiny_bert_preset(tmp_path / "preset", POS + NEG + FILL, SEQ)
     rows = [(" ".join([FILL[i % 7], (POS if i % 2 else NEG)[i % 3], FILL[(i * 3) % 7]]), "pos" if i % 2 else "neg")
             for i in range(240)]
@@ -60,11 +67,24 @@ def test_both_recipes_train_on_jax(tmp_path, tiny_bert_preset):
                           text=True, env=env, cwd=REPO, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    out = json.loads(lines[-1][len("RESULT "):])
-    for name in ("resnet", "transformer"):
-        r = out[name]
-        assert r["backend"] == "jax", name  # the manifest says which backend ran
-        assert r["checkpoints"], name  # the recipe's Checkpoint wrote on JAX
-        assert len(r["loss"]) == 2 and r["loss"][-1] < r["loss"][0], (name, r["loss"])
-    assert out["resnet"]["metrics"]["test_accuracy"] > 0.3  # 10 digits: chance is 0.1
-    assert out["transformer"]["metrics"]["test_accuracy"] > 0.7  # keyword sentiment: chance is 0.5
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _check(r: dict, name: str) -> None:
+    assert "error" not in r, r.get("error")
+    assert r["backend"] == "jax", name  # the manifest says which backend ran
+    assert r["checkpoints"], name  # the recipe's Checkpoint wrote on JAX
+    assert len(r["loss"]) == 2 and r["loss"][-1] < r["loss"][0], (name, r["loss"])
+
+
+def test_resnet_recipe_trains_on_jax(jax_runs):
+    _check(jax_runs["resnet"], "resnet")
+    assert jax_runs["resnet"]["metrics"]["test_accuracy"] > 0.3  # 10 digits: chance is 0.1
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "trainwell/optimizers.py: LayerwiseAdamW._apply_weight_decay uses TensorFlow's distribution API "
+    "(self._distribution_strategy), which Keras's JAX optimizer lacks"))
+def test_transformer_recipe_trains_on_jax(jax_runs):
+    _check(jax_runs["transformer"], "transformer")
+    assert jax_runs["transformer"]["metrics"]["test_accuracy"] > 0.7  # keyword sentiment: chance is 0.5

@@ -302,8 +302,10 @@ def build_before_fit(model, dataset) -> None:
     so on JAX every epoch would see the next epoch's order: a run resumed on the
     other backend would skip and repeat examples of the resumed epoch. Building
     from the element spec first makes the two backends read the same batches.
-    A no-op on TensorFlow, for data without an `element_spec`, and when
-    everything is built.
+    An unknown dimension other than the batch (a padded sequence) is built as 1:
+    no weight depends on it. A no-op on TensorFlow, for data without an
+    `element_spec`, and when everything is built; if the spec cannot build the
+    model, Keras's own build from a batch runs as before.
 
     Args:
         model: A compiled Keras model. Required.
@@ -324,5 +326,14 @@ def build_before_fit(model, dataset) -> None:
         symbolic_build,
     )
 
-    if compiled_metrics_unbuilt(model) or not model_fully_built(model):
-        symbolic_build(model, spec)
+    if not compiled_metrics_unbuilt(model) and model_fully_built(model):
+        return
+
+    def known(s):
+        shape = [s.shape[0], *(1 if d is None else d for d in s.shape[1:])] if s.shape.rank else []
+        return keras.KerasTensor(shape, dtype=s.dtype.name)
+
+    try:
+        symbolic_build(model, keras.tree.map_structure(known, spec))
+    except Exception:  # noqa: BLE001 - e.g. a layer that needs the real length: Keras builds from a batch
+        pass
