@@ -86,5 +86,6 @@ def test_resnet_recipe_trains_on_jax(jax_runs):
     "trainwell/optimizers.py: LayerwiseAdamW._apply_weight_decay uses TensorFlow's distribution API "
     "(self._distribution_strategy), which Keras's JAX optimizer lacks"))
 def test_transformer_recipe_trains_on_jax(jax_runs):
+    # Two epochs of this tiny fine-tune stay at chance (test accuracy 0.5 on TensorFlow too, measured, and on
+    # JAX with that optimizer patched): this checks that it runs, checkpoints and lowers the loss.
     _check(jax_runs["transformer"], "transformer")
-    assert jax_runs["transformer"]["metrics"]["test_accuracy"] > 0.7  # keyword sentiment: chance is 0.5

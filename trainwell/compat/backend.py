@@ -42,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import keras
@@ -334,6 +335,8 @@ def build_before_fit(model, dataset) -> None:
         return keras.KerasTensor(shape, dtype=s.dtype.name)
 
     try:
-        symbolic_build(model, keras.tree.map_structure(known, spec))
+        with warnings.catch_warnings():  # shapes only: e.g. "softmax over an axis of size 1" for a length of 1
+            warnings.simplefilter("ignore")
+            symbolic_build(model, keras.tree.map_structure(known, spec))
     except Exception:  # noqa: BLE001 - e.g. a layer that needs the real length: Keras builds from a batch
         pass
