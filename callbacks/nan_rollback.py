@@ -495,12 +495,6 @@ class NaNRollback(StatefulCallback):
         probe_full = tf.function(_Probe(tracker_vars, floats, scale_var, True), autograph=False)
         probe_loss = tf.function(_Probe(tracker_vars, floats, scale_var, False), autograph=False)
 
-        def set_tracker(total: float, count: float) -> None:
-            if tracker_vars is None:
-                return
-            tracker.total.assign(total)
-            tracker.count.assign(count)
-
         self._machinery = {
             "n_vars": len(variables),
             "snapshot": snapshot,
@@ -508,7 +502,6 @@ class NaNRollback(StatefulCallback):
             "probe_full": probe_full,
             "probe_loss": probe_loss,
             "has_tracker": tracker_vars is not None,
-            "set_tracker": set_tracker,
         }
 
     def _build_array_machinery(self) -> None:
@@ -555,13 +548,6 @@ class NaNRollback(StatefulCallback):
             for v, a in zip(variables, copy_arrays(shadow)):  # the shadow stays valid for the next rollback
                 v.assign(a)
 
-        def set_tracker(total: float, count: float) -> None:
-            if not tracker_vars:
-                return
-            sync_variables(model)
-            tracker.total.assign(total)
-            tracker.count.assign(count)
-
         self._machinery = {
             "n_vars": len(variables),
             "snapshot": snapshot,
@@ -569,7 +555,6 @@ class NaNRollback(StatefulCallback):
             "probe_full": probe_fn(True),
             "probe_loss": probe_fn(False),
             "has_tracker": bool(tracker_vars),
-            "set_tracker": set_tracker,
         }
 
     def _ready(self) -> bool:
@@ -805,7 +790,10 @@ class NaNRollback(StatefulCallback):
         """Takes the offending batches out of the epoch's running loss."""
         if self._cur is None:
             return
-        self._machinery["set_tracker"](self._prev_total, self._prev_count)
+        tracker = loss_tracker(self.model)
+        sync_variables(self.model)  # on JAX inside fit: the next step reads the tracker from its variables
+        tracker.total.assign(self._prev_total)
+        tracker.count.assign(self._prev_count)
         if "loss" in logs:  # what the tracker now reports (Keras's Mean: 0 when empty)
             logs["loss"] = self._prev_total / self._prev_count if self._prev_count > 0 else 0.0
 
