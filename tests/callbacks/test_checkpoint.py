@@ -284,6 +284,7 @@ def jax_runs(tmp_path_factory):
     return res
 
 
+@pytest.mark.slow
 @needs_jax
 def test_jax_run_killed_and_resumed_matches_uninterrupted_jax_run(jax_runs):
     root = jax_runs["root"]
@@ -300,6 +301,7 @@ def test_jax_run_killed_and_resumed_matches_uninterrupted_jax_run(jax_runs):
         assert np.array_equal(a[k], b[k]), k
 
 
+@pytest.mark.slow
 @needs_jax
 def test_checkpoints_move_between_tensorflow_and_jax(jax_runs):
     root = jax_runs["root"]

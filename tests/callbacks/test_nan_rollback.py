@@ -568,6 +568,7 @@ def test_mirrored_strategy_and_steps_per_execution():
 
 
 # --------------------------------------------------------------------------- JAX backend
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax is not installed (pip install 'trainwell[jax]')")
 def test_inf_batch_and_spike_roll_back_on_jax():
     """The two recovery tests above, with KERAS_BACKEND=jax: the same events at the same steps."""

@@ -16,10 +16,13 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    __import__("importlib.util").util.find_spec("jax") is None,
-    reason="jax is not installed (pip install 'trainwell[jax]')",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        __import__("importlib.util").util.find_spec("jax") is None,
+        reason="jax is not installed (pip install 'trainwell[jax]')",
+    ),
+]
 
 REPO = Path(__file__).resolve().parents[2]
 POS, NEG = ["good", "great", "superb"], ["bad", "awful", "dull"]
