@@ -31,6 +31,7 @@ import numpy as np
 
 from trainwell import runtime
 from trainwell.callbacks.base import StatefulCallback
+from trainwell.compat.backend import StateReader, backend_name, compile_function, copy_arrays, sync_variables
 from trainwell.compat.keras_internals import loss_tracker
 from trainwell.compat.learning_rate import current_lr, learning_rate_variables, scale_learning_rate
 from trainwell.validation import invalid_argument, is_int, is_number
@@ -464,6 +465,9 @@ class NaNRollback(StatefulCallback):
 
     def _build_machinery(self) -> None:
         """Creates the shadow variables and the compiled snapshot/restore/probe functions."""
+        if backend_name() != "tensorflow":
+            self._build_array_machinery()
+            return
         tf = _tf()
         model = self.model
         variables = self._state_variables()
@@ -491,12 +495,6 @@ class NaNRollback(StatefulCallback):
         probe_full = tf.function(_Probe(tracker_vars, floats, scale_var, True), autograph=False)
         probe_loss = tf.function(_Probe(tracker_vars, floats, scale_var, False), autograph=False)
 
-        def set_tracker(total: float, count: float) -> None:
-            if tracker_vars is None:
-                return
-            tracker.total.assign(total)
-            tracker.count.assign(count)
-
         self._machinery = {
             "n_vars": len(variables),
             "snapshot": snapshot,
@@ -504,7 +502,59 @@ class NaNRollback(StatefulCallback):
             "probe_full": probe_full,
             "probe_loss": probe_loss,
             "has_tracker": tracker_vars is not None,
-            "set_tracker": set_tracker,
+        }
+
+    def _build_array_machinery(self) -> None:
+        """The machinery on JAX: device copies of the live state, read without a sync.
+
+        Keras's JAX step is stateless and deletes the arrays it is given, so the
+        snapshot is one compiled copy of the state's arrays (`compat.backend`);
+        a restore writes copies of it into the variables after
+        `sync_variables`, and the next step starts from them. The probe reads
+        the loss tracker, the weights and the loss scale from the live state in
+        one compiled function (float32: JAX runs without float64 by default).
+        """
+        model = self.model
+        variables = self._state_variables()
+        reader = StateReader(model, variables)
+        shadow: list = []
+        floats = [w for w in self._model_weights() if keras.backend.is_float_dtype(w.dtype)]
+        tracker = loss_tracker(model)
+        tracker_vars = [tracker.total, tracker.count] if tracker is not None else []
+        opt = model.optimizer
+        scale_vars = [opt.dynamic_scale] if _is_lso(opt) and getattr(opt, "built", False) else []
+        probe_reader = StateReader(model, tracker_vars + floats + scale_vars)
+
+        def probe_fn(check_weights: bool):
+            ops, f32 = keras.ops, "float32"
+
+            def probe(values):
+                zero = ops.zeros((), f32)
+                vals = [ops.cast(values[0], f32), ops.cast(values[1], f32)] if tracker_vars else [zero, zero]
+                weights = values[len(tracker_vars) : len(tracker_vars) + len(floats)]
+                ok = [ops.all(ops.isfinite(w)) for w in weights] if check_weights else []
+                vals.append(ops.cast(ops.all(ops.stack(ok)), f32) if ok else ops.ones((), f32))
+                vals.append(ops.cast(values[-1], f32) if scale_vars else -ops.ones((), f32))
+                return ops.stack(vals)
+
+            fn = compile_function(probe)
+            return lambda: fn(probe_reader())
+
+        def snapshot() -> None:
+            shadow[:] = copy_arrays(reader())
+
+        def restore() -> None:
+            sync_variables(model)
+            for v, a in zip(variables, copy_arrays(shadow)):  # the shadow stays valid for the next rollback
+                v.assign(a)
+
+        self._machinery = {
+            "n_vars": len(variables),
+            "snapshot": snapshot,
+            "restore": restore,
+            "probe_full": probe_fn(True),
+            "probe_loss": probe_fn(False),
+            "has_tracker": bool(tracker_vars),
         }
 
     def _ready(self) -> bool:
@@ -740,7 +790,10 @@ class NaNRollback(StatefulCallback):
         """Takes the offending batches out of the epoch's running loss."""
         if self._cur is None:
             return
-        self._machinery["set_tracker"](self._prev_total, self._prev_count)
+        tracker = loss_tracker(self.model)
+        sync_variables(self.model)  # on JAX inside fit: the next step reads the tracker from its variables
+        tracker.total.assign(self._prev_total)
+        tracker.count.assign(self._prev_count)
         if "loss" in logs:  # what the tracker now reports (Keras's Mean: 0 when empty)
             logs["loss"] = self._prev_total / self._prev_count if self._prev_count > 0 else 0.0
 
@@ -749,6 +802,7 @@ class NaNRollback(StatefulCallback):
         return [e for e in self.events if e.get("action") == "rollback" and e["step"] > lo]
 
     def _diverged(self, causes: list[str], loss: float | None, scale: float | None, threshold: float | None) -> None:
+        sync_variables(self.model)  # on JAX inside fit: read the LR and iterations, and restore, through the variables
         opt = self.model.optimizer
         it_before = self._iterations()
         lr_before = float(current_lr(opt))

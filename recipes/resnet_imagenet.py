@@ -481,7 +481,7 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
     """
     # lazy: the harness and the quick switch import Keras; loaded when training starts
     from trainwell import quick
-    from trainwell.compat import raw_learning_rate
+    from trainwell.compat import build_before_fit, raw_learning_rate
     from trainwell.recipes import harness
     from trainwell.callbacks import WarmupCosine
 
@@ -499,6 +499,7 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
         callbacks = build_callbacks(cfg, ctx.run_dir, schedule=schedule, chief=ctx.is_chief) + list(callbacks or ())
         if not any(isinstance(c, WarmupCosine) for c in callbacks):  # the step schedule: its LR in the history
             callbacks.insert(0, harness.log_learning_rate(model))
+        build_before_fit(model, train_ds)  # JAX: the k-th iterator stays the k-th epoch (see compat.backend)
         history = model.fit(
             train_ds, validation_data=data.val, epochs=cfg.epochs, steps_per_epoch=steps,
             callbacks=callbacks, verbose=cfg.verbose, shuffle=False,  # the pipeline shuffles (seeded)

@@ -475,7 +475,7 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
     """
     # lazy: the harness and the quick switch import Keras; loaded when training starts
     from trainwell import quick
-    from trainwell.compat import inner_optimizer, raw_learning_rate
+    from trainwell.compat import build_before_fit, inner_optimizer, raw_learning_rate
     from trainwell.recipes import harness
     from trainwell.callbacks import StopAtStep, WarmupCosine
 
@@ -511,6 +511,7 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
         if total < epochs * epoch_steps:
             callbacks.append(StopAtStep(total))
         verbose = cfg.verbose if cfg.verbose == "auto" else int(cfg.verbose)
+        build_before_fit(model, train_ds)  # JAX: the k-th iterator stays the k-th epoch (see compat.backend)
         history = model.fit(
             train_ds, validation_data=data_.val, epochs=epochs, steps_per_epoch=epoch_steps,
             callbacks=callbacks, verbose=verbose, shuffle=False,  # the pipeline shuffles (seeded)

@@ -53,6 +53,8 @@ def package_versions() -> dict[str, str]:
         "keras-tuner",
         "tensorflow-datasets",
         "keras-hub",
+        "jax",
+        "jaxlib",
         "numpy",
         "matplotlib",
     ):
@@ -393,7 +395,7 @@ def write_manifest(
 ) -> Path:
     """Writes `manifest.json` (and `config.yaml` for a dataclass config) to `run_dir`.
 
-    The manifest records what ran: package versions, git commit, devices, strategy
+    The manifest records what ran: the Keras backend, package versions, git commit, devices, strategy
     and number of replicas, precision policy, seed, command line, host and time.
 
     Args:
@@ -413,6 +415,8 @@ def write_manifest(
     >>> write_manifest(tempfile.mkdtemp(), {"epochs": 1}, seed=0).name
     'manifest.json'
     """
+    from trainwell.compat.backend import backend_name  # here: it imports Keras, which this module otherwise need not
+
     run_dir = Path(run_dir)
     cfg_dict = _config_dict(config)
     manifest = {
@@ -421,6 +425,7 @@ def write_manifest(
         "command": [sys.executable] + sys.argv,
         "host": socket.gethostname(),
         "platform": platform.platform(),
+        "backend": backend_name(),
         "versions": package_versions(),
         "git_commit": git_commit(Path(__file__).resolve().parent) or git_commit(),
         "devices": device_summary(),

@@ -31,6 +31,7 @@ from trainwell.callbacks.checkpoint.preemption import PreemptionGuard
 from trainwell.callbacks.checkpoint.resume import ResumeMixin
 from trainwell.callbacks.checkpoint.state import config_to_dict, load_checkpoint
 from trainwell.callbacks.checkpoint.writer import CheckpointWriter
+from trainwell.compat.backend import wrap_train_function
 from trainwell.compat.keras_internals import get_initial_epoch, set_initial_epoch
 from trainwell.compat.metrics import finite_value
 from trainwell.validation import is_int
@@ -537,11 +538,7 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
             model.make_train_function()
             orig = model.train_function
         self._orig_train_function = orig
-        ckpt = self
-
-        def train_function(iterator):
-            return ckpt._train_step(orig, iterator)
-
+        train_function = wrap_train_function(model, orig, self._train_step)
         train_function._trainwell_checkpoint_original = orig
         train_function._trainwell_checkpoint_owner = self
         model.train_function = train_function

@@ -21,6 +21,7 @@ import keras
 from trainwell.callbacks.base import StatefulCallback, stateful_callbacks
 from trainwell.callbacks.checkpoint.files import CheckpointMismatchError, read_checkpoint, resume_checkpoint
 from trainwell.callbacks.checkpoint.state import Plan, dedup, restore_model_arrays, restore_vars, rng_restore, to_numpy
+from trainwell.compat.backend import sync_variables
 from trainwell.compat.keras_internals import (
     compiled_metrics_unbuilt,
     model_fully_built,
@@ -121,6 +122,7 @@ class ResumeMixin:
 
     def _apply_arrays(self, arrays: dict, meta: dict, path: str) -> None:
         model = self.model
+        sync_variables(model)  # on JAX inside fit: the assignments below reach the next step
         weights_only = bool(meta.get("weights_only"))
         if not weights_only and model.optimizer is not None and not model.optimizer.built:
             with model.distribute_strategy.scope():
@@ -161,6 +163,7 @@ class ResumeMixin:
     def _restore_metrics(self, iterator) -> None:
         pending, self._pending_metrics = self._pending_metrics, None
         model = self.model
+        sync_variables(model)
         if compiled_metrics_unbuilt(model):
             try:
                 self._element_spec_build(iterator)
@@ -205,6 +208,7 @@ class ResumeMixin:
         w = self._warmup
         if not w:
             return
+        sync_variables(self.model)  # it reads and sets the learning rate (a variable)
         opt = self.model.optimizer
         total = int(w["total"])
         s = int(w["step"])

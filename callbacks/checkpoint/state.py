@@ -32,6 +32,7 @@ from trainwell.callbacks.checkpoint.files import (
     read_checkpoint,
     resolve_checkpoint_path,
 )
+from trainwell.compat.backend import backend_name, copy_arrays
 from trainwell.compat.keras_internals import (
     keras_global_seed_state,
     model_fully_built,
@@ -136,9 +137,13 @@ def _read_snapshot(plan: Plan, items: list[tuple[str, Any]]) -> list:
     referenced by a read tensor copy-on-write, so the snapshot stays as it was
     while training goes on, and no copy is made here. `host` turns them into
     NumPy arrays (zero-copy on the CPU) when the checkpoint is written.
+    On JAX the next train step deletes the arrays it is given, so the snapshot
+    is a device copy (one dispatch; `compat.backend.copy_arrays`).
     """
     keys = tuple(k for k, _ in items)
     variables = [v for _, v in items]
+    if backend_name() != "tensorflow":
+        return copy_arrays([v.value for v in variables])
     try:
         import tensorflow as tf  # here: the compiled read is TensorFlow's; another backend copies below
 
@@ -159,6 +164,8 @@ def _read_snapshot(plan: Plan, items: list[tuple[str, Any]]) -> list:
 
 def host(value) -> np.ndarray:
     """A snapshot (tensor or array) as a NumPy array; keep `value` alive while using it."""
+    if backend_name() != "tensorflow":
+        return to_numpy(value)
     try:
         from trainwell.compat.tf_internals import host_array  # here: TensorFlow only, and only when writing
     except ImportError:  # another backend

@@ -42,6 +42,7 @@ from trainwell.callbacks.checkpoint.files import (
     zip_crcs,
 )
 from trainwell.callbacks.checkpoint.state import Plan, capture, host, json_safe, plan_signature, rng_capture
+from trainwell.compat.backend import sync_variables
 from trainwell.compat.learning_rate import get_lr_multiplier
 from trainwell.compat.metrics import finite_value, metric_direction
 from trainwell.io import atomic_write_json, atomic_write_text, fsync_dir
@@ -51,7 +52,8 @@ class CheckpointWriter:
     """Mixin of `Checkpoint`: how a checkpoint gets written (see the module docstring)."""
 
     def _capture_arrays(self, include_metrics: bool) -> tuple[dict, dict, dict]:
-        """Snapshots of the state (no copy; see `_read_snapshot`), names and RNG metadata."""
+        """Snapshots of the state (see `_read_snapshot`), names and RNG metadata."""
+        sync_variables(self.model)  # on JAX inside fit, the variables are filled at epoch ends only
         values, names = capture(self._plan(), weights_only=self.weights_only, include_metrics=include_metrics)
         rng_meta: dict = {}
         if not self.weights_only:

@@ -35,6 +35,7 @@ from trainwell.callbacks.doctor.step_rules import (
     check_input_bound,
     run_queue_delays,
 )
+from trainwell.compat.backend import backend_name
 from trainwell.compat.keras_internals import adapter_sample_source, fit_epoch_iterator
 from trainwell.compat.learning_rate import current_lr, inner_optimizer
 from trainwell.io import atomic_write_json
@@ -409,7 +410,12 @@ class TrainingDoctor(StatefulCallback):
                     batch = auto
         except Exception as e:  # never let the doctor break training
             self._probe_error = f"could not take a probe batch from the data: {e}"
-        if batch is not None:
+        if batch is not None and backend_name() != "tensorflow":
+            self._probe_error = (
+                f"the gradient probe runs on TensorFlow only (Keras backend: {backend_name()}): gradient, "
+                "activation and input-bound checks skipped; the loss and step checks run"
+            )
+        elif batch is not None:
             try:
                 # here, not at the top: the probe is TensorFlow's; a run that never probes never imports it
                 from trainwell.callbacks.doctor.probe import GradientProbe

@@ -48,6 +48,7 @@ def main(argv=None) -> int:
     from trainwell.callbacks.checkpoint import Checkpoint
     from trainwell.callbacks.checkpoint import files as ckpt_files
     from trainwell.callbacks.early_stopping import EarlyStopping
+    from trainwell.compat.backend import StateReader, build_before_fit
 
     keras.utils.set_random_seed(1234)
     tf.config.experimental.enable_op_determinism()
@@ -78,11 +79,13 @@ def main(argv=None) -> int:
                 x = x[0]
             return self.d2(self.drop(self.d1(x), training=training))
 
-        def train_step(self, data):
-            (x, ids), y = data
-            logs = dict(super().train_step((x, y)))
+        def train_step(self, *args):  # TensorFlow: (data) -> logs; JAX: (state, data) -> (logs, state)
+            *state, ((x, ids), y) = args
+            out = super().train_step(*state, (x, y))
+            logs, new_state = (out, None) if not state else out
+            logs = dict(logs)
             logs["ids"] = ids
-            return logs
+            return logs if not state else (logs, new_state)
 
     model = IdModel()
     model(np.zeros((1, 4), "float32"))  # build the sublayers
@@ -97,7 +100,7 @@ def main(argv=None) -> int:
             ids = (logs or {}).get("ids")
             if ids is None:
                 return  # a replayed (skipped) step of a resumed epoch
-            step = int(self.model.optimizer.iterations.numpy())
+            step = int(np.asarray(StateReader(self.model, [self.model.optimizer.iterations])()[0]))
             self.f.write(f"{step} " + " ".join(str(int(i)) for i in np.asarray(ids).ravel()) + "\n")
             self.f.flush()
             if args.kill_at_step is not None and step == args.kill_at_step:
@@ -125,6 +128,7 @@ def main(argv=None) -> int:
         EarlyStopping(monitor="loss", patience=100),
         LogIds(),
     ]
+    build_before_fit(model, ds)  # on JAX, the same data order as on TensorFlow
     model.fit(
         ds,
         epochs=args.epochs,

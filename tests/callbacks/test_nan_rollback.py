@@ -15,6 +15,7 @@ CPU; the others assert only what NaNRollback guarantees either way.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 import json
 import os
@@ -564,3 +565,26 @@ def test_mirrored_strategy_and_steps_per_execution():
     f16 = out["mixed_float16"]
     assert f16["replicas_equal"] and f16["finite"] and f16["events"] == []
     assert f16["loss_scale_skips"] == 1 and np.all(np.isfinite(f16["loss"]))
+
+
+# --------------------------------------------------------------------------- JAX backend
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax is not installed (pip install 'trainwell[jax]')")
+def test_inf_batch_and_spike_roll_back_on_jax():
+    """The two recovery tests above, with KERAS_BACKEND=jax: the same events at the same steps."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="jax")
+    worker = Path(__file__).with_name("nan_rollback_worker.py")
+    proc = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["backend"] == "jax"
+    for case, expected in [("inf", [(6, 4), (31, 28)]), ("spike", [(4, 0), (21, 20)])]:
+        r = out[case]
+        assert [(e["step"], e["restored_step"]) for e in r["events"]] == expected, case
+        assert r["finite"] and r["loss_finite"] and r["accuracy"] >= 0.99, case
+        assert np.isclose(r["lr"], 0.025), case
+    inf, spike = out["inf"]["events"], out["spike"]["events"]
+    assert all("nonfinite_weights" in e["causes"] for e in inf)
+    assert all(e["causes"] == ["loss_spike"] for e in spike)
+    # `iterations` goes back with the rest of the optimizer state (read and restored through the live JAX state).
+    assert (inf[0]["iterations_before"], inf[0]["iterations_after"]) == (6, 4)

@@ -96,6 +96,7 @@ def test_train_end_to_end_on_digits(tmp_path):
     assert run.history["accuracy"][1] >= 0.45
     manifest = json.loads((run.run_dir / "manifest.json").read_text())
     assert manifest["recipe"] == "resnet-imagenet" and manifest["config"]["width"] == 8
+    assert manifest["backend"] == "tensorflow"  # test_jax_backend.py checks "jax"
     assert json.loads((run.run_dir / "metrics.json").read_text()) == pytest.approx(run.metrics)
     assert run.model.output.dtype == "float32"
 

@@ -13,7 +13,8 @@ audited here only. The rule for anything added:
 - a patch of a library bug lives in `keras_fixes`, applied only for the versions
   known to be broken, and is reversible (`apply`/`remove`/`patched`).
 
-Modules: `versions` (the gate), `metrics` (the one "is this better" rule),
+Modules: `versions` (the gate), `backend` (what differs between Keras's
+TensorFlow and JAX trainers), `metrics` (the one "is this better" rule),
 `learning_rate` (the one LR get/set), `keras_internals`, `tf_internals`
 (TensorFlow only, not imported here), `keras_fixes` (the patches) and
 `keras_tuner` (KerasTuner's internals). The names below are the public API.
@@ -24,6 +25,7 @@ Example:
 'max'
 """
 
+from trainwell.compat.backend import backend_name, build_before_fit, sync_variables
 from trainwell.compat.learning_rate import (
     current_lr,
     get_lr_multiplier,
@@ -56,4 +58,7 @@ __all__ = [
     "install_schedule",
     "keras_version",
     "UpstreamChanged",
+    "backend_name",
+    "sync_variables",
+    "build_before_fit",
 ]

@@ -1,0 +1,94 @@
+"""Both recipes' `train()` on Keras's JAX backend: a short run each, in one subprocess.
+
+The pytest process runs on TensorFlow, so the runs go to a fresh interpreter with
+`KERAS_BACKEND=jax`. XLA's CPU backend is asked for quick, unoptimised compiles
+(`XLA_FLAGS`): the ResNet train step compiled in 26 s instead of 60 s here; it
+changes how fast the code runs, not what it computes.
+"""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        __import__("importlib.util").util.find_spec("jax") is None,
+        reason="jax is not installed (pip install 'trainwell[jax]')",
+    ),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+POS, NEG = ["good", "great", "superb"], ["bad", "awful", "dull"]
+FILL = ["the", "film", "was", "a", "and", "plot", "it"]
+SEQ = 16
+
+_RUN = textwrap.dedent(
+    """
+    import json, sys
+    from trainwell.recipes import resnet_imagenet, transformer_finetune
+    resnet, text = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+    out = {}
+    for name, recipe, kw in [("resnet", resnet_imagenet, resnet), ("transformer", transformer_finetune, text)]:
+        try:
+            run = recipe.train(**kw)
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            continue
+        manifest = json.loads((run.run_dir / "manifest.json").read_text())
+        out[name] = {"metrics": run.metrics, "loss": run.history["loss"], "backend": manifest["backend"],
+                     "checkpoints": sorted(p.name for p in (run.run_dir / "checkpoints").glob("ckpt-*"))}
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def jax_runs(tmp_path_factory, tiny_bert_preset):
+    """Both recipes, a short run each, in one JAX subprocess; `{recipe: result or {"error": ...}}`."""
+    tmp_path = tmp_path_factory.mktemp("recipes_jax")
+    tiny_bert_preset(tmp_path / "preset", POS + NEG + FILL, SEQ)
+    rows = [(" ".join([FILL[i % 7], (POS if i % 2 else NEG)[i % 3], FILL[(i * 3) % 7]]), "pos" if i % 2 else "neg")
+            for i in range(240)]
+    with open(tmp_path / "data.csv", "w", newline="") as f:
+        csv.writer(f).writerows([("review", "sentiment"), *rows])
+    resnet = dict(dataset="digits", image_size=8, model="resnet18", width=4, epochs=2, batch_size=64,
+                  warmup_epochs=1, base_lr=0.4, verbose=0, doctor=False, augment="none",
+                  run_dir=str(tmp_path / "resnet"))
+    text = dict(preset=str(tmp_path / "preset"), dataset=f"csv:{tmp_path / 'data.csv'}", text_field="review",
+                label_field="sentiment", sequence_length=SEQ, batch_size=16, epochs=2, peak_lr=2e-2, verbose="0",
+                doctor=False, export=False, early_stopping_patience=None, run_dir=str(tmp_path / "text"))
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3", HF_HUB_OFFLINE="1",
+               XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+    proc = subprocess.run([sys.executable, "-c", _RUN, json.dumps(resnet), json.dumps(text)], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _check(r: dict, name: str) -> None:
+    assert "error" not in r, r.get("error")
+    assert r["backend"] == "jax", name  # the manifest says which backend ran
+    assert r["checkpoints"], name  # the recipe's Checkpoint wrote on JAX
+    assert len(r["loss"]) == 2 and r["loss"][-1] < r["loss"][0], (name, r["loss"])
+
+
+def test_resnet_recipe_trains_on_jax(jax_runs):
+    _check(jax_runs["resnet"], "resnet")
+    assert jax_runs["resnet"]["metrics"]["test_accuracy"] > 0.3  # 10 digits: chance is 0.1
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "trainwell/optimizers.py: LayerwiseAdamW._apply_weight_decay uses TensorFlow's distribution API "
+    "(self._distribution_strategy), which Keras's JAX optimizer lacks"))
+def test_transformer_recipe_trains_on_jax(jax_runs):
+    # Two epochs of this tiny fine-tune stay at chance (test accuracy 0.5 on TensorFlow too, measured, and on
+    # JAX with that optimizer patched): this checks that it runs, checkpoints and lowers the loss.
+    _check(jax_runs["transformer"], "transformer")

@@ -1,0 +1,342 @@
+"""What differs between Keras's TensorFlow and JAX trainers, behind one small API.
+
+trainwell's callbacks observe and change the training state between steps
+(a checkpoint reads it, a NaN rollback puts an older copy back) and wrap the
+train function (a checkpoint skips already-trained batches). Keras's two
+trainers keep that state differently:
+
+- TensorFlow: the Keras variables *are* the state; `model.train_function(iterator)`
+  updates them in place.
+- JAX: the train step is stateless. Inside `fit`, the state is a tuple of
+  immutable arrays passed to `model.train_function(state, iterator)` and
+  returned updated; the Keras variables are emptied ("purged") at the start of
+  an epoch and refilled by `model.jax_state_sync()` at its end (or when a
+  callback calls it). The step *donates* its input state (`jax.jit(...,
+  donate_argnums=0)`), so an array of a past step is deleted by the next one:
+  a snapshot must be a copy.
+
+The API:
+
+- `sync_variables(model)`: make the Keras variables hold the current state and
+  make writes to them reach the next step (a no-op on TensorFlow). Call it
+  before reading or assigning variables inside a `fit`.
+- `StateReader(model, variables)`: the current values of some variables without
+  a sync (the NaN check reads a few every step; a sync writes every variable).
+- `wrap_train_function(fn, step)`: the train function with `step(run, iterator)`
+  around it, the same on both trainers.
+- `compile_function(fn)`, `copy_arrays(values)`: one compiled dispatch; device
+  copies that outlive the next step.
+- `build_before_fit(model, dataset)`: keeps a reshuffling `tf.data` pipeline's
+  k-th iterator the k-th epoch on JAX too (its `fit` otherwise makes one more).
+
+The checkpoint format never depends on the backend: state is read and written
+through Keras variables (NumPy arrays on disk).
+
+Example:
+>>> import keras
+>>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+>>> sync_variables(model)  # outside fit: nothing to do
+>>> [tuple(v.shape) for v in StateReader(model, model.weights)()]
+[(2, 1), (1,)]
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import keras
+
+from trainwell.compat.versions import gate
+
+__all__ = [
+    "backend_name",
+    "is_jax",
+    "sync_variables",
+    "StateReader",
+    "wrap_train_function",
+    "compile_function",
+    "copy_arrays",
+    "build_before_fit",
+]
+
+# The state tuple of Keras's JAX train step, in its order (`JAXTrainer._get_jax_state`).
+_JAX_STATE = ("trainable_variables", "non_trainable_variables", "optimizer_variables", "metrics_variables")
+
+
+def backend_name() -> str:
+    """The Keras backend in use (`keras.backend.backend()`): "tensorflow", "jax", ...
+
+    Example:
+    >>> backend_name() in ("tensorflow", "jax", "torch", "numpy")
+    True
+    """
+    return keras.backend.backend()
+
+
+def is_jax() -> bool:
+    """Whether Keras runs on JAX.
+
+    Example:
+    >>> is_jax() == (keras.backend.backend() == "jax")
+    True
+    """
+    return backend_name() == "jax"
+
+
+def _state_variables(model) -> tuple[list, list, list, list]:
+    """The model's variables in the order of the JAX train step's state."""
+    opt = getattr(model, "optimizer", None)
+    return (
+        list(model.trainable_variables),
+        list(model.non_trainable_variables),
+        list(opt.variables) if opt is not None else [],
+        list(model.metrics_variables),
+    )
+
+
+def _live_jax_state(model) -> dict | None:
+    """The JAX trainer's unsynced state dict inside `fit`, or None when the variables are current."""
+    gate("JAXTrainer._jax_state / _jax_state_synced")
+    state = getattr(model, "_jax_state", None)
+    if not state or getattr(model, "_jax_state_synced", True):
+        return None
+    return state
+
+
+def sync_variables(model) -> None:
+    """Makes `model`'s Keras variables hold its current training state.
+
+    On JAX inside `fit`, the state lives in arrays outside the variables between
+    epochs' ends; this writes them back (Keras's `model.jax_state_sync()`), and
+    the next step reads its state from the variables again, so an `assign` made
+    after this call reaches training. On TensorFlow, and outside `fit`, nothing
+    to do.
+
+    Args:
+        model: A Keras model. Required.
+
+    Example:
+    >>> import keras
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> sync_variables(model)
+    """
+    if not is_jax() or _live_jax_state(model) is None:
+        return
+    model.jax_state_sync()
+
+
+class StateReader:
+    """The current values of `variables` of `model`, inside or outside `fit`, without a sync.
+
+    On TensorFlow (and on JAX when the variables are current) these are the
+    variables' values; on JAX inside `fit`, the arrays of the live state the next
+    step will be given. Positions are looked up once.
+
+    Args:
+        model: A Keras model. Required.
+        variables: Keras variables of `model` (weights, optimizer or metric
+            variables). Required.
+
+    Example:
+    >>> import keras
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> len(StateReader(model, model.trainable_variables)())
+    2
+    """
+
+    def __init__(self, model, variables: list) -> None:
+        self.model = model
+        self.variables = list(variables)
+        self._where: list[tuple[int, int]] | None = None
+
+    def _positions(self) -> list[tuple[int, int]]:
+        if self._where is None:
+            index = {}
+            for i, group in enumerate(_state_variables(self.model)):
+                for j, v in enumerate(group):
+                    index.setdefault(id(v), (i, j))
+            missing = [v.path for v in self.variables if id(v) not in index]
+            if missing:
+                raise ValueError(f"Variables not in the model's training state: {missing[:4]}")
+            self._where = [index[id(v)] for v in self.variables]
+        return self._where
+
+    def __call__(self) -> list:
+        state = _live_jax_state(self.model) if is_jax() else None
+        if state is None:
+            return [v.value for v in self.variables]
+        groups = [state.get(k) for k in _JAX_STATE]
+        return [groups[i][j] for i, j in self._positions()]
+
+
+def wrap_train_function(model, fn: Callable, step: Callable[[Callable, Any], Any]) -> Callable:
+    """Keras's train function `fn` with `step(run, iterator)` around it, on either trainer.
+
+    `step` gets `run(iterator)`, which runs `fn` on the coming batches and returns
+    its logs, and the batch iterator (to skip batches with `next(iterator)`); it
+    returns the logs for the step (it may not call `run` at all). The wrapper has
+    the signature the trainer calls: `(iterator)` on TensorFlow, `(state,
+    iterator) -> (logs, state)` on JAX, where `sync_variables(model)` inside
+    `step` writes the passed state into the variables, and the step then reads
+    it back (with whatever `step` assigned). Costs nothing per step otherwise.
+
+    Args:
+        model: The model whose `train_function` `fn` is. Required.
+        fn: `model.train_function`. Required.
+        step: `step(run, iterator) -> logs`. Required.
+
+    Returns:
+        The wrapped function, to assign to `model.train_function`.
+
+    Example:
+    >>> import keras
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model.compile("sgd", "mse")
+    >>> model.make_train_function()
+    >>> model.train_function = wrap_train_function(model, model.train_function, lambda run, it: run(it))
+    >>> model.fit(keras.ops.ones((4, 2)), keras.ops.ones((4, 1)), verbose=0).history["loss"][0] > 0
+    True
+    """
+    if not is_jax():
+
+        def train_function(iterator):
+            return step(fn, iterator)
+
+        return train_function
+
+    def train_function(state, iterator):
+        gate("JAXTrainer._jax_state / _jax_state_synced")
+        box = {"state": state}
+        model._jax_state = dict(zip(_JAX_STATE, state))  # what `jax_state_sync` writes back if `step` asks
+        model._jax_state_synced = False
+
+        def current():
+            if model._jax_state_synced:  # `step` synced (and maybe assigned): read the variables back
+                box["state"] = _read_jax_state(model)
+            return box["state"]
+
+        def run(it):
+            logs, box["state"] = fn(current(), it)
+            return logs
+
+        logs = step(run, iterator)
+        return logs, current()
+
+    return train_function
+
+
+def _read_jax_state(model) -> tuple:
+    """The state tuple read from the variables, emptying them as Keras's own fit does."""
+    gate("JAXTrainer._get_jax_state")
+    state = model._get_jax_state(
+        trainable_variables=True,
+        non_trainable_variables=True,
+        optimizer_variables=True,
+        metrics_variables=True,
+        purge_model_variables=True,
+    )
+    model._jax_state_synced = False
+    return state
+
+
+def compile_function(fn: Callable) -> Callable:
+    """`fn` compiled into one dispatch: `tf.function` on TensorFlow, `jax.jit` on JAX.
+
+    Args:
+        fn: A function of tensors written with `keras.ops`. Required.
+
+    Example:
+    >>> f = compile_function(lambda x: keras.ops.sum(x))
+    >>> float(f(keras.ops.ones((3,))))
+    3.0
+    """
+    if is_jax():
+        import jax  # here: only the JAX backend has it
+
+        return jax.jit(fn)
+    if backend_name() == "tensorflow":
+        import tensorflow as tf  # here: only the TensorFlow backend compiles with it
+
+        return tf.function(fn, autograph=False)
+    return fn
+
+
+def copy_arrays(values: list) -> list:
+    """Device copies of `values` that stay valid after the next train step (one dispatch on JAX).
+
+    On JAX the train step deletes the arrays it is given (donation), so a
+    snapshot of the state must be a copy; on other backends tensors are values
+    and are returned as they are.
+
+    Args:
+        values: Arrays or tensors. Required.
+
+    Example:
+    >>> [tuple(a.shape) for a in copy_arrays([keras.ops.ones((2,))])]
+    [(2,)]
+    """
+    if not is_jax():
+        return list(values)
+    return list(_jax_copy()(list(values)))
+
+
+_COPY: list = []
+
+
+def _jax_copy():
+    if not _COPY:
+        import jax  # here: only the JAX backend has it
+        import jax.numpy as jnp
+
+        _COPY.append(jax.jit(lambda xs: [jnp.copy(x) for x in xs]))
+    return _COPY[0]
+
+
+def build_before_fit(model, dataset) -> None:
+    """Builds `model`'s compiled loss and metrics from `dataset`'s element spec before `fit` (JAX only).
+
+    Keras's JAX `fit` builds an unbuilt model, loss or metrics from one batch of
+    a fresh iterator of the training data before training; TensorFlow's builds
+    them inside the first step. A `tf.data` pipeline shuffled with a fixed seed
+    and `reshuffle_each_iteration=True` gives its k-th iterator the k-th order,
+    so on JAX every epoch would see the next epoch's order: a run resumed on the
+    other backend would skip and repeat examples of the resumed epoch. Building
+    from the element spec first makes the two backends read the same batches.
+    An unknown dimension other than the batch (a padded sequence) is built as 1:
+    no weight depends on it. A no-op on TensorFlow, for data without an
+    `element_spec`, and when everything is built; if the spec cannot build the
+    model, Keras's own build from a batch runs as before.
+
+    Args:
+        model: A compiled Keras model. Required.
+        dataset: The training data given to `fit`. Required.
+
+    Example:
+    >>> import keras, tensorflow as tf
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model.compile("sgd", "mse", metrics=["mae"])
+    >>> build_before_fit(model, tf.data.Dataset.from_tensors((tf.zeros((4, 2)), tf.zeros((4, 1)))))
+    """
+    spec = getattr(dataset, "element_spec", None)
+    if not is_jax() or spec is None:
+        return
+    from trainwell.compat.keras_internals import (  # here: only JAX needs them
+        compiled_metrics_unbuilt,
+        model_fully_built,
+        symbolic_build,
+    )
+
+    if not compiled_metrics_unbuilt(model) and model_fully_built(model):
+        return
+
+    def known(s):
+        shape = [s.shape[0], *(1 if d is None else d for d in s.shape[1:])] if s.shape.rank else []
+        return keras.KerasTensor(shape, dtype=s.dtype.name)
+
+    try:
+        with warnings.catch_warnings():  # shapes only: e.g. "softmax over an axis of size 1" for a length of 1
+            warnings.simplefilter("ignore")
+            symbolic_build(model, keras.tree.map_structure(known, spec))
+    except Exception:  # noqa: BLE001 - e.g. a layer that needs the real length: Keras builds from a batch
+        pass
