@@ -8,6 +8,7 @@ here, so both recipes build runs, callbacks and `RunResult`s in one place.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import math
@@ -76,6 +77,18 @@ class RunContext:
     @property
     def num_replicas(self) -> int:
         return runtime.num_replicas(self.strategy)
+
+    def fit_scope(self):
+        """The context `fit` and `evaluate` run in: the strategy's scope on JAX, none on TensorFlow.
+
+        Keras's JAX trainer reads the distribution (`keras.distribution`) when `fit`
+        is called, so a `fit` outside the scope would give every device the whole
+        batch; a TensorFlow model carries its `tf.distribute` strategy, and `fit`
+        runs outside the scope as Keras documents it.
+        """
+        if isinstance(self.strategy, runtime.JaxStrategy):
+            return self.strategy.scope()
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         """Releases the run directory (see the class docstring); idempotent."""
@@ -208,10 +221,11 @@ def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext
         deterministic = bool(getattr(cfg, "deterministic", False))
     runtime.seed_everything(cfg.seed, deterministic=deterministic)
     chief = runtime.is_chief(strategy)
-    if runtime.num_replicas(strategy) > 1:
+    if runtime.num_replicas(strategy) > 1 and not isinstance(strategy, runtime.JaxStrategy):
         # Keras builds the model from one batch MEAN-reduced across replicas, which
         # fails on multi-worker data and on boolean padding masks; the fix takes a
-        # local batch. Both recipes get it for every multi-replica strategy.
+        # local batch. Both recipes get it for every multi-replica strategy on
+        # TensorFlow (it patches TensorFlow's trainer; JAX builds differently).
         from trainwell.compat import keras_fixes  # lazy: it imports Keras
 
         keras_fixes.apply("symbolic_build")

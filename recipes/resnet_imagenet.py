@@ -500,16 +500,17 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
         if not any(isinstance(c, WarmupCosine) for c in callbacks):  # the step schedule: its LR in the history
             callbacks.insert(0, harness.log_learning_rate(model))
         build_before_fit(model, train_ds)  # JAX: the k-th iterator stays the k-th epoch (see compat.backend)
-        history = model.fit(
-            train_ds, validation_data=data.val, epochs=cfg.epochs, steps_per_epoch=steps,
-            callbacks=callbacks, verbose=cfg.verbose, shuffle=False,  # the pipeline shuffles (seeded)
-        )
-        test = {}
-        if data.test is not None:
-            if cfg.verbose != 0:
-                print(f"Evaluating on the test split ({data.counts['test']} images) ...", flush=True)
-            test = model.evaluate(data.test, verbose=cfg.verbose, return_dict=True,
-                                  steps=quick.test_steps())  # TRAINWELL_QUICK: a few test batches
+        with ctx.fit_scope():  # JAX: fit reads the distribution when called
+            history = model.fit(
+                train_ds, validation_data=data.val, epochs=cfg.epochs, steps_per_epoch=steps,
+                callbacks=callbacks, verbose=cfg.verbose, shuffle=False,  # the pipeline shuffles (seeded)
+            )
+            test = {}
+            if data.test is not None:
+                if cfg.verbose != 0:
+                    print(f"Evaluating on the test split ({data.counts['test']} images) ...", flush=True)
+                test = model.evaluate(data.test, verbose=cfg.verbose, return_dict=True,
+                                      steps=quick.test_steps())  # TRAINWELL_QUICK: a few test batches
         metrics = {f"test_{k}": v for k, v in test.items()}
         return harness.finish_run(ctx, cfg, model, metrics, history)
 

@@ -512,15 +512,16 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
             callbacks.append(StopAtStep(total))
         verbose = cfg.verbose if cfg.verbose == "auto" else int(cfg.verbose)
         build_before_fit(model, train_ds)  # JAX: the k-th iterator stays the k-th epoch (see compat.backend)
-        history = model.fit(
-            train_ds, validation_data=data_.val, epochs=epochs, steps_per_epoch=epoch_steps,
-            callbacks=callbacks, verbose=verbose, shuffle=False,  # the pipeline shuffles (seeded)
-        )
-        test = {}
-        if data_.test is not None:
-            _say(cfg, f"Evaluating on the test split ({len(data_.splits.test[1])} examples) ...")
-            test = model.evaluate(data_.test, verbose=verbose, return_dict=True,
-                                  steps=quick.test_steps())  # TRAINWELL_QUICK: a few test batches
+        with ctx.fit_scope():  # JAX: fit reads the distribution when called
+            history = model.fit(
+                train_ds, validation_data=data_.val, epochs=epochs, steps_per_epoch=epoch_steps,
+                callbacks=callbacks, verbose=verbose, shuffle=False,  # the pipeline shuffles (seeded)
+            )
+            test = {}
+            if data_.test is not None:
+                _say(cfg, f"Evaluating on the test split ({len(data_.splits.test[1])} examples) ...")
+                test = model.evaluate(data_.test, verbose=verbose, return_dict=True,
+                                      steps=quick.test_steps())  # TRAINWELL_QUICK: a few test batches
         metrics = {f"test_{k}": v for k, v in test.items()}
         if cfg.export and ctx.is_chief:
             _say(cfg, f"Exporting the model and its tokenizer to {ctx.run_dir / EXPORT_DIR} ...")

@@ -29,12 +29,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import yaml
 
 from trainwell.config import ConfigError
 from trainwell.io import atomic_write_json, atomic_write_text
-from trainwell.runtime import is_chief, num_replicas, num_workers
+from trainwell.runtime import broadcast_from_chief, is_chief, num_replicas, num_workers
 
 
 def package_versions() -> dict[str, str]:
@@ -172,16 +171,7 @@ def shared_run_dir(
         path = make_run_dir(None, prefix=prefix, root=root)
         m = re.match(rf"^{re.escape(prefix)}-(\d{{8}})-(\d{{6}})(?:-(\d+))?$", path.name)
         stamp, suffix = int(m.group(1) + m.group(2)), int(m.group(3) or 0)
-    # Replica 0 lives on the chief (the first task of the collective group): it
-    # alone contributes, so the SUM is the chief's value whatever the replica count.
-    import tensorflow as tf  # lazy: importing the run directory's helpers does not load TensorFlow
-
-    def value_fn(ctx):
-        keep = ctx.replica_id_in_sync_group == 0
-        return tf.constant([stamp if keep else 0, suffix if keep else 0], dtype=tf.int64)
-
-    per_replica = strategy.experimental_distribute_values_from_function(value_fn)
-    got = np.asarray(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)).reshape(-1)
+    got = broadcast_from_chief(strategy, [stamp, suffix])  # every worker names the chief's directory
     s = f"{int(got[0]):014d}"
     name = f"{prefix}-{s[:8]}-{s[8:]}" + (f"-{int(got[1])}" if int(got[1]) else "")
     path = Path(root) / name
