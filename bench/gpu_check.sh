@@ -34,7 +34,7 @@ if [[ "${1:-}" == "--fetch-wheels" ]]; then
 fi
 
 echo "== the machine"
-(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "no nvidia-smi") 2>&1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
 echo "cores: $(nproc)  python: $("$PY" -V 2>&1)"
 "$PY" - <<'EOF'
 import importlib
