@@ -36,6 +36,7 @@ from trainwell.compat.learning_rate import (
     scale_learning_rate,
     set_lr_multiplier,
 )
+from trainwell.config import scaled_lr  # re-exported: keras-free, so configs compute it without Keras
 from trainwell.validation import invalid_argument, is_int, is_number
 
 __all__ = [
@@ -416,33 +417,6 @@ class WarmupStepDecay(_WarmupSchedule):
 
 
 # ---------------------------------------------------------------- helpers
-def scaled_lr(base_lr: float, global_batch: int, base_batch: int = 256) -> float:
-    """The linear scaling rule: `base_lr * global_batch / base_batch`.
-
-    Goyal et al. (2017): when the minibatch is multiplied by k, multiply the
-    learning rate by k (with warmup). ResNet-50 on ImageNet: 0.1 per 256 images.
-
-    Args:
-        base_lr: LR that works at `base_batch`. Required.
-        global_batch: Global batch size (summed over replicas). Required.
-        base_batch: Batch size `base_lr` is quoted for. Defaults to `256`.
-
-    Returns:
-        The scaled learning rate (float).
-
-    Example:
-    >>> scaled_lr(0.1, 8192)
-    3.2
-    """
-    if not is_number(base_lr) or base_lr <= 0:
-        raise invalid_argument("base_lr", "a float > 0", base_lr)
-    if not is_int(global_batch) or global_batch < 1:
-        raise invalid_argument("global_batch", "an integer >= 1", global_batch)
-    if not is_int(base_batch) or base_batch < 1:
-        raise invalid_argument("base_batch", "an integer >= 1", base_batch)
-    return float(base_lr) * int(global_batch) / int(base_batch)
-
-
 def is_trainwell_schedule(obj: Any) -> bool:
     """Whether `obj` is one of this module's schedules (it has a multiplier).
 

@@ -19,7 +19,15 @@ import math
 import sys
 from typing import Literal, Optional
 
-from trainwell.config import BaseConfig, check_choice, check_positive, check_range, check_reliability_fields, raise_invalid
+from trainwell.config import (
+    BaseConfig,
+    check_choice,
+    check_positive,
+    check_range,
+    check_reliability_fields,
+    raise_invalid,
+    scaled_lr,
+)
 from trainwell.data import embedded
 from trainwell.data.sources import AUGMENTATIONS, check_image_source
 from trainwell.models.specs import RESNET_DEPTHS
@@ -223,9 +231,6 @@ class Config(BaseConfig):
     @property
     def peak_lr(self) -> float:
         """Peak LR after warmup: base_lr x batch_size / lr_base_batch [Goyal]."""
-        # lazy: it imports Keras/TensorFlow; loaded on first use, not with this module
-        from trainwell.callbacks.schedules import scaled_lr
-
         return scaled_lr(self.base_lr, self.batch_size, self.lr_base_batch)
 
     @property

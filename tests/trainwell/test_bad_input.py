@@ -142,3 +142,25 @@ def test_the_good_twins_of_the_bad_inputs_pass(bad, tmp_path, monkeypatch, capsy
     for argv in ok:
         assert cli.main(argv) == 0, capsys.readouterr().err
     capsys.readouterr()
+
+
+def test_a_config_is_checked_and_its_derived_values_computed_without_loading_keras(python_subprocess):
+    # A typo on the command line is answered in about a second: loading Keras and TensorFlow
+    # (about 10 s of CPU) waits until something trains.
+    r = python_subprocess(
+        """
+        import sys
+        from trainwell.config import ConfigError
+        from trainwell.recipes import resnet_imagenet
+        try:
+            resnet_imagenet.Config(dataset="mnistt")
+        except ConfigError as e:
+            print("REFUSED", e)
+        print("PEAK", resnet_imagenet.Config(dataset="digits", base_lr=0.1, batch_size=512).peak_lr)
+        print("LOADED", sorted(m for m in ("keras", "tensorflow", "jax") if m in sys.modules))
+        """
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "REFUSED" in r.stdout and "Did you mean 'mnist5k'?" in r.stdout
+    assert "PEAK 0.2" in r.stdout  # the linear scaling rule: 0.1 x 512 / 256
+    assert "LOADED []" in r.stdout, r.stdout
