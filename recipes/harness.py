@@ -8,7 +8,6 @@ here, so both recipes build runs, callbacks and `RunResult`s in one place.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import dataclasses
 import math
@@ -79,16 +78,8 @@ class RunContext:
         return runtime.num_replicas(self.strategy)
 
     def fit_scope(self):
-        """The context `fit` and `evaluate` run in: the strategy's scope on JAX, none on TensorFlow.
-
-        Keras's JAX trainer reads the distribution (`keras.distribution`) when `fit`
-        is called, so a `fit` outside the scope would give every device the whole
-        batch; a TensorFlow model carries its `tf.distribute` strategy, and `fit`
-        runs outside the scope as Keras documents it.
-        """
-        if isinstance(self.strategy, runtime.JaxStrategy):
-            return self.strategy.scope()
-        return contextlib.nullcontext()
+        """The context `fit` and `evaluate` run in (`trainwell.runtime.fit_scope`)."""
+        return runtime.fit_scope(self.strategy)
 
     def close(self) -> None:
         """Releases the run directory (see the class docstring); idempotent."""

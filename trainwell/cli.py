@@ -600,8 +600,7 @@ def lr_find_main(recipe_module, cfg, args) -> int:
                 if not hasattr(recipe_module, "compile_model"):
                     raise ConfigError("the recipe's `build_model` returned an uncompiled model and it has no `compile_model(cfg, model)`.")
                 recipe_module.compile_model(cfg, model)
-    # In the scope: on JAX the strategy is Keras's distribution, which `fit` reads at call time.
-    with strategy.scope(), warnings.catch_warnings():  # the reason is printed below, with the CLI's own advice
+    with runtime.fit_scope(strategy), warnings.catch_warnings():  # the reason is printed below, with the CLI's advice
         warnings.filterwarnings("ignore", message="No reliable learning rate")
         result = lr_finder.lr_find(model, train, batch_size=getattr(cfg, "batch_size", None), method=method,
                                    probe_steps=probe_steps, probe_schedule=CLI_PROBE_SCHEDULE,

@@ -663,6 +663,23 @@ def sync_workers(strategy) -> None:
         pass
 
 
+def fit_scope(strategy):
+    """The context `fit` and `evaluate` run in: the strategy's scope on JAX, none on TensorFlow.
+
+    Keras's JAX trainer reads the distribution (`keras.distribution`) when `fit` is
+    called, so a `fit` outside the scope would give every device the whole batch; a
+    TensorFlow model carries its `tf.distribute` strategy, and `fit` runs outside the
+    scope as Keras documents it.
+
+    Example:
+    >>> with fit_scope(None):
+    ...     pass
+    """
+    if isinstance(strategy, JaxStrategy):
+        return strategy.scope()
+    return contextlib.nullcontext()
+
+
 def num_replicas(strategy) -> int:
     """Number of replicas in sync of `strategy` (1 for the default strategy or no JAX distribution).
 
