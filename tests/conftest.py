@@ -55,3 +55,35 @@ def pytest_collection_modifyitems(config, items):
     alone at the end while the other idles.
     """
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+_CPU_LOG = os.environ.get("TRAINWELL_TEST_CPU_LOG")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With `TRAINWELL_TEST_CPU_LOG=FILE`, appends one JSON line per test: wall and CPU seconds.
+
+    CPU time counts this process and the subprocesses it waited for (setup, call and teardown
+    together): on the shared 2-core machine it is a steadier measure of a test's cost than
+    `--durations`' wall time, which moves 2-20x with what runs beside it (bench/README.md,
+    "Test suite timings").
+    """
+    if not _CPU_LOG:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu():
+        s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return s.ru_utime + s.ru_stime, c.ru_utime + c.ru_stime
+
+    t0, (s0, c0) = time.monotonic(), cpu()
+    yield
+    t1, (s1, c1) = time.monotonic(), cpu()
+    with open(_CPU_LOG, "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "wall": round(t1 - t0, 2), "cpu_self": round(s1 - s0, 2),
+                            "cpu_children": round(c1 - c0, 2),
+                            "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")
