@@ -71,6 +71,37 @@ def test_ramp_is_exponential_and_is_the_lr_really_used():
     assert float(model.optimizer.learning_rate) == pytest.approx(0.5)  # restored
 
 
+def test_lr_find_traces_one_step_for_the_range_test_and_every_probe():
+    """On TensorFlow `lr_find`'s phases share one schedule of variables (`_PhaseLR`): `fit`'s step
+    is traced once, where a schedule per phase retraced it (with XLA: compiled) for every probe.
+    Each phase still trains at its own LRs, and the model's own LR is back afterwards."""
+    from trainwell.callbacks.schedules import WarmupCosineDecay
+
+    model = one_weight_model(0.5)
+    traces = []
+    train_step = model.train_step
+    model.train_step = lambda data: (traces.append(1), train_step(data))[1]
+    x, y = np.ones((320, 1), "float32"), np.zeros((320, 1))
+    cosine = WarmupCosineDecay(0.2, total_steps=10, warmup_steps=1)
+    phases = [
+        (LRFinder(start_lr=1e-3, end_lr=1.0, steps=10, diverge_factor=None), 1e-3 * 1000.0 ** (np.arange(10) / 9)),
+        (lr_finder._LRProbe(0.2, steps=10, shape="constant", smooth=0.98, diverge_factor=None), np.full(10, 0.2)),
+        (lr_finder._LRProbe(0.2, steps=10, shape="warmup_cosine", smooth=0.98, diverge_factor=None),
+         np.array([float(cosine(i)) for i in range(10)])),
+    ]
+    with lr_finder._one_trace(model) as shared:
+        assert shared is not None
+        for callback, expected in phases:
+            callback._shared_lr = shared
+            used = UsedLR()
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback, used])
+            assert np.allclose(used.used, expected, rtol=1e-4, atol=1e-7), type(callback).__name__
+    assert len(traces) == 1
+    used = UsedLR()
+    model.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0, callbacks=[used])
+    assert used.used == pytest.approx([0.5]) and float(model.optimizer.learning_rate) == pytest.approx(0.5)
+
+
 def test_smoothing_is_fastais_debiased_ema():
     model = regression()
     r = trainwell.lr_find(model, (XR, YR), start_lr=1e-4, end_lr=1e-2, steps=20, smooth=0.9, method="minimum")
