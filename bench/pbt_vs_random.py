@@ -115,16 +115,19 @@ def build_model(cfg: Config):
     return model
 
 
-def train(cfg: Config, *, callbacks=None):
+def train(cfg: Config, *, callbacks=None, model_hook=None, segment=False):
     from trainwell.recipes import harness as recipe
 
     with recipe.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
         train_ds, val, test, steps = _data(cfg)
         train_ds = recipe.advance_epochs(train_ds, recipe.resume_epoch(ctx.run_dir / "checkpoints"))
-        model = build_model(cfg)
+        model = (model_hook(build_model) if model_hook else build_model)(cfg)  # PBT's ModelCache: the member's
         cbs = recipe.standard_callbacks(cfg, ctx.run_dir, monitor="val_accuracy", mode="max", doctor=False)
         history = model.fit(train_ds, validation_data=val, epochs=cfg.epochs, steps_per_epoch=steps,
                             callbacks=cbs + list(callbacks or []), verbose=0)
+        if segment:  # to be continued (a PBT segment): nothing reads its test score or curves
+            return recipe.RunResult(model=model, history=recipe.read_history_csv(ctx.run_dir / "history.csv"),
+                                    metrics={}, run_dir=ctx.run_dir, config=cfg)
         metrics = {f"test_{k}": v for k, v in model.evaluate(test, verbose=0, return_dict=True).items()}
         return recipe.finish_run(ctx, cfg, model, metrics, history)
 

@@ -15,7 +15,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
 import math
 import os
 from pathlib import Path
@@ -245,7 +247,8 @@ class RecipeHyperModel(keras_tuner.HyperModel):
         run = self.run(hp, None, callbacks=callbacks)
         return {k: v for k, v in run.history.items() if k != "epoch"}
 
-    def run(self, hp, run_dir, *, callbacks=None, epochs=None, stop_at_epoch=None, early_stopping=True):
+    def run(self, hp, run_dir, *, callbacks=None, epochs=None, stop_at_epoch=None, early_stopping=True,
+            model_hook=None):
         """Trains the recipe for `hp` in `run_dir` and returns its `RunResult`.
 
         A committed checkpoint already in `run_dir/checkpoints` (the trial's own
@@ -259,9 +262,21 @@ class RecipeHyperModel(keras_tuner.HyperModel):
             epochs: Total epochs of the schedule (`cfg.epochs`), e.g. Hyperband's
                 `max_epochs`. Defaults to `None` (the config's).
             stop_at_epoch: Stop after this many epochs in total (one segment of a
-                longer schedule). Defaults to `None` (train all `epochs`).
+                longer run). Defaults to `None` (train all `epochs`).
             early_stopping: Keep the recipe's early stopping; off for segmented
                 runs, where the tuner decides. Defaults to `True`.
+            model_hook: `model_hook(factory) -> factory`: wraps the function with
+                which the run gets its compiled model (PBT's `ModelCache` hands back
+                a member's model through it); see `recipe_model_hook`. Defaults to
+                `None` (the recipe's own).
+
+        A recipe's `train()` may take two optional keywords, passed only if it
+        does: `model_hook` (see `recipe_model_hook`) and `segment`, `True`
+        when the run stops at `stop_at_epoch` before its schedule ends to be
+        continued later (a PBT or Hyperband segment): the recipe may then skip
+        its end-of-run work, which nothing reads before the run's last segment
+        (the test split's evaluation, `curves.png`); the search scores trials
+        from the history.
 
         Example:
         >>> run = hm.run(hp, "tuning/p/trial_0/run", epochs=9, stop_at_epoch=3)  # doctest: +SKIP
@@ -275,9 +290,13 @@ class RecipeHyperModel(keras_tuner.HyperModel):
             changes["early_stopping_patience"] = None
         cfg = self.config_for(hp, **changes)
         cbs = list(callbacks or [])
+        extra = {}
         if stop_at_epoch is not None and int(stop_at_epoch) < int(cfg.epochs):
             cbs.append(StopAtEpoch(int(stop_at_epoch)))
-        return self.recipe.train(cfg, callbacks=cbs)
+            if _takes(self.recipe.train, SEGMENT_ARG):
+                extra[SEGMENT_ARG] = True
+        with recipe_model_hook(self.recipe, model_hook) as hook_kwargs:
+            return self.recipe.train(cfg, callbacks=cbs, **hook_kwargs, **extra)
 
     def load(self, hp, run_dir, objective=None):
         """The model of a trial: `build_fn(cfg)` with its best checkpoint loaded.
@@ -311,6 +330,63 @@ class RecipeHyperModel(keras_tuner.HyperModel):
         model.save(str(tmp))
         os.replace(tmp, path / "model.keras")
         return path / "model.keras"
+
+
+#: The keyword of a recipe's `train()` that takes a hook around its (compiling) model factory for one run.
+MODEL_HOOK_ARG = "model_hook"
+#: The keyword of a recipe's `train()` that says the run is a segment to be continued (see `RecipeHyperModel.run`).
+SEGMENT_ARG = "segment"
+
+
+def _takes(fn, name: str) -> bool:
+    """Whether `fn` has a parameter called `name` (not merely `**kwargs`, which a recipe reads as config fields)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return False
+
+
+@contextlib.contextmanager
+def recipe_model_hook(recipe, model_hook):
+    """Hands `model_hook` to a recipe's `train()` for one call; yields the keyword arguments for `recipe.train`.
+
+    `model_hook(factory) -> factory` wraps the function with which a run gets
+    its compiled model. A recipe's `train()` that takes `model_hook` applies it
+    to its own factory (`{"model_hook": model_hook}` is yielded). For a recipe
+    whose `train()` does not take it yet, the module's `build_model` is wrapped
+    instead while the block runs (restored when it ends; `{}` is yielded): that
+    reaches the run's model only when `build_model` also compiles it (a hook
+    such as PBT's `ModelCache` compares compiled models). With `model_hook=None`
+    nothing changes.
+
+    Args:
+        recipe: The recipe module (`train`, maybe `build_model`).
+        model_hook: `model_hook(factory) -> factory`, or `None`.
+
+    Example:
+    >>> import types
+    >>> recipe = types.SimpleNamespace(build_model=lambda cfg: "model", train=lambda cfg, callbacks=None: None)
+    >>> with recipe_model_hook(recipe, lambda build: lambda cfg: "kept " + build(cfg)) as kwargs:
+    ...     kwargs, recipe.build_model(None)
+    ({}, 'kept model')
+    >>> recipe.build_model(None)
+    'model'
+    """
+    if model_hook is None:
+        yield {}
+        return
+    if _takes(recipe.train, MODEL_HOOK_ARG):
+        yield {MODEL_HOOK_ARG: model_hook}
+        return
+    build = getattr(recipe, "build_model", None)
+    if build is None:
+        yield {}
+        return
+    recipe.build_model = model_hook(build)
+    try:
+        yield {}
+    finally:
+        recipe.build_model = build
 
 
 def recipe_hypermodel(recipe, cfg, space, **kwargs):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import math
 import os
 import time
@@ -211,21 +212,24 @@ class ModelCache:
     A segment is a new `fit` of the recipe, which builds a new model: Keras
     traces its train and test functions again (seconds per segment, the bulk of
     PBT's cost over random search at the same epochs). While a segment runs,
-    `serving` makes the recipe module's `build_model` hand back the member's
-    model from its previous segment instead, when the recipe's own new build
-    describes the same graph (`same_graph`: a continued member always; an
-    exploit when explore changed only a plain learning rate): the new build
-    lends it its whole state (`adopt_state`), and the segment's `Checkpoint`
-    then restores the member's or the donor's checkpoint into it, as into a new
-    model. Only a segment that resumes from a checkpoint reuses a model. The
-    new build still runs (it is cheap beside a trace, and its side effects,
-    e.g. seeding, stay as they were), so a segment trains exactly as it would in
-    a fresh process (a search killed and continued gives the same results).
+    the hook `serving` yields wraps the recipe's model factory (passed to
+    `RecipeHyperModel.run(model_hook=...)`, see
+    `trainwell.recipes.hypermodel.recipe_model_hook`): it hands back the
+    member's model from its previous segment instead of the new build, when the
+    recipe's own new build describes the same graph (`same_graph`: a continued
+    member always; an exploit when explore changed only a plain learning rate):
+    the new build lends it its whole state (`adopt_state`), and the segment's
+    `Checkpoint` then restores the member's or the donor's checkpoint into it,
+    as into a new model. Only a segment that resumes from a checkpoint reuses a
+    model. The new build still runs (it is cheap beside a trace, and its side
+    effects, e.g. seeding, stay as they were), so a segment trains exactly as
+    it would in a fresh process (a search killed and continued gives the same
+    results).
 
     Example:
     >>> cache = ModelCache()
-    >>> with cache.serving(hypermodel.recipe, key=0, resumes=True):  # doctest: +SKIP
-    ...     run = hypermodel.run(hp, run_dir)
+    >>> with cache.serving(key=0, resumes=True) as hook:  # doctest: +SKIP
+    ...     run = hypermodel.run(hp, run_dir, model_hook=hook)
     """
 
     def __init__(self):
@@ -237,37 +241,32 @@ class ModelCache:
         return len(self._models)
 
     @contextlib.contextmanager
-    def serving(self, recipe, key, resumes: bool):
-        """While the block runs, `recipe.build_model`'s first call may return `key`'s cached model.
+    def serving(self, key, resumes: bool):
+        """Yields a model hook (`hook(build_model) -> build_model`) whose first build may be `key`'s cached model.
 
         The model the block used is cached for `key` when the block ends without
         an error; after an error `key` has none (the next segment builds anew).
         """
-        build = getattr(recipe, "build_model", None)
-        if build is None or key is None:
-            yield
-            return
         cached = self._models.pop(key, None)
         served: list = []
 
-        def build_model(*args, **kwargs):
-            model = build(*args, **kwargs)
-            if served:  # a second build in the same run (e.g. for export): not the trained model
+        def hook(build):
+            def build_model(*args, **kwargs):
+                model = build(*args, **kwargs)
+                if served:  # a second build in the same run (e.g. for export): not the trained model
+                    return model
+                if resumes and cached is not None and same_graph(cached, model):
+                    adopt_state(cached, model)
+                    model = cached
+                    self.events.append((key, "reused"))
+                else:
+                    self.events.append((key, "built"))
+                served.append(model)
                 return model
-            if resumes and cached is not None and same_graph(cached, model):
-                adopt_state(cached, model)
-                model = cached
-                self.events.append((key, "reused"))
-            else:
-                self.events.append((key, "built"))
-            served.append(model)
-            return model
 
-        recipe.build_model = build_model
-        try:
-            yield
-        finally:
-            recipe.build_model = build
+            return build_model
+
+        yield hook
         if served:
             self._models[key] = served[0]
 
@@ -422,15 +421,14 @@ class RecipeTunerMixin:
             keras.backend.clear_session()
             serving = contextlib.nullcontext()
         else:
-            serving = self.model_cache.serving(getattr(self.hypermodel, "recipe", None), int(member),
-                                               resumes=has_checkpoint(run_dir))
+            serving = self.model_cache.serving(int(member), resumes=has_checkpoint(run_dir))
         try:
-            with warnings.catch_warnings(), serving:
+            with warnings.catch_warnings(), serving as model_hook:
                 # A copied checkpoint was written under the donor's config.
                 warnings.filterwarnings("ignore", message=r"Resuming from .*different run config")
                 run = self.hypermodel.run(
                     hp, run_dir, callbacks=callbacks, epochs=self.schedule_epochs,
-                    stop_at_epoch=stop_at, early_stopping=self.trial_early_stopping,
+                    stop_at_epoch=stop_at, early_stopping=self.trial_early_stopping, model_hook=model_hook,
                 )
         except TrainingDivergedError as e:
             raise keras_tuner.errors.FailedTrialError(f"Trial {trial.trial_id} diverged: {e}") from e
@@ -464,7 +462,20 @@ class RecipeTunerMixin:
             self.save()
             serve_chief(self.oracle)
             return
-        return super().search(*fit_args, **fit_kwargs)
+        # What is alive as the search starts (TensorFlow, Keras and the rest of the
+        # imports: ~0.5 million objects) lives as long as the process: frozen out of
+        # the garbage collector's full collections, which otherwise scan it again
+        # each time one triggers (0.3-0.7 s on this 2-core VM, about once a trial or
+        # PBT segment). Objects made by the trials are collected as before. Left alone
+        # if the caller froze objects already (unfreezing would release theirs).
+        freeze = gc.get_freeze_count() == 0
+        if freeze:
+            gc.freeze()
+        try:
+            return super().search(*fit_args, **fit_kwargs)
+        finally:
+            if freeze:
+                gc.unfreeze()
 
     def pre_create_trial(self):
         # An oracle that answered IDLE (PBT waiting for a generation to finish)

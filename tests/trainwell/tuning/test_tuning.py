@@ -97,13 +97,13 @@ def build_model(cfg: Config, steps_per_epoch: int):
     return model
 
 
-def train(cfg: Config, *, callbacks=None):
+def train(cfg: Config, *, callbacks=None, model_hook=None, segment=False):
     from trainwell.recipes import harness as recipe
 
     with recipe.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
         train_ds, val, test, steps = build_data(cfg)
         train_ds = recipe.advance_epochs(train_ds, recipe.resume_epoch(ctx.run_dir / "checkpoints"))
-        model = build_model(cfg, steps)
+        model = (model_hook(build_model) if model_hook else build_model)(cfg, steps)  # PBT's ModelCache: the member's
         cbs = recipe.standard_callbacks(
             cfg, ctx.run_dir, monitor="val_accuracy", mode="max", nan_rollback=cfg.nan_rollback,
             snapshot_every=cfg.snapshot_every, early_stopping_patience=cfg.early_stopping_patience,
@@ -113,6 +113,9 @@ def train(cfg: Config, *, callbacks=None):
             cbs.append(_record_start_state_callback(ctx.run_dir / "start_state.npz"))
         history = model.fit(train_ds, validation_data=val, epochs=cfg.epochs, steps_per_epoch=steps,
                             callbacks=cbs, verbose=cfg.verbose)
+        if segment:  # to be continued (a PBT or Hyperband segment): nothing reads its test score or curves
+            return recipe.RunResult(model=model, history=recipe.read_history_csv(ctx.run_dir / "history.csv"),
+                                    metrics={}, run_dir=ctx.run_dir, config=cfg)
         metrics = {f"test_{k}": v for k, v in model.evaluate(test, verbose=0, return_dict=True).items()}
         return recipe.finish_run(ctx, cfg, model, metrics, history)
 
@@ -244,6 +247,8 @@ def test_hyperband_continues_promoted_trials_from_their_checkpoint(tmp_path):
 
 def test_pbt_search_exploits_with_optimizer_state_and_records_lineage(tmp_path):
     """PBT's exploit copies weights AND optimizer state (SGD momentum, iterations) of the donor."""
+    import gc
+
     import keras
     import numpy as np
 
@@ -256,6 +261,7 @@ def test_pbt_search_exploits_with_optimizer_state_and_records_lineage(tmp_path):
         def on_train_begin(self, logs=None):  # after trainwell's Checkpoint restored the run
             opt = self.model.optimizer
             Probe.seen.append({
+                "frozen": gc.get_freeze_count(),  # the imports, out of the full collections during the search
                 "iterations": int(opt.iterations.numpy()),
                 "vars": [(v.path, v.numpy().copy()) for v in opt.variables],
                 "weights": [w.numpy().copy() for w in self.model.weights],
@@ -266,6 +272,7 @@ def test_pbt_search_exploits_with_optimizer_state_and_records_lineage(tmp_path):
                            directory=tmp_path, callbacks=[Probe()], verbose=0, seed=3)
     lineage = json.loads((result.project_dir / "summary.json").read_text())["lineage"]
     assert len(lineage) == 8 and len(Probe.seen) == 8
+    assert all(s["frozen"] > 100_000 for s in Probe.seen) and gc.get_freeze_count() == 0  # unfrozen at the end
     assert sorted((r["member"], r["generation"]) for r in lineage) == [(m, g) for m in range(4) for g in range(2)]
     exploits = [r for r in lineage if r["action"] == "exploit"]
     assert len(exploits) == 1  # truncation: the bottom 25% of 4 members
@@ -381,6 +388,46 @@ def test_adopt_state_gives_a_trained_model_the_state_of_a_new_build():
     assert len(opt.variables) == 6 and all(not v.numpy().any() for v in opt.variables if "momentum" in v.path)
 
 
+def test_hypermodel_run_hands_the_model_hook_and_segment_to_the_recipes_train():
+    """`run(model_hook=...)` reaches the recipe's model factory: as `train(model_hook=...)` when `train`
+    takes it, else by wrapping the module's `build_model` for that one call; `segment=True` only for a
+    run stopped before its schedule ends, and only to a `train` that takes it (no config field by accident)."""
+    import types
+
+    import keras_tuner as kt
+
+    from trainwell.recipes.hypermodel import RecipeHyperModel
+
+    def build_model(cfg):
+        return f"model lr={cfg.learning_rate}"
+
+    def hook(build):
+        return lambda cfg: "kept " + build(cfg)
+
+    seen = []
+
+    def with_args(cfg, *, callbacks=None, model_hook=None, segment=False):
+        build = model_hook(build_model) if model_hook else build_model
+        seen.append((build(cfg), recipe.build_model(cfg), segment, [type(c).__name__ for c in callbacks]))
+
+    def without_args(cfg, *, callbacks=None, **overrides):
+        seen.append((recipe.build_model(cfg), overrides))
+
+    recipe = types.SimpleNamespace(train=with_args, build_model=build_model, RECIPE="fake")
+    hm = RecipeHyperModel(recipe, Config(epochs=3), lambda hp, cfg: {})
+    hp = kt.HyperParameters()
+    hm.run(hp, None, stop_at_epoch=1, model_hook=hook)
+    hm.run(hp, None, stop_at_epoch=3)  # the schedule's last epoch: not a segment
+    assert seen == [("kept model lr=0.05", "model lr=0.05", True, ["StopAtEpoch"]),
+                    ("model lr=0.05", "model lr=0.05", False, [])]
+    seen.clear()
+    recipe.train = without_args
+    hm.run(hp, None, stop_at_epoch=1, model_hook=hook)
+    hm.run(hp, None)
+    assert seen == [("kept model lr=0.05", {}), ("model lr=0.05", {})]
+    assert recipe.build_model is build_model  # restored after the run
+
+
 def test_pbt_keeps_each_members_model_and_trains_exactly_as_with_a_new_model_per_segment(tmp_path):
     """A continued member and an exploit that changed only a plain LR reuse the member's traced model.
 
@@ -398,15 +445,15 @@ def test_pbt_keeps_each_members_model_and_trains_exactly_as_with_a_new_model_per
     hp.Float("learning_rate", 1e-3, 1.0, sampling="log", default=0.05)  # the only tuned value: a plain LR
     runs = {}
     for reuse in (True, False):
-        result = tuning.search(tiny_hypermodel(epochs=2, constant_lr=True), "pbt", population_size=2,
+        result = tuning.search(tiny_hypermodel(epochs=2, constant_lr=True, train_examples=320), "pbt", population_size=2,
                                ready_interval=1, max_epochs=2, directory=tmp_path / str(reuse), hyperparameters=hp,
                                tune_new_entries=False, verbose=0, seed=3, export=False, reuse_models=reuse)
         lineage = sorted(result.tuner.oracle.lineage(), key=lambda r: int(r["trial_id"]))
         final = {r["trial_id"]: read_checkpoint(latest_checkpoint(
             result.project_dir / f"trial_{r['trial_id']}" / "run" / "checkpoints"))[1]
             for r in lineage if r["generation"] == 1}
-        runs[reuse] = (result.tuner, lineage, final)
-    tuner, lineage, final = runs[True]
+        runs[reuse] = (result.tuner, lineage, final, result.project_dir)
+    tuner, lineage, final, project = runs[True]
     assert runs[False][0].model_cache is None
     assert sorted(tuner.model_cache.events) == [(0, "built"), (0, "reused"), (1, "built"), (1, "reused")]
     assert sum(r["action"] == "exploit" for r in lineage) == 1  # the worse member: its model is reused too
@@ -415,6 +462,11 @@ def test_pbt_keeps_each_members_model_and_trains_exactly_as_with_a_new_model_per
     for tid, arrays in final.items():
         other = runs[False][2][tid]
         assert sorted(arrays) == sorted(other) and all(np.array_equal(arrays[k], other[k]) for k in arrays)
+    # a segment to be continued skips the recipe's end-of-run work (`segment=True`); a member's last does it
+    for r in lineage:
+        run_dir = project / f"trial_{r['trial_id']}" / "run"
+        last = r["generation"] == 1
+        assert (run_dir / "curves.png").is_file() == last and (run_dir / "metrics.json").is_file() == last, r
 
 
 @pytest.mark.parametrize("tuner, stopped_after", [("random", 3), ("pbt", 4)])
@@ -582,7 +634,8 @@ def test_a_killed_search_continues_where_it_stopped(tmp_path):
     from trainwell import tuning
 
     cmd = [sys.executable, "-m", "trainwell.cli", "tune", "test_tuning:tiny_hypermodel", "--tuner", "random",
-           "--max-trials", "4", "--directory", str(tmp_path), "--set", "epochs=3", "--no-export"]
+           "--max-trials", "4", "--directory", str(tmp_path), "--set", "epochs=2", "--set", "train_examples=320",
+           "--no-export"]
     project = tmp_path / "tiny-random"
     log = open(tmp_path / "first.log", "wb")
     proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -601,7 +654,7 @@ def test_a_killed_search_continues_where_it_stopped(tmp_path):
     assert 2 <= len(done_before) < 4, (tmp_path / "first.log").read_text()[-3000:]
     histories = {k: (project / f"trial_{k}" / "run" / "history.csv").read_text() for k in done_before}
     # Rerun: KerasTuner reloads the oracle; the interrupted trial runs again, the rest is not redone.
-    result = tuning.search(tiny_hypermodel(epochs=3), "random", max_trials=4, directory=tmp_path,
+    result = tuning.search(tiny_hypermodel(epochs=2, train_examples=320), "random", max_trials=4, directory=tmp_path,
                            project_name="tiny-random", verbose=0, export=False)
     after = _trials(project)
     assert len(after) == 4 and all(t["status"] == "COMPLETED" for t in after.values())
@@ -674,8 +727,10 @@ def test_a_search_killed_between_keras_tuners_two_writes_reruns_exactly_the_unfi
 def test_chief_and_two_workers_run_the_same_search_as_one_process(tmp_path):
     from trainwell import tuning
 
-    args = ["--tuner", "random", "--max-trials", "4", "--set", "epochs=2", "--no-export", "--seed", "7"]
-    single = tuning.search(tiny_hypermodel(epochs=2), "random", max_trials=4, directory=tmp_path / "single",
+    args = ["--tuner", "random", "--max-trials", "2", "--set", "epochs=1", "--set", "train_examples=320",
+            "--no-export", "--seed", "7"]
+    single = tuning.search(tiny_hypermodel(epochs=1, train_examples=320), "random", max_trials=2,
+                           directory=tmp_path / "single",
                            project_name="tiny-random", verbose=0, export=False, seed=7)
     cmd = [sys.executable, "-m", "trainwell.cli", "tune", "test_tuning:tiny_hypermodel", *args,
            "--directory", str(tmp_path / "dist"), "--workers", "2", "--timeout", "240"]
@@ -690,7 +745,7 @@ def test_chief_and_two_workers_run_the_same_search_as_one_process(tmp_path):
     text = out.decode(errors="replace")
     assert proc.returncode == 0, text[-4000:]
     summary = json.loads((tmp_path / "dist" / "tiny-random" / "summary.json").read_text())
-    assert summary["num_trials"] == summary["num_completed"] == len(single.rows) == 4
+    assert summary["num_trials"] == summary["num_completed"] == len(single.rows) == 2
     workers = {json.loads(p.read_text())["tuner_id"] for p in (tmp_path / "dist" / "tiny-random").glob("trial_*/worker.json")}
     assert workers and workers <= {"tuner0", "tuner1"}
     # the same oracle (seed 7) hands out the same hyperparameters, wherever they run
@@ -710,7 +765,7 @@ def _alive(pgid: int) -> bool:
 def test_pbt_runs_on_a_chief_and_two_workers_with_exploits_from_the_donors_checkpoint(tmp_path):
     """PBT under KerasTuner's distributed mode: the oracle (population, barriers, lineage) lives in the chief.
 
-    A chief and 2 workers on 127.0.0.1 run 4 members x 3 generations of 1 epoch:
+    A chief and 2 workers on 127.0.0.1 run 4 members x 2 generations of 1 epoch:
     every segment completes once, one member exploits per generation with its
     lineage recorded, the exploiting segment starts from the donor's checkpoint
     (another worker may have written it), and every process exits by itself.
@@ -720,10 +775,11 @@ def test_pbt_runs_on_a_chief_and_two_workers_with_exploits_from_the_donors_check
 
     from trainwell.callbacks.checkpoint import load_checkpoint
 
-    population, generations = 4, 3
+    population, generations = 4, 2
     cmd = [sys.executable, "-m", "trainwell.cli", "tune", "test_tuning:tiny_hypermodel", "--tuner", "pbt",
            "--population-size", str(population), "--ready-interval", "1", "--max-epochs", str(generations),
-           "--seed", "3", "--set", "record_start_state=true", "--no-export", "--directory", str(tmp_path),
+           "--seed", "3", "--set", "record_start_state=true", "--set", "train_examples=320", "--no-export",
+           "--directory", str(tmp_path),
            "--workers", "2", "--timeout", "150"]
     started = time.monotonic()
     proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -756,7 +812,7 @@ def test_pbt_runs_on_a_chief_and_two_workers_with_exploits_from_the_donors_check
     exploits = sorted((r for r in lineage if r["action"] == "exploit"), key=lambda r: r["generation"])
     # truncation: the bottom 25% of 4 members exploits at each generation after the first
     assert [r["generation"] for r in exploits] == list(range(1, generations))
-    hm = tiny_hypermodel(epochs=generations)
+    hm = tiny_hypermodel(epochs=generations, train_examples=320)
     steps_per_epoch = math.ceil(hm.cfg.train_examples / hm.cfg.batch_size)
 
     def checkpoint_state(trial_id):
@@ -807,3 +863,55 @@ def test_objective_direction_follows_keras_names_then_keras_tuner_and_refuses_a_
     assert [direction(o) for o in ("val_mae", "val_accuracy", "val_f1_score", "val_loss")] == ["min", "max", "max", "min"]
     with pytest.raises(ValueError, match=r"keras_tuner.Objective\('val_custom', 'min' or 'max'\)"):
         direction("val_custom")
+
+
+_JAX_SEARCH = """
+import json, sys
+import keras
+from trainwell import tuning
+from test_tuning import tiny_hypermodel
+root, out = sys.argv[1], {"backend": keras.backend.backend()}
+hm = tiny_hypermodel(epochs=2, train_examples=64, early_stopping_patience=None)
+for kind, kw in [("random", dict(max_trials=2)), ("pbt", dict(population_size=2, ready_interval=1, max_epochs=2))]:
+    r = tuning.search(hm, kind, directory=root, project_name=kind, seed=3, verbose=0, export=False, **kw)
+    cache = getattr(r.tuner, "model_cache", None)
+    out[kind] = {"status": sorted(row["status"] for row in r.rows), "best": r.best_score,
+                 "events": sorted(cache.events) if cache else None,
+                 "lineage": sorted((x["member"], x["generation"], x["action"]) for x in r.tuner.oracle.lineage())
+                            if kind == "pbt" else None}
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("importlib.util").util.find_spec("jax") is None,
+                    reason="jax is not installed (pip install 'trainwell[jax]')")
+def test_random_search_and_pbt_run_on_keras_jax_backend(tmp_path):
+    """Issue #20: a single-process search on Keras's JAX backend (a fresh interpreter: pytest runs on TensorFlow).
+
+    Random search (2 trials) and PBT (2 members x 2 one-epoch segments; the member
+    that continues reuses its compiled model) each run every trial to the end with
+    a finite score, and the trials' manifests say JAX ran them. XLA is asked
+    for quick compiles, as in tests/recipes/test_recipes_jax.py. A guard: the
+    search needed no JAX-specific change (the backend seam already covers it).
+    """
+    # JAX's compilation cache: a step another trial compiled with the same shapes is not compiled again
+    # (about 4 of the subprocess's 30 s of CPU here)
+    env = dict(_env(), KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3",
+               XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    proc = subprocess.run([sys.executable, "-c", _JAX_SEARCH, str(tmp_path)], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["backend"] == "jax"
+    assert out["random"]["status"] == ["COMPLETED"] * 2 and out["pbt"]["status"] == ["COMPLETED"] * 4
+    assert all(math.isfinite(out[k]["best"]) and out[k]["best"] > 0 for k in ("random", "pbt"))
+    # generation 1: the worse member exploits the better (new explored values: a new build), which continues
+    assert [a for *_, a in out["pbt"]["lineage"]] in (["start", "continue", "start", "exploit"],
+                                                     ["start", "exploit", "start", "continue"])
+    assert sorted(e for _, e in out["pbt"]["events"]) == ["built", "built", "built", "reused"]
+    manifests = [json.loads(p.read_text()) for p in tmp_path.glob("*/trial_*/run/manifest.json")]
+    assert len(manifests) == 6 and {m["backend"] for m in manifests} == {"jax"}
