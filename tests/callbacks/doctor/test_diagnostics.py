@@ -375,7 +375,6 @@ def test_gradient_findings_on_jax():
     assert out["backend"] == "jax"
     hand = out["hand"]  # weight and layer-output gradients against a hand computation
     assert hand["layers"] == ["a", "b"] and max(hand["max_error"].values()) < 1e-5, hand
-    assert np.isclose(hand["global_norm"], hand["want_global_norm"], rtol=1e-5)
     for case in ("vanishing", "dead"):
         assert out[case]["probe"] == "ok" and out[case]["probes"] >= 2, out[case]
     # test_training_doctor.py's assertions of the same two runs on TensorFlow.
