@@ -30,8 +30,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any, NamedTuple
 
-import keras
-
 from trainwell.compat.backend import StateReader, is_jax
 from trainwell.compat.keras_internals import call_has_training_arg, compute_loss
 
@@ -48,7 +46,9 @@ class Gradients(NamedTuple):
             (`None` where the loss does not depend on it; TensorFlow may give
             `tf.IndexedSlices`).
         tap_grads: One per tapped layer: the gradient of the (scaled) loss with
-            respect to its output, or `None`.
+            respect to its output (`None` on TensorFlow where the loss does not
+            depend on it; zeros on JAX for a layer whose call returns several
+            tensors, which is not tapped).
         acts: The tapped layers' outputs (from `forward`; empty without it).
     """
 
@@ -145,22 +145,25 @@ def _tf_loss_and_gradients(model, x, y, sample_weight, forward, loss_scale) -> G
 
 @contextlib.contextmanager
 def _tapped(layers, taps):
-    """While tracing: each layer's (single) output gets `+ tap`; its gradient is the output's."""
-    originals = []
+    """While tracing: each layer's output (a single tensor) gets `+ tap`; the tap's gradient is the output's."""
+    patched = []
     try:
         for layer, tap in zip(layers, taps):
             call = layer.call  # the bound method; the instance attribute below shadows it
 
             def tapped_call(*args, _call=call, _tap=tap, **kwargs):
                 out = _call(*args, **kwargs)
-                return out + keras.ops.cast(_tap, out.dtype) if _tap is not None else out
+                return out + _tap if hasattr(out, "shape") and tuple(out.shape) == tuple(_tap.shape) else out
 
-            originals.append(layer)
+            patched.append((layer, layer.__dict__.get("call")))
             layer.call = tapped_call
         yield
     finally:
-        for layer in originals:
-            del layer.call  # back to the class's method
+        for layer, own in patched:
+            if own is None:
+                del layer.call  # back to the class's method
+            else:
+                layer.call = own
 
 
 def _jax_loss_and_gradients(model, x, y, sample_weight, forward, taps, loss_scale, state) -> Gradients:
@@ -183,10 +186,10 @@ def _jax_loss_and_gradients(model, x, y, sample_weight, forward, taps, loss_scal
             return m.stateless_call(cur["tv"], ntv, inputs, **kwargs)[0]
 
     cur = {"tv": tv}
-    # Output shapes of the tapped layers (abstract evaluation, no compute); a layer with
-    # several outputs is not tapped (its gradient is reported as None).
+    # Output shapes of the tapped layers (abstract evaluation, no compute). A layer whose
+    # call returns several tensors is not tapped: its output gradient comes back as zeros.
     shapes = jax.eval_shape(lambda: _predict(model, forward, x, call)[1]) if taps else []
-    zeros = [jnp.zeros(s.shape, s.dtype) if hasattr(s, "shape") else None for s in shapes]
+    zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
 
     def objective(params, tap_values):
         cur["tv"] = params
