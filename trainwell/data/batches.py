@@ -8,7 +8,8 @@ collective of the last one waits for ever; on one process with several devices
 the split fails. TensorFlow's `tf.distribute` handles short batches itself.
 
 `pad_partial_batches` makes every batch the same size, a multiple of the
-replicas, by appending zero-weighted examples (zeros) and adding sample weights:
+replicas, by appending zero-weighted examples (copies of the batch's first) and
+adding sample weights:
 
 - every real example is scored exactly once, and the padding weighs nothing;
 - the loss equals the unpadded one: Keras averages each batch's loss over its
@@ -43,12 +44,14 @@ def pad_partial_batches(dataset, multiple_of: int):
 
     A dataset whose batches already all have that size (e.g. `drop_remainder=True`
     with a size that divides), one that is not a batched `(x, y)` or
-    `(x, y, sample_weight)` `tf.data.Dataset` of dense tensors, and an empty one are
-    returned as they are. Otherwise the dataset is read once to count its examples
-    (cached for the dataset object), and each batch becomes `(x, y, sample_weight)`
-    with the padding (zeros, or empty strings) weighted 0 and the real examples
-    weighted `slots / examples` times their own weight, which keeps the loss
-    Keras reports equal to the unpadded one (see the module docstring).
+    `(x, y, sample_weight)` `tf.data.Dataset` of dense tensors, one of infinite or
+    unknown length (`dataset.cardinality()`; a finite pipeline with a `filter` can
+    state its length with `tf.data.experimental.assert_cardinality`) and an empty
+    one are returned as they are. Otherwise the dataset is read once to count its
+    examples (cached for the dataset object), and each batch becomes `(x, y,
+    sample_weight)`, padded with copies of its first example weighted 0, the real
+    examples weighted `slots / examples` times their own weight, which keeps the
+    loss Keras reports equal to the unpadded one (see the module docstring).
 
     Args:
         dataset: A batched `tf.data.Dataset`. Required.
@@ -76,6 +79,10 @@ def pad_partial_batches(dataset, multiple_of: int):
     flat = tf.nest.flatten(spec)
     if not all(isinstance(s, tf.TensorSpec) and s.shape.rank for s in flat):
         return dataset  # unbatched, ragged or sparse: left to Keras
+    if flat[0].shape[0] is not None and flat[0].shape[0] % multiple_of == 0:
+        return dataset  # drop_remainder=True: every batch full, and it splits evenly
+    if int(dataset.cardinality()) < 0:
+        return dataset  # infinite or unknown length (a generator, a filter): counting could never end
     examples, largest = _count(dataset)
     size = math.ceil(largest / multiple_of) * multiple_of if largest else 0
     if examples == 0 or (largest == size and examples % size == 0):
@@ -90,15 +97,19 @@ def pad_partial_batches(dataset, multiple_of: int):
     )
 
     def pad(t):
+        # Copies of the batch's first example: real inputs (no all-zero image or fully masked
+        # text whose loss could be NaN, and NaN x 0 is NaN), weighed out below.
         t = tf.convert_to_tensor(t)
-        extra = size - tf.shape(t)[0]
-        out = tf.pad(t, [[0, extra]] + [[0, 0]] * (t.shape.rank - 1), constant_values=tf.zeros([], t.dtype))
+        out = tf.concat([t, tf.repeat(t[:1], size - tf.shape(t)[0], axis=0)], axis=0)
         return tf.ensure_shape(out, [size] + t.shape[1:].as_list())
 
     def padded(x, y, sample_weight=None):
         n = tf.shape(tf.nest.flatten(x)[0])[0]
         w = tf.ones([n], tf.float32) if sample_weight is None else tf.cast(sample_weight, tf.float32)
-        return tf.nest.map_structure(pad, x), tf.nest.map_structure(pad, y), pad(w * real_weight)
+        w = w * real_weight
+        weights = tf.concat([w, tf.zeros(tf.concat([[size - n], tf.shape(w)[1:]], 0), tf.float32)], axis=0)
+        return (tf.nest.map_structure(pad, x), tf.nest.map_structure(pad, y),
+                tf.ensure_shape(weights, [size] + w.shape[1:].as_list()))
 
     return dataset.map(padded, num_parallel_calls=tf.data.AUTOTUNE)
 

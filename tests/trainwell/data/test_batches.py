@@ -25,11 +25,11 @@ def test_padded_evaluation_equals_the_unpadded_one():
     assert np.allclose(np.concatenate([b[0].numpy() for b in batches])[:11], x)
     want, got = (model.evaluate(d, verbose=0, return_dict=True) for d in (plain, padded))
     assert got.keys() == want.keys() and all(np.isclose(got[k], want[k], rtol=1e-6) for k in want), (got, want)
-    # The user's own sample weights are kept (times the same factor); strings pad with "".
+    # The user's own sample weights are kept (times the same factor); the padding repeats the batch's first example.
     sw = tf.data.Dataset.from_tensor_slices((np.array(["a", "b", "c"]), [1, 2, 3], [0.5, 1.0, 2.0])).batch(2)
     with pytest.warns(UserWarning):
         (x0, _, w0), (x1, y1, w1) = list(pad_partial_batches(sw, 2))
-    assert x1.numpy().tolist() == [b"c", b""] and y1.numpy().tolist() == [3, 0]
+    assert x1.numpy().tolist() == [b"c", b"c"] and y1.numpy().tolist() == [3, 3]
     assert np.allclose(np.concatenate([w0, w1]), [0.5 * 4 / 3, 4 / 3, 2 * 4 / 3, 0.0])
 
 
@@ -39,6 +39,11 @@ def test_datasets_that_split_evenly_or_cannot_be_weighted_are_unchanged():
     no_targets = tf.data.Dataset.from_tensor_slices(np.zeros((5, 2))).batch(2)
     assert pad_partial_batches(no_targets, 2) is no_targets
     assert pad_partial_batches([1, 2], 2) == [1, 2]
+    # Unknown or infinite length: never read (a generator could be endless).
+    endless = tf.data.Dataset.from_generator(lambda: iter([(np.zeros((3, 2)), np.zeros(3))] * 2),
+                                             output_signature=(tf.TensorSpec((None, 2)), tf.TensorSpec((None,))))
+    repeated = full.repeat()
+    assert pad_partial_batches(endless, 2) is endless and pad_partial_batches(repeated, 3) is repeated
     # Batches of 3 for 2 replicas: each padded to 4.
     odd = tf.data.Dataset.from_tensor_slices((np.zeros((6, 2)), np.zeros(6))).batch(3)
     with pytest.warns(UserWarning, match="padded 2 examples"):
