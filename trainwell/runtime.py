@@ -464,8 +464,7 @@ def _even_batches_data_parallel():
         """
 
         def distribute_dataset(self, dataset):
-            mesh = self.device_mesh
-            replicas = int(mesh.shape[mesh.axis_names.index(self.batch_dim_name)])
+            replicas = JaxStrategy(self).num_replicas_in_sync
             if replicas > 1:
                 dataset = pad_partial_batches(dataset, replicas)
             return super().distribute_dataset(dataset)
