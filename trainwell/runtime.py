@@ -428,10 +428,49 @@ def make_jax_strategy(spec: Any = "auto") -> JaxStrategy:
 
 
 def _data_parallel(devices) -> JaxStrategy:
+    return JaxStrategy(_even_batches_data_parallel()(devices=list(devices)))
+
+
+_EVEN_BATCHES: list = []
+
+
+def _even_batches_data_parallel():
+    """The class `EvenBatchesDataParallel` (made on first use: Keras loads lazily)."""
+    if _EVEN_BATCHES:
+        return _EVEN_BATCHES[0]
     # lazy: Keras loads on first use, not with this module
     import keras
 
-    return JaxStrategy(keras.distribution.DataParallel(devices=list(devices)))
+    from trainwell.data.batches import pad_partial_batches
+
+    class EvenBatchesDataParallel(keras.distribution.DataParallel):
+        """Keras's `DataParallel` whose datasets split evenly: a short last batch is padded.
+
+        Keras's `DataParallel` splits each batch evenly over every process's
+        devices; an evaluation split whose size is not a multiple of the global
+        batch ends with a batch that does not split (several processes: the
+        processes get different numbers of batches and the last collective waits
+        for ever; one process: the split fails). Before Keras shards a
+        `tf.data.Dataset` over the processes, this pads such a dataset's batches
+        to one size with zero-weighted examples (`trainwell.data.batches.
+        pad_partial_batches`): every example is scored once and the loss and
+        `weighted_metrics` equal a one-process evaluation. Metrics compiled as
+        `metrics=` ignore sample weights (Keras) and count the padding.
+        `make_strategy` builds this for `"auto"`, `"cpu:N"` and `"multiworker"`.
+
+        Example:
+        >>> make_jax_strategy("cpu:2").distribution  # doctest: +SKIP
+        <EvenBatchesDataParallel device_mesh=...>
+        """
+
+        def distribute_dataset(self, dataset):
+            replicas = JaxStrategy(self).num_replicas_in_sync
+            if replicas > 1:
+                dataset = pad_partial_batches(dataset, replicas)
+            return super().distribute_dataset(dataset)
+
+    _EVEN_BATCHES.append(EvenBatchesDataParallel)
+    return EvenBatchesDataParallel
 
 
 def _jax_local_devices(platform: str) -> list:

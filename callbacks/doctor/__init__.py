@@ -4,7 +4,7 @@ It says what is wrong with a training run, shows the evidence in numbers and
 says what to change. One job per module: `findings` (codes, thresholds,
 `Finding`, the loss history), `loss_rules` and `step_rules` (pure functions of
 numbers, each returning a `Finding` or `None`; backend-free), `probe` (the
-gradient/activation probe, TensorFlow; imported only when the doctor probes) and
+gradient/activation probe, TensorFlow and JAX, over `trainwell.compat.gradients`) and
 `callback` (`TrainingDoctor`, which gathers the numbers during `fit`).
 
 Example:

@@ -28,6 +28,7 @@ from trainwell.callbacks.doctor.loss_rules import (
     check_overfitting,
     check_slow_convergence,
 )
+from trainwell.callbacks.doctor.probe import GradientProbe, current_loss_scale
 from trainwell.callbacks.doctor.step_rules import (
     check_amp,
     check_dead_units,
@@ -397,7 +398,7 @@ class TrainingDoctor(StatefulCallback):
         if self._last_scale is None and self._is_lso():
             try:
                 built = getattr(opt, "built", False)
-                self._last_scale = float(opt.dynamic_scale.numpy() if built else opt.initial_scale)
+                self._last_scale = current_loss_scale(self.model) if built else float(opt.initial_scale)
                 self.scale_history.append([self.step, self._last_scale])
             except Exception:  # pragma: no cover - another LossScaleOptimizer layout
                 self._last_scale = None
@@ -410,16 +411,13 @@ class TrainingDoctor(StatefulCallback):
                     batch = auto
         except Exception as e:  # never let the doctor break training
             self._probe_error = f"could not take a probe batch from the data: {e}"
-        if batch is not None and backend_name() != "tensorflow":
+        if batch is not None and backend_name() not in ("tensorflow", "jax"):
             self._probe_error = (
-                f"the gradient probe runs on TensorFlow only (Keras backend: {backend_name()}): gradient, "
+                f"the gradient probe runs on TensorFlow and JAX (Keras backend: {backend_name()}): gradient, "
                 "activation and input-bound checks skipped; the loss and step checks run"
             )
         elif batch is not None:
             try:
-                # here, not at the top: the probe is TensorFlow's; a run that never probes never imports it
-                from trainwell.callbacks.doctor.probe import GradientProbe
-
                 self._probe = GradientProbe(self.model, batch, track_updates=self.track_updates)
             except Exception as e:
                 self._probe_error = f"probe disabled: {type(e).__name__}: {e}"
@@ -496,7 +494,7 @@ class TrainingDoctor(StatefulCallback):
         opt = self.model.optimizer
         if not getattr(opt, "built", False):
             return
-        scale = float(opt.dynamic_scale.numpy())
+        scale = current_loss_scale(self.model)
         if self._last_scale is not None and scale < self._last_scale:
             k = int(round(math.log2(self._last_scale / scale))) if scale > 0 else 1
             self.backoff_steps.extend([self.step] * max(k, 1))

@@ -1,12 +1,13 @@
-"""The doctor's gradient probe (TensorFlow): gradient and activation statistics on a fixed batch.
+"""The doctor's gradient probe: gradient and activation statistics on a fixed batch (TensorFlow and JAX).
 
 `GradientProbe` compiles a function that computes gradient and activation
 statistics of a model on a fixed batch without touching its `train_step`, its
 weights, its metrics or its random state, and names the first layer that
-produced a non-finite value (forward or backward). It is the TensorFlow-specific
-part of the doctor: the rules (`loss_rules`, `step_rules`) read the dict it
-returns, and `TrainingDoctor` imports this module only when it probes, so a
-backend without it (JAX, issue 20) needs only its own probe.
+produced a non-finite value (forward or backward). The rules (`loss_rules`,
+`step_rules`) read the dict it returns. The gradients come from
+`trainwell.compat.gradients.loss_and_gradients` (a `tf.GradientTape` on
+TensorFlow, `jax.value_and_grad` over `stateless_call` on JAX); the statistics
+are `keras.ops`, the same on both backends.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
 from trainwell.callbacks.doctor.findings import median
-from trainwell.compat.keras_internals import call_has_training_arg, compute_loss
+from trainwell.compat.backend import StateReader, compile_function, copy_arrays, is_jax
+from trainwell.compat.gradients import loss_and_gradients, state_values
+from trainwell.compat.keras_internals import compute_loss
 
 _ACT_KINDS = {
     "relu": "relu",
@@ -60,13 +63,15 @@ class GradientProbe:
     """Gradient and activation statistics of a model on a fixed batch, compiled once.
 
     One call runs the forward and backward pass of `model` on the batch with
-    `training=True` (as `train_step` does) inside a `tf.function` of its own: the
-    model's `train_step` is untouched, no optimizer update is applied, and the
-    model's non-trainable variables (BatchNorm statistics, dropout seed state)
-    and metric variables are restored to their values before the call, so a
-    probe leaves training bit-for-bit unchanged. Under a `LossScaleOptimizer` the
-    loss is scaled by the current loss scale before the backward pass, as in
-    training, so float16 gradient overflow shows up; statistics are unscaled.
+    `training=True` (as `train_step` does) in a compiled function of its own
+    (`tf.function` on TensorFlow, `jax.jit` on JAX): the model's `train_step` is
+    untouched, no optimizer update is applied, and the model's non-trainable
+    variables (BatchNorm statistics, dropout seed state) and metric variables
+    keep their values (TensorFlow: restored after the call; JAX: the call is
+    stateless, on the values of the live training state), so a probe leaves
+    training bit-for-bit unchanged. Under a `LossScaleOptimizer` the loss is
+    scaled by the current loss scale before the backward pass, as in training,
+    so float16 gradient overflow shows up; statistics are unscaled.
 
     For functional and sequential models an auxiliary functional model over the
     same layers exposes every top-level layer's output, giving per-layer
@@ -91,11 +96,12 @@ class GradientProbe:
     def __init__(self, model, batch, track_updates: bool = True, activations: bool = True) -> None:
 
         self.model = model
+        self._jax = is_jax()
         x, y, sw = keras.utils.unpack_x_y_sample_weight(tuple(batch) if isinstance(batch, list) else batch)
-        conv = lambda t: None if t is None else keras.tree.map_structure(tf.convert_to_tensor, t)  # noqa: E731
+        conv = lambda t: None if t is None else keras.tree.map_structure(_to_tensor, t)  # noqa: E731
         self.x, self.y, self.sw = conv(x), conv(y), conv(sw)
         first = next(iter(keras.tree.flatten(self.x)))
-        self.batch_size = int(first.shape[0]) if first.shape.rank else 1
+        self.batch_size = int(first.shape[0]) if len(first.shape) else 1
         self.trainable = list(model.trainable_variables)
         self.state_vars = list(model.non_trainable_variables) + list(model.metrics_variables)
         self._groups = self._group_variables()
@@ -105,18 +111,24 @@ class GradientProbe:
         if activations:
             self._build_aux()
         self.shadows = None
-        if track_updates:
+        self._has_snapshot = False
+        self._weights = StateReader(model, self.trainable)
+        if track_updates and self._jax:
+            self.shadows = []  # copies of the state's arrays (the next step deletes the originals)
+        elif track_updates:
+            import tensorflow as tf  # here: the TensorFlow backend keeps its shadow copy in variables
+
             self.shadows = [
                 tf.Variable(tf.zeros(v.shape, dtype=v.dtype), trainable=False, name="probe_shadow")
                 for v in self.trainable
             ]
-            self._snapshot_fn = tf.function(self._snapshot_impl, autograph=False)
-        self._has_snapshot = False
-        # Without AutoGraph: the probe's loops are over Python lists, and Keras 3 does not
-        # convert layer or model code in `fit` either (a Python `if` on a tensor fails
-        # there), so a model that trains traces here. Building and first running the
-        # probe of a ResNet-18 (width 8) took 4.0 s without AutoGraph, 4.5-5.7 s with it.
-        self._fn = tf.function(self._run_impl, autograph=False)
+            self._snapshot_fn = compile_function(self._snapshot_impl)
+        # TensorFlow: without AutoGraph (`compile_function`): the probe's loops are over
+        # Python lists, and Keras 3 does not convert layer or model code in `fit` either (a
+        # Python `if` on a tensor fails there), so a model that trains traces here. Building
+        # and first running the probe of a ResNet-18 (width 8) took 4.0 s without AutoGraph,
+        # 4.5-5.7 s with it. JAX: `jax.jit` of a stateless function of the state's values.
+        self._fn = compile_function(self._run_jax if self._jax else self._run_impl)
 
     # ------------------------------------------------------------ structure
     def _group_variables(self):
@@ -184,104 +196,107 @@ class GradientProbe:
 
     def snapshot(self) -> None:
         """Copies the trainable weights (call before the step whose update to measure)."""
-        if self.shadows is not None:
+        if self.shadows is None:
+            return
+        if self._jax:
+            self.shadows = copy_arrays(self._weights())
+        else:
             self._snapshot_fn()
-            self._has_snapshot = True
+        self._has_snapshot = True
 
-    def _loss_and_grads(self, loss_scale):
+    def _gradients(self, loss_scale, state=None):
+        """`Gradients` on the probe batch, and the loss of the "null" model.
 
-
-        model = self.model
-        with tf.GradientTape() as tape:
-            if self.aux is not None:
-                out = self.aux(self.x, training=True)
-                y_pred, acts = out["y"], list(out["acts"])
-            else:
-                y_pred = model(self.x, training=True) if call_has_training_arg(model) else model(self.x)
-                acts = []
-            for a in acts:
-                tape.watch(a)
-            loss = compute_loss(model, x=self.x, y=self.y, y_pred=y_pred, sample_weight=self.sw, training=True)
-            loss = tf.cast(loss, tf.float32)
-            scaled = loss * loss_scale
-        targets = list(self.trainable) + acts
-        grads = tape.gradient(scaled, targets, unconnected_gradients=tf.UnconnectedGradients.NONE)
-        # The loss of a "null" model that predicts the batch mean of the predictions
-        # for every example: a scale for the loss that does not depend on training.
-        null_pred = tf.nest.map_structure(
-            lambda t: tf.broadcast_to(tf.reduce_mean(t, axis=0, keepdims=True), tf.shape(t)), y_pred
+        The null model predicts the batch mean of the predictions for every
+        example: a scale for the loss that does not depend on training.
+        """
+        g = loss_and_gradients(
+            self.model, self.x, self.y, self.sw, forward=self.aux, taps=self.act_layers if self.aux else (),
+            loss_scale=loss_scale, state=state,
         )
-        null = tf.cast(
-            compute_loss(model, x=self.x, y=self.y, y_pred=null_pred, sample_weight=self.sw, training=False), tf.float32
+        null_pred = keras.tree.map_structure(
+            lambda t: ops.broadcast_to(ops.mean(t, axis=0, keepdims=True), ops.shape(t)), g.y_pred
         )
-        return loss, grads[: len(self.trainable)], grads[len(self.trainable):], acts, null
+        if state is None:
+            null = compute_loss(self.model, x=self.x, y=self.y, y_pred=null_pred, sample_weight=self.sw, training=False)
+        else:
+            null, _ = self.model.stateless_compute_loss(
+                *state, x=self.x, y=self.y, y_pred=null_pred, sample_weight=self.sw, training=False
+            )
+        return g, ops.cast(null, "float32")
 
     def _run_impl(self, loss_scale, use_shadow):
+        """TensorFlow: the statistics, with the touched state variables put back."""
+        import tensorflow as tf  # here: the TensorFlow backend only
 
-        f32 = tf.float32
         saved = [tf.identity(v.value) for v in self.state_vars]
-        loss, grads, act_grads, acts, null = self._loss_and_grads(loss_scale)
+        g, null = self._gradients(loss_scale)
         restores = [v.assign(s) for v, s in zip(self.state_vars, saved)]
         with tf.control_dependencies([tf.group(*restores)] if restores else []):
-            gn, wn, gfin, un, wfin = [], [], [], [], []
-            for v, g in zip(self.trainable, grads):
-                w = tf.cast(v.value, f32)
-                wn.append(_safe_norm(w))
-                wfin.append(tf.reduce_all(tf.math.is_finite(w)))
-                if g is None:
-                    gn.append(tf.constant(0.0, f32))
-                    gfin.append(tf.constant(True))
-                    continue
-                if isinstance(g, tf.IndexedSlices):
-                    g = g.values
-                gfin.append(tf.reduce_all(tf.math.is_finite(g)))
-                gn.append(_safe_norm(tf.cast(g, f32)) / loss_scale)
-            if self.shadows is not None:
-                for v, s in zip(self.trainable, self.shadows):
-                    d = tf.cast(v.value, f32) - tf.cast(s, f32)
-                    un.append(tf.where(use_shadow, _safe_norm(d), -1.0))
-            afin, agfin, adead, asat, amax = [], [], [], [], []
-            for a, ga, kind in zip(acts, act_grads, self.act_kinds):
-                a32 = tf.cast(a, f32)
-                afin.append(tf.reduce_all(tf.math.is_finite(a)))
-                amax.append(tf.reduce_max(tf.where(tf.math.is_finite(a32), tf.abs(a32), 0.0)))
-                agfin.append(tf.constant(True) if ga is None else tf.reduce_all(tf.math.is_finite(ga)))
-                if kind == "relu" and a.shape.rank and a.shape.rank >= 2:
-                    axes = list(range(a.shape.rank - 1))
-                    alive = tf.reduce_max(a32, axis=axes) > 0.0
-                    adead.append(1.0 - tf.reduce_mean(tf.cast(alive, f32)))
-                else:
-                    adead.append(tf.constant(-1.0, f32))
-                if kind == "sigmoid":
-                    asat.append(tf.reduce_mean(tf.cast((a32 < 0.01) | (a32 > 0.99), f32)))
-                elif kind == "tanh":
-                    asat.append(tf.reduce_mean(tf.cast(tf.abs(a32) > 0.99, f32)))
-                else:
-                    asat.append(tf.constant(-1.0, f32))
-            stack = lambda xs, dt=f32: tf.stack(xs) if xs else tf.zeros([0], dt)  # noqa: E731
-            return {
-                "loss": loss,
-                "null_loss": null,
-                "gn": stack(gn),
-                "wn": stack(wn),
-                "gfin": stack(gfin, tf.bool),
-                "wfin": stack(wfin, tf.bool),
-                "un": stack(un),
-                "afin": stack(afin, tf.bool),
-                "agfin": stack(agfin, tf.bool),
-                "adead": stack(adead),
-                "asat": stack(asat),
-                "amax": stack(amax),
-            }
+            grads = [gr.values if isinstance(gr, tf.IndexedSlices) else gr for gr in g.grads]
+            shadows = None if self.shadows is None else [s.read_value() for s in self.shadows]
+            return self._statistics(g, null, grads, [v.value for v in self.trainable], shadows, loss_scale, use_shadow)
+
+    def _run_jax(self, state, shadows, loss_scale, use_shadow):
+        """JAX: the statistics of a stateless forward and backward pass on `state`'s values."""
+        g, null = self._gradients(loss_scale, state)
+        return self._statistics(g, null, g.grads, state[0], shadows, loss_scale, use_shadow)
+
+    def _statistics(self, g, null, grads, weights, shadows, loss_scale, use_shadow):
+        """The probe's per-variable and per-layer statistics, in `keras.ops`."""
+        f32 = "float32"
+        gn, wn, gfin, un, wfin = [], [], [], [], []
+        for w, gr in zip(weights, grads):
+            w = ops.cast(w, f32)
+            wn.append(_safe_norm(w))
+            wfin.append(ops.all(ops.isfinite(w)))
+            if gr is None:
+                gn.append(ops.zeros((), f32))
+                gfin.append(ops.convert_to_tensor(True))
+                continue
+            gfin.append(ops.all(ops.isfinite(gr)))
+            gn.append(_safe_norm(ops.cast(gr, f32)) / loss_scale)
+        if shadows is not None:
+            for w, s in zip(weights, shadows):
+                d = ops.cast(w, f32) - ops.cast(s, f32)
+                un.append(ops.where(use_shadow, _safe_norm(d), -1.0))
+        afin, agfin, adead, asat, amax = [], [], [], [], []
+        for a, ga, kind in zip(g.acts, g.tap_grads, self.act_kinds):
+            a32 = ops.cast(a, f32)
+            afin.append(ops.all(ops.isfinite(a)))
+            amax.append(ops.max(ops.where(ops.isfinite(a32), ops.abs(a32), 0.0)))
+            agfin.append(ops.convert_to_tensor(True) if ga is None else ops.all(ops.isfinite(ga)))
+            if kind == "relu" and len(a.shape) >= 2:
+                alive = ops.max(a32, axis=tuple(range(len(a.shape) - 1))) > 0.0
+                adead.append(1.0 - ops.mean(ops.cast(alive, f32)))
+            else:
+                adead.append(ops.convert_to_tensor(-1.0, f32))
+            if kind == "sigmoid":
+                asat.append(ops.mean(ops.cast((a32 < 0.01) | (a32 > 0.99), f32)))
+            elif kind == "tanh":
+                asat.append(ops.mean(ops.cast(ops.abs(a32) > 0.99, f32)))
+            else:
+                asat.append(ops.convert_to_tensor(-1.0, f32))
+        stack = lambda xs, dt=f32: ops.stack(xs) if xs else ops.zeros((0,), dt)  # noqa: E731
+        return {
+            "loss": g.loss,
+            "null_loss": null,
+            "gn": stack(gn),
+            "wn": stack(wn),
+            "gfin": stack(gfin, "bool"),
+            "wfin": stack(wfin, "bool"),
+            "un": stack(un),
+            "afin": stack(afin, "bool"),
+            "agfin": stack(agfin, "bool"),
+            "adead": stack(adead),
+            "asat": stack(asat),
+            "amax": stack(amax),
+        }
 
     # ------------------------------------------------------------ public
     def loss_scale(self) -> float:
         """The current loss scale of the model's `LossScaleOptimizer` (1.0 without one)."""
-
-        opt = getattr(self.model, "optimizer", None)
-        if isinstance(opt, keras.optimizers.LossScaleOptimizer) and getattr(opt, "built", False):
-            return float(opt.dynamic_scale.numpy())
-        return 1.0
+        return current_loss_scale(self.model)
 
     def run(self) -> dict[str, Any]:
         """Runs the probe and returns its statistics (plain Python numbers).
@@ -297,7 +312,14 @@ class GradientProbe:
             layer that produced NaN/Inf, or `None`).
         """
         scale = self.loss_scale()
-        raw = self._fn(tf.constant(scale, tf.float32), tf.constant(self._has_snapshot))
+        scale_t = ops.convert_to_tensor(scale, "float32")
+        if self._jax:
+            state = state_values(self.model)
+            # Without a snapshot the weights stand in for it (one compiled shape; the ratios are masked).
+            shadows = None if self.shadows is None else (self.shadows if self._has_snapshot else state[0])
+            raw = self._fn(state, shadows, scale_t, self._has_snapshot)
+        else:
+            raw = self._fn(scale_t, ops.convert_to_tensor(self._has_snapshot))
         r = {k: np.asarray(v) for k, v in raw.items()}
         self._has_snapshot = False
         loss = float(r["loss"])
@@ -383,13 +405,34 @@ class GradientProbe:
         return None
 
 
+def current_loss_scale(model) -> float:
+    """The loss scale of `model`'s built `LossScaleOptimizer` now, also inside a JAX `fit`; 1.0 without one.
+
+    Example:
+    >>> import keras
+    >>> current_loss_scale(keras.Sequential())
+    1.0
+    """
+    opt = getattr(model, "optimizer", None)
+    if isinstance(opt, keras.optimizers.LossScaleOptimizer) and getattr(opt, "built", False):
+        # Read through the training state: on JAX the variable is empty during an epoch.
+        return float(np.asarray(StateReader(model, [opt.dynamic_scale])()[0]))
+    return 1.0
+
+
 def _safe_norm(t):
     """L2 norm that does not overflow float32 for large entries (inf/nan propagate)."""
+    if int(np.prod(t.shape)) == 0:
+        return ops.zeros((), t.dtype)
+    m = ops.max(ops.abs(t))
+    ok = ops.isfinite(m) & (m > 0)
+    safe = ops.where(ok, m, ops.ones_like(m))
+    return ops.where(ok, m * ops.sqrt(ops.sum(ops.square(t / safe))), m)
 
-    m = tf.reduce_max(tf.abs(t)) if t.shape.num_elements() != 0 else tf.constant(0.0, t.dtype)
-    ok = tf.math.is_finite(m) & (m > 0)
-    safe = tf.where(ok, m, tf.ones_like(m))
-    return tf.where(ok, m * tf.sqrt(tf.reduce_sum(tf.square(t / safe))), m)
+
+def _to_tensor(t):
+    """A backend tensor of `t` (a NumPy array, or a `tf.Tensor` from a `tf.data` batch on JAX)."""
+    return ops.convert_to_tensor(np.asarray(t) if is_jax() else t)
 
 
 def _compute_dtype(layer) -> str:

@@ -2,7 +2,7 @@
 
 Pure functions of numbers (step and compute times, the loss-scale history, the
 gradient probe's statistics): each returns a `Finding` or `None`. Backend-free;
-the statistics come from `probe.GradientProbe` (TensorFlow), or any other probe
+the statistics come from `probe.GradientProbe` (TensorFlow and JAX), or any other probe
 that reports the same dict.
 """
 

@@ -1,9 +1,13 @@
 """The diagnostic rules on constructed numbers, and the gradient probe against hand computations."""
 
+import importlib.util
 import json
 import math
+import os
+import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -356,3 +360,26 @@ def test_probe_on_a_subclassed_model_has_gradients_only():
     model(x)
     stats = GradientProbe(model, (x, np.zeros((4, 2), "float32"))).run()
     assert stats["dead"] == {} and len(stats["layers"]) == 1 and stats["global_norm"] > 0
+
+
+# ----------------------------------------------------------------------------- JAX backend
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax is not installed (pip install 'trainwell[jax]')")
+def test_gradient_findings_on_jax():
+    """The probe on KERAS_BACKEND=jax (one subprocess): the findings and evidence the TensorFlow tests assert."""
+    worker = Path(__file__).with_name("pathologies_worker.py")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="jax")
+    proc = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["backend"] == "jax"
+    hand = out["hand"]  # weight and layer-output gradients against a hand computation
+    assert hand["layers"] == ["a", "b"] and max(hand["max_error"].values()) < 1e-5, hand
+    for case in ("vanishing", "dead"):
+        assert out[case]["probe"] == "ok" and out[case]["probes"] >= 2, out[case]
+    # test_training_doctor.py's assertions of the same two runs on TensorFlow.
+    (f,) = [Finding.from_dict(d) for d in out["vanishing"]["findings"]]
+    assert f.code == "vanishing_gradients" and f.step == 1
+    assert f.evidence["first_layer"] == "h0" and f.evidence["last_layer"] == "out" and f.evidence["ratio"] < 1e-10
+    (f,) = [Finding.from_dict(d) for d in out["dead"]["findings"]]
+    assert f.code == "dead_units" and f.evidence["layer"] == "dead" and f.evidence["dead_fraction"] == 1.0

@@ -1,0 +1,134 @@
+"""Even batches for data parallelism on JAX: a partial last batch padded with zero-weighted examples.
+
+Keras's JAX data parallelism (`keras.distribution.DataParallel`) splits every
+batch evenly over the devices of every process. An evaluation split whose size is
+not a multiple of the global batch ends with a short batch that does not split:
+with several processes each gets a different number of batches and the
+collective of the last one waits for ever; on one process with several devices
+the split fails. TensorFlow's `tf.distribute` handles short batches itself.
+
+`pad_partial_batches` makes every batch the same size, a multiple of the
+replicas, by appending zero-weighted examples (copies of the batch's first) and
+adding sample weights:
+
+- every real example is scored exactly once, and the padding weighs nothing;
+- the loss equals the unpadded one: Keras averages each batch's loss over its
+  size (padding included) and the batches by their size, so the real examples
+  weigh `padded size / real size` (a constant over the split), which also
+  leaves `weighted_metrics` exact;
+- metrics passed to `compile(metrics=...)` ignore sample weights in Keras and
+  would count the padding: compile them as `weighted_metrics` (the same values
+  when there is no padding).
+
+Example:
+>>> import tensorflow as tf
+>>> ds = tf.data.Dataset.from_tensor_slices(([[1.0]] * 5, [1] * 5)).batch(2)
+>>> [[round(float(v), 3) for v in w] for _, _, w in pad_partial_batches(ds, 2)]
+[[1.2, 1.2], [1.2, 1.2], [1.2, 0.0]]
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+
+__all__ = ["pad_partial_batches"]
+
+# dataset -> (examples, largest batch): counted once per dataset object (one pass over it).
+_COUNTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def pad_partial_batches(dataset, multiple_of: int):
+    """`dataset` with every batch of one size, a multiple of `multiple_of`, padded with zero-weighted examples.
+
+    A dataset whose batches already all have that size (e.g. `drop_remainder=True`
+    with a size that divides), one that is not a batched `(x, y)` or
+    `(x, y, sample_weight)` `tf.data.Dataset` of dense tensors, one of infinite or
+    unknown length (`dataset.cardinality()`; a finite pipeline with a `filter` can
+    state its length with `tf.data.experimental.assert_cardinality`) and an empty
+    one are returned as they are. Otherwise the dataset is read once to count its
+    examples (cached for the dataset object), and each batch becomes `(x, y,
+    sample_weight)`, padded with copies of its first example weighted 0, the real
+    examples weighted `slots / examples` times their own weight, which keeps the
+    loss Keras reports equal to the unpadded one (see the module docstring).
+
+    Args:
+        dataset: A batched `tf.data.Dataset`. Required.
+        multiple_of: The batch size must be a multiple of this (the data-parallel
+            replicas). Required.
+
+    Returns:
+        The dataset, padded where needed.
+
+    Example:
+    >>> import tensorflow as tf
+    >>> ds = tf.data.Dataset.from_tensor_slices(([[1.0]] * 3, [0] * 3)).batch(2)
+    >>> [x.shape[0] for x, _, _ in pad_partial_batches(ds, 2)]
+    [2, 2]
+    """
+    if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
+        raise ValueError(f"Invalid value for argument `multiple_of`. Expected an int >= 1. Received: multiple_of={multiple_of!r}")
+    import tensorflow as tf  # here: a tf.data pipeline means TensorFlow is loaded already
+
+    if not isinstance(dataset, tf.data.Dataset):
+        return dataset
+    spec = dataset.element_spec
+    if not isinstance(spec, tuple) or len(spec) not in (2, 3):
+        return dataset  # no targets (predict): nothing can weigh the padding out
+    flat = tf.nest.flatten(spec)
+    if not all(isinstance(s, tf.TensorSpec) and s.shape.rank for s in flat):
+        return dataset  # unbatched, ragged or sparse: left to Keras
+    if flat[0].shape[0] is not None and flat[0].shape[0] % multiple_of == 0:
+        return dataset  # drop_remainder=True: every batch full, and it splits evenly
+    if int(dataset.cardinality()) < 0:
+        return dataset  # infinite or unknown length (a generator, a filter): counting could never end
+    examples, largest = _count(dataset)
+    size = math.ceil(largest / multiple_of) * multiple_of if largest else 0
+    if examples == 0 or (largest == size and examples % size == 0):
+        return dataset  # every batch is full and splits evenly
+    batches = math.ceil(examples / largest)
+    real_weight = batches * size / examples
+    warnings.warn(
+        f"trainwell: padded {batches * size - examples} examples of weight 0 onto a dataset of {examples} examples "
+        f"(batches of {largest}) so that its batches split evenly over {multiple_of} replicas; metrics compiled "
+        "with `metrics=` ignore sample weights and count them: compile them as `weighted_metrics=`.",
+        stacklevel=2,
+    )
+
+    def pad(t):
+        # Copies of the batch's first example: real inputs (no all-zero image or fully masked
+        # text whose loss could be NaN, and NaN x 0 is NaN), weighed out below.
+        t = tf.convert_to_tensor(t)
+        out = tf.concat([t, tf.repeat(t[:1], size - tf.shape(t)[0], axis=0)], axis=0)
+        return tf.ensure_shape(out, [size] + t.shape[1:].as_list())
+
+    def padded(x, y, sample_weight=None):
+        n = tf.shape(tf.nest.flatten(x)[0])[0]
+        w = tf.ones([n], tf.float32) if sample_weight is None else tf.cast(sample_weight, tf.float32)
+        w = w * real_weight
+        weights = tf.concat([w, tf.zeros(tf.concat([[size - n], tf.shape(w)[1:]], 0), tf.float32)], axis=0)
+        return (tf.nest.map_structure(pad, x), tf.nest.map_structure(pad, y),
+                tf.ensure_shape(weights, [size] + w.shape[1:].as_list()))
+
+    return dataset.map(padded, num_parallel_calls=tf.data.AUTOTUNE)
+
+
+def _count(dataset) -> tuple[int, int]:
+    """`(examples, largest batch)` of a batched dataset (one pass, cached per dataset object)."""
+    try:
+        return _COUNTS[dataset]
+    except (KeyError, TypeError):
+        pass
+    import tensorflow as tf  # here: see pad_partial_batches
+
+    sizes = dataset.map(lambda *e: tf.cast(tf.shape(tf.nest.flatten(e)[0])[0], tf.int64))
+    total, largest = sizes.reduce(
+        (tf.constant(0, tf.int64), tf.constant(0, tf.int64)), lambda acc, n: (acc[0] + n, tf.maximum(acc[1], n))
+    )
+    out = (int(total), int(largest))
+    try:
+        _COUNTS[dataset] = out
+    except TypeError:  # not weak-referenceable: count again next time
+        pass
+    return out
