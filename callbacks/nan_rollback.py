@@ -31,7 +31,14 @@ import numpy as np
 
 from trainwell import runtime
 from trainwell.callbacks.base import StatefulCallback
-from trainwell.compat.backend import StateReader, backend_name, compile_function, copy_arrays, sync_variables
+from trainwell.compat.backend import (
+    StateReader,
+    add_step_output,
+    backend_name,
+    compile_function,
+    copy_arrays,
+    sync_variables,
+)
 from trainwell.compat.keras_internals import loss_tracker
 from trainwell.compat.learning_rate import current_lr, learning_rate_variables, scale_learning_rate
 from trainwell.validation import invalid_argument, is_int, is_number
@@ -583,6 +590,56 @@ class NaNRollback(StatefulCallback):
         self.snapshot_step = self.step
         self._losses_at_snapshot = (list(self.recent_losses), self.loss_high)  # the loss history that led to it
 
+    # ------------------------------------------------------------------ the check inside the train step
+    def set_model(self, model) -> None:
+        super().set_model(model)
+        # Before `fit` makes its train function: the check's values are computed in the step.
+        self._out = add_step_output(model, self.key, self._step_values) if hasattr(model, "train_step") else None
+
+    def _step_values(self, read):
+        """Inside the compiled train step, after its update: the check's device values.
+
+        `(loss total, loss count, weights non-finite, loss scale)`: the loss
+        tracker's sums, 1.0 when a weight is NaN/Inf (0.0 when all are finite;
+        -1.0 when `check_weights_every > 1`, whose checks stay separate calls),
+        and the `LossScaleOptimizer`'s scale (-1.0 without one).
+        """
+        ops, model = keras.ops, self.model
+        f = "float64" if backend_name() == "tensorflow" else "float32"  # JAX runs without float64
+        none = -ops.ones((), f)
+        tracker = loss_tracker(model)
+        vals = [ops.cast(x, f) for x in read([tracker.total, tracker.count])] if tracker is not None else [none, none]
+        floats = [w for w in model.weights if keras.backend.is_float_dtype(w.dtype)]
+        if self.check_weights_every == 1 and floats:
+            ok = ops.all(ops.stack([ops.all(ops.isfinite(w)) for w in read(floats)]))
+            vals.append(1.0 - ops.cast(ok, f))
+        else:
+            vals.append(none)
+        opt = model.optimizer
+        scale = _is_lso(opt) and getattr(opt, "built", False)
+        vals.append(ops.cast(read([opt.dynamic_scale])[0], f) if scale else none)
+        return tuple(vals)
+
+    def _values(self, check_weights: bool) -> np.ndarray:
+        """`[loss total, loss count, weights finite, loss scale]` of the last step, as `_Probe` gives them.
+
+        Read from the train step's own outputs (no call of their own; the host
+        read waits for the step Keras's logs wait for); the separate probe when
+        the step did not compute them (Checkpoint's replay of a resumed epoch
+        trains nothing) or the weights are due and the step left them out.
+        """
+        out = self._out.take() if self._out is not None else None
+        if out is None:
+            return self._probe(check_weights)
+        vals = np.array([float(x) for x in out], dtype=np.float64)
+        # Under tf.distribute the step's outputs are means over the replicas: sums again.
+        vals[:2] *= self._replicas
+        if vals[2] >= 0:
+            vals[2] = 0.0 if vals[2] > 0 else 1.0  # a mean over replicas: any of them non-finite
+        else:
+            vals[2] = self._probe(True)[2] if check_weights else 1.0
+        return vals
+
     # ------------------------------------------------------------------ Keras hooks
     def on_train_begin(self, logs=None) -> None:
         super().on_train_begin(logs)
@@ -595,6 +652,9 @@ class NaNRollback(StatefulCallback):
         self._prev_mean = None
         self._last_scale = None
         self._strategy = getattr(self.model, "distribute_strategy", None)
+        self._replicas = int(getattr(self._strategy, "num_replicas_in_sync", 1) or 1) if backend_name() == "tensorflow" else 1
+        if getattr(self, "_out", None) is not None:
+            self._out.active = True
         sync = self.sync_across_workers
         self._sync = runtime.num_workers(self._strategy) > 1 if sync is None else sync
         if not self._ready():  # builds the shadow copies; the first snapshot waits for the first batch
@@ -636,7 +696,7 @@ class NaNRollback(StatefulCallback):
         check = snapshot_due or (
             self.step // self.check_weights_every > (self.step - n) // self.check_weights_every
         )
-        vals = self._probe(check)
+        vals = self._values(check)
         loss = self._batch_loss(vals, logs)
         loss_finite = loss is None or math.isfinite(loss)
         if not loss_finite and not check:
@@ -693,6 +753,8 @@ class NaNRollback(StatefulCallback):
 
     def on_train_end(self, logs=None) -> None:
         super().on_train_end(logs)
+        if getattr(self, "_out", None) is not None:
+            self._out.active = False  # a train function traced later (after a compile) leaves the check out
         self._unhook_first_apply()
         self._machinery = None  # free the shadow copies
 

@@ -150,7 +150,11 @@ def test_poisoned_batches_roll_back_and_match_clean_run(value, spe):
     assert clean >= 0.99
     model = build(steps_per_execution=spe)
     cb = NaNRollback(snapshot_every=4)
+    probes = []  # the check runs inside the train step: no separate compiled call per step
+    cb._probe = functools.partial(lambda probe, weights: probes.append(weights) or probe(weights), cb._probe)
     hist = fit(model, bad=[5, 30], value=value, callbacks=[cb])
+    assert len(probes) == EPOCHS  # the loss tracker read once an epoch, before its first step
+    assert sorted(hist.history) == ["accuracy", "loss", "nan_rollbacks"]  # the check's values are not metrics
     assert finite(model)
     assert abs(accuracy(model) - clean) <= 0.01
     assert np.all(np.isfinite(hist.history["loss"]))
