@@ -393,13 +393,10 @@ class _StepOutputs:
                 return [v.value for v in variables]
 
         else:
-            index = {}
-            for i, group in enumerate(_state_variables(self.model)):
-                for j, v in enumerate(group):
-                    index.setdefault(id(v), (i, j))
+            gate("JAXTrainer.train_step -> (logs, state in _JAX_STATE order)")  # at trace time only
 
             def read(variables):
-                return [state[index[id(v)][0]][index[id(v)][1]] for v in variables]
+                return [state[i][j] for i, j in StateReader(self.model, variables)._positions()]
 
         extra = {}
         for key, out in self.outputs.items():
