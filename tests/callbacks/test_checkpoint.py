@@ -899,6 +899,19 @@ def test_restore_latest_for_inference(tmp_path):
         load_checkpoint(tmp_path / "empty", infer)
 
 
+def test_steps_where_nothing_is_due_take_the_fast_path(tmp_path):
+    # save_every="epoch": no batch-end hook, so Keras may skip the call (and its read of the logs).
+    cb = Checkpoint(tmp_path / "e", verbose=0)
+    assert "on_train_batch_end" not in vars(cb)
+    assert type(cb).on_train_batch_end is keras.callbacks.Callback.on_train_batch_end
+    assert Checkpoint(tmp_path / "n", save_every=3).on_train_batch_end.__func__ is Checkpoint._keep_batch_logs
+    slow = []  # the wrapper's full path runs only where something is due: a new epoch's first step
+    maybe_save = cb._maybe_save
+    cb._maybe_save = lambda: slow.append(cb.global_step) or maybe_save()
+    _fit(_model(), [cb], epochs=2)  # 10 steps an epoch
+    assert slow == [0, 10] and cb.global_step == 20
+
+
 def test_get_config_and_state_round_trip(tmp_path):
     cb = Checkpoint(tmp_path, save_every=7, keep_last=2, keep_best=0, monitor="loss", mode="min",
                     weights_only=True, async_save=True, config={"a": 1}, resume=False, warm_start_warmup_steps=3,
