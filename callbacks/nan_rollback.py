@@ -303,7 +303,11 @@ class NaNRollback(StatefulCallback):
     before anything is acted on: when any worker sees a divergence, every worker
     rolls back at the same step, to the same snapshot, with the same LR, and
     `max_rollbacks` runs out on all of them together. The reduction is a
-    collective, so it runs every check on every worker. (The class attribute
+    collective, so it runs every check on every worker. (The values computed in
+    the train step are already means over every replica of every worker, as
+    Keras reduces a step's outputs, so a NaN weight on any replica shows on
+    all; the verdict's reduction also covers the checks made outside the
+    step.) (The class attribute
     `sync_across_workers`, `None` = on exactly when the strategy spans more
     than one worker, exists so a test can switch it off and show the workers
     parting without it; leave it alone.)
@@ -673,9 +677,7 @@ class NaNRollback(StatefulCallback):
         self._prev_mean = None
         self._last_scale = None
         self._strategy = getattr(self.model, "distribute_strategy", None)
-        self._replicas = int(getattr(self._strategy, "num_replicas_in_sync", 1) or 1) if backend_name() == "tensorflow" else 1
-        if getattr(self, "_out", None) is not None:
-            self._out.active = True
+        self._replicas = runtime.num_replicas(self._strategy) if backend_name() == "tensorflow" else 1
         sync = self.sync_across_workers
         self._sync = runtime.num_workers(self._strategy) > 1 if sync is None else sync
         if not self._ready():  # builds the shadow copies; the first snapshot waits for the first batch
