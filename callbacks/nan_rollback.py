@@ -624,7 +624,7 @@ class NaNRollback(StatefulCallback):
     def _step_values(self, read):
         """Inside the compiled train step, after its update: the check's device values.
 
-        `(loss total, loss count, weights non-finite, loss scale)`: the loss
+        `[loss total, loss count, weights non-finite, loss scale]`: the loss
         tracker's sums, 1.0 when a weight is NaN/Inf (0.0 when all are finite;
         -1.0 when `check_weights_every > 1`, whose checks stay separate calls),
         and the `LossScaleOptimizer`'s scale (-1.0 without one).
@@ -643,7 +643,9 @@ class NaNRollback(StatefulCallback):
         opt = model.optimizer
         scale = _is_lso(opt) and getattr(opt, "built", False)
         vals.append(ops.cast(read([opt.dynamic_scale])[0], f) if scale else none)
-        return tuple(vals)
+        # One output tensor (each output costs Python in every call), except across workers,
+        # where Keras reduces a step's outputs along axis 0: scalars keep their meaning there.
+        return tuple(vals) if runtime.num_workers(getattr(model, "distribute_strategy", None)) > 1 else ops.stack(vals)
 
     def _probe(self, check_weights: bool) -> np.ndarray:
         """`[loss total, loss count, weights finite, loss scale]` of the last step, as `_Probe` gives them.
@@ -656,7 +658,7 @@ class NaNRollback(StatefulCallback):
         out = self._out.take() if self._out is not None else None
         if out is None:
             return self._probe_call(check_weights)
-        vals = np.array([float(x) for x in out], dtype=np.float64)
+        vals = np.array(out, dtype=np.float64)
         # Under tf.distribute the step's outputs are means over the replicas: sums again.
         vals[:2] *= self._replicas
         if vals[2] >= 0:
@@ -678,6 +680,7 @@ class NaNRollback(StatefulCallback):
         self._last_scale = None
         self._strategy = getattr(self.model, "distribute_strategy", None)
         self._replicas = runtime.num_replicas(self._strategy) if backend_name() == "tensorflow" else 1
+        self._lso = _is_lso(self.model.optimizer)
         sync = self.sync_across_workers
         self._sync = runtime.num_workers(self._strategy) > 1 if sync is None else sync
         if not self._ready():  # builds the shadow copies; the first snapshot waits for the first batch
@@ -728,7 +731,7 @@ class NaNRollback(StatefulCallback):
         scale = float(vals[3]) if vals[3] >= 0 else None
 
         causes = []
-        lso = _is_lso(self.model.optimizer)
+        lso = self._lso
         # The LossScaleOptimizer halves its scale when it skips a step.
         skipped = scale is not None and self._last_scale is not None and scale < self._last_scale
         self._last_scale = scale
