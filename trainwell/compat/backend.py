@@ -445,8 +445,9 @@ def add_step_output(model, key: str, fn: Callable) -> StepOutput:
     """Computes `fn(read)` inside `model`'s compiled train step, after its update.
 
     `read(variables)` gives the values the step leaves in those Keras variables
-    (the model's, its optimizer's or its metrics'); `fn` returns one tensor
-    (or `None`: nothing to add), built with `keras.ops`. The value reaches the
+    (the model's, its optimizer's or its metrics'); `fn` returns a tensor, or
+    a tuple of them (each output tensor costs a little Python in every call;
+    `None`: nothing to add), built with `keras.ops`. The value reaches the
     host only when the caller reads what `StepOutput.take()` returns, so it
     costs no dispatch and no sync of its own: a callback that reads it in
     `on_train_batch_end` waits for the same step Keras's own logs wait for.
