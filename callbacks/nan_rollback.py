@@ -11,8 +11,9 @@ a device-side copy of the training state every `snapshot_every` steps, and on a
 non-finite loss, non-finite weights, a collapsed loss scale or a loss spike,
 restore it, skip ahead and lower the learning rate.
 
-One module of about 840 lines: the detection, the snapshot machinery (compiled
-copy/restore/probe functions, shared with the first-step hook) and the
+One module of about 950 lines: the detection (its values computed inside the
+train step), the snapshot machinery (compiled copy/restore/probe functions,
+shared with the first-step hook) and the
 rollback act on one state per `fit`; about a third of it is the class docstring
 and argument checks.
 """
@@ -31,7 +32,14 @@ import numpy as np
 
 from trainwell import runtime
 from trainwell.callbacks.base import StatefulCallback
-from trainwell.compat.backend import StateReader, backend_name, compile_function, copy_arrays, sync_variables
+from trainwell.compat.backend import (
+    StateReader,
+    add_step_output,
+    backend_name,
+    compile_function,
+    copy_arrays,
+    sync_variables,
+)
 from trainwell.compat.keras_internals import loss_tracker
 from trainwell.compat.learning_rate import current_lr, learning_rate_variables, scale_learning_rate
 from trainwell.validation import invalid_argument, is_int, is_number
@@ -195,8 +203,8 @@ class NaNRollback(StatefulCallback):
       tracker's `total`/`count` variables (the mean of the batches since the last
       callback: with `steps_per_execution=N`, of the last N batches).
     - `"nonfinite_weights"`: a NaN/Inf in the model's weights, checked by one
-      compiled reduction over all of them (one device sync), every
-      `check_weights_every` steps and before every snapshot. Needed because on
+      reduction over all of them every `check_weights_every` steps and before
+      every snapshot. Needed because on
       some x86 CPUs oneDNN's ReLU maps NaN to 0: after a batch of `inf` inputs
       the weights are NaN while the loss stays finite (on others, and with XLA,
       the loss turns NaN too).
@@ -265,6 +273,23 @@ class NaNRollback(StatefulCallback):
     1.3 ms. A snapshot holds one copy of the model weights and the optimizer
     state, on the device that holds them.
 
+    When the checks run, and what they cost: the loss tracker's sums, the
+    weight check and the loss scale are computed *inside the compiled train
+    step*, after its update (`trainwell.compat.backend.add_step_output`: the
+    model's `train_step` is wrapped once, and its train function traced again
+    if it was made without them), and carried outside the logs, so they never
+    show as metrics. Reading them in `on_train_batch_end` costs no compiled
+    call of its own and waits for the step that Keras's logs wait for; before
+    this (trainwell 2026-12-01) the check was a separate compiled call plus a
+    host read every step, 1.24x the CPU time of a bare 4 ms step. A separate
+    compiled call remains once an epoch (the loss tracker's starting sums),
+    for the weight checks when `check_weights_every > 1`, and for steps the
+    train function ran without the check (a Checkpoint's replay of a resumed
+    epoch, a custom trainer that bypasses `train_step`). With
+    `steps_per_execution=N` the values are those after the N-th step: the loss
+    is the mean of the N batches (from the tracker's sums) and a NaN weight
+    of any of them is still NaN then (an update of a NaN weight is NaN).
+
     Works under `tf.distribute.MirroredStrategy` (shadow copies mirror the
     primary replica; a restore writes every replica) and with
     `steps_per_execution > 1` (checks then run every N steps, when Keras calls
@@ -278,7 +303,11 @@ class NaNRollback(StatefulCallback):
     before anything is acted on: when any worker sees a divergence, every worker
     rolls back at the same step, to the same snapshot, with the same LR, and
     `max_rollbacks` runs out on all of them together. The reduction is a
-    collective, so it runs every check on every worker. (The class attribute
+    collective, so it runs every check on every worker. (The values computed in
+    the train step are already means over every replica of every worker, as
+    Keras reduces a step's outputs, so a NaN weight on any replica shows on
+    all; the verdict's reduction also covers the checks made outside the
+    step.) (The class attribute
     `sync_across_workers`, `None` = on exactly when the strategy spans more
     than one worker, exists so a test can switch it off and show the workers
     parting without it; leave it alone.)
@@ -321,9 +350,12 @@ class NaNRollback(StatefulCallback):
             reference. Windows of 10 to 100 measured alike (at most 2.65 x on
             the healthy runs at a new high); shorter ones follow a falling loss
             sooner. Defaults to `50`.
-        check_weights_every: Steps between weight checks (one compiled
-            reduction and one device sync each); raise it for very large models.
-            The weights are always checked before a snapshot. Defaults to `1`.
+        check_weights_every: Steps between weight checks. At `1` the check is
+            part of the train step (one reduction over the weights, no call of
+            its own); above 1 each check is a separate compiled call and host
+            read (for very large models, where a pass over the weights every
+            step shows). The weights are always checked before a snapshot.
+            Defaults to `1`.
         loss_scale_floor: Under a `LossScaleOptimizer`, a loss scale at or
             below this value is a divergence. Keras starts at 2**15 and halves
             the scale at each overflow, so `1.0` means 15 more overflows than
@@ -583,6 +615,58 @@ class NaNRollback(StatefulCallback):
         self.snapshot_step = self.step
         self._losses_at_snapshot = (list(self.recent_losses), self.loss_high)  # the loss history that led to it
 
+    # ------------------------------------------------------------------ the check inside the train step
+    def set_model(self, model) -> None:
+        super().set_model(model)
+        # Before `fit` makes its train function: the check's values are computed in the step.
+        self._out = add_step_output(model, self.key, self._step_values) if hasattr(model, "train_step") else None
+
+    def _step_values(self, read):
+        """Inside the compiled train step, after its update: the check's device values.
+
+        `[loss total, loss count, weights non-finite, loss scale]`: the loss
+        tracker's sums, 1.0 when a weight is NaN/Inf (0.0 when all are finite;
+        -1.0 when `check_weights_every > 1`, whose checks stay separate calls),
+        and the `LossScaleOptimizer`'s scale (-1.0 without one).
+        """
+        ops, model = keras.ops, self.model
+        f = "float64" if backend_name() == "tensorflow" else "float32"  # JAX runs without float64
+        none = -ops.ones((), f)
+        tracker = loss_tracker(model)
+        vals = [ops.cast(x, f) for x in read([tracker.total, tracker.count])] if tracker is not None else [none, none]
+        floats = [w for w in model.weights if keras.backend.is_float_dtype(w.dtype)]
+        if self.check_weights_every == 1 and floats:
+            ok = ops.all(ops.stack([ops.all(ops.isfinite(w)) for w in read(floats)]))
+            vals.append(1.0 - ops.cast(ok, f))
+        else:
+            vals.append(none)
+        opt = model.optimizer
+        scale = _is_lso(opt) and getattr(opt, "built", False)
+        vals.append(ops.cast(read([opt.dynamic_scale])[0], f) if scale else none)
+        # One output tensor (each output costs Python in every call), except across workers,
+        # where Keras reduces a step's outputs along axis 0: scalars keep their meaning there.
+        return tuple(vals) if runtime.num_workers(getattr(model, "distribute_strategy", None)) > 1 else ops.stack(vals)
+
+    def _probe(self, check_weights: bool) -> np.ndarray:
+        """`[loss total, loss count, weights finite, loss scale]` of the last step, as `_Probe` gives them.
+
+        Read from the train step's own outputs (no call of their own; the host
+        read waits for the step Keras's logs wait for); the separate probe when
+        the step did not compute them (Checkpoint's replay of a resumed epoch
+        trains nothing) or the weights are due and the step left them out.
+        """
+        out = self._out.take() if self._out is not None else None
+        if out is None:
+            return self._probe_call(check_weights)
+        vals = np.array(out, dtype=np.float64)
+        # Under tf.distribute the step's outputs are means over the replicas: sums again.
+        vals[:2] *= self._replicas
+        if vals[2] >= 0:
+            vals[2] = 0.0 if vals[2] > 0 else 1.0  # a mean over replicas: any of them non-finite
+        else:
+            vals[2] = self._probe_call(True)[2] if check_weights else 1.0
+        return vals
+
     # ------------------------------------------------------------------ Keras hooks
     def on_train_begin(self, logs=None) -> None:
         super().on_train_begin(logs)
@@ -595,6 +679,8 @@ class NaNRollback(StatefulCallback):
         self._prev_mean = None
         self._last_scale = None
         self._strategy = getattr(self.model, "distribute_strategy", None)
+        self._replicas = runtime.num_replicas(self._strategy) if backend_name() == "tensorflow" else 1
+        self._lso = _is_lso(self.model.optimizer)
         sync = self.sync_across_workers
         self._sync = runtime.num_workers(self._strategy) > 1 if sync is None else sync
         if not self._ready():  # builds the shadow copies; the first snapshot waits for the first batch
@@ -640,12 +726,12 @@ class NaNRollback(StatefulCallback):
         loss = self._batch_loss(vals, logs)
         loss_finite = loss is None or math.isfinite(loss)
         if not loss_finite and not check:
-            vals = self._probe(True)  # a non-finite loss: always look at the weights
+            vals = self._probe_call(True)  # a non-finite loss: always look at the weights
         weights_finite = bool(vals[2] > 0.5)
         scale = float(vals[3]) if vals[3] >= 0 else None
 
         causes = []
-        lso = _is_lso(self.model.optimizer)
+        lso = self._lso
         # The LossScaleOptimizer halves its scale when it skips a step.
         skipped = scale is not None and self._last_scale is not None and scale < self._last_scale
         self._last_scale = scale
@@ -693,6 +779,8 @@ class NaNRollback(StatefulCallback):
 
     def on_train_end(self, logs=None) -> None:
         super().on_train_end(logs)
+        if getattr(self, "_out", None) is not None:
+            self._out.active = False  # a train function traced later (after a compile) leaves the check out
         self._unhook_first_apply()
         self._machinery = None  # free the shadow copies
 
@@ -743,7 +831,7 @@ class NaNRollback(StatefulCallback):
         Needed once per epoch before its first check: a checkpoint resumed
         mid-epoch may have restored the loss accumulators.
         """
-        vals = self._probe(False)
+        vals = self._probe_call(False)  # the tracker now, not a step's values
         self._prev_total, self._prev_count = float(vals[0]), float(vals[1])
         self._sync_tracker = False
 
@@ -753,7 +841,8 @@ class NaNRollback(StatefulCallback):
         flags = runtime.any_across_workers(self._strategy, [not loss_finite] + [c in causes for c in CAUSES])
         return not flags[0], [c for c, f in zip(CAUSES, flags[1:]) if f]
 
-    def _probe(self, check_weights: bool) -> np.ndarray:
+    def _probe_call(self, check_weights: bool) -> np.ndarray:
+        """The check's values from a compiled call of their own (`_Probe`) and a host read."""
         fn = self._machinery["probe_full" if check_weights else "probe_loss"]
         return np.asarray(fn())
 

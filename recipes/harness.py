@@ -380,6 +380,57 @@ def finish_run(ctx: RunContext, cfg, model, test_metrics: dict[str, float], hist
     return RunResult(model=model, history=full, metrics=metrics, run_dir=ctx.run_dir, config=cfg)
 
 
+#: `steps_per_execution` the recipes use on a GPU or TPU when the config leaves it `None`.
+#: Keras's `compile` docstring: several batches per compiled call "can greatly improve
+#: performance on TPUs or small models with a large Python overhead"; on short steps
+#: `bench/callback_overhead.py --case short` measured spe 8 at 0.7x the CPU time per step of
+#: spe 1. 8 is the largest value `bench/spike_rollback.py` validated NaNRollback's spike rule
+#: at (no false rollback on healthy runs at 4 and 8); callbacks then act every 8 steps.
+ACCELERATOR_STEPS_PER_EXECUTION = 8
+
+
+def _on_accelerator() -> bool:
+    """Whether the current strategy (TensorFlow) or distribution (JAX) computes on GPUs or TPUs."""
+    import keras  # lazy: Keras loads on first use, not with this module
+
+    if keras.backend.backend() == "jax":
+        import jax  # here: only the JAX backend has it
+
+        dist = keras.distribution.distribution()
+        devices = list(dist.device_mesh.devices.flat) if dist is not None else jax.devices()[:1]
+        return any(d.platform in ("gpu", "tpu") for d in devices)
+    import tensorflow as tf  # here: the TensorFlow backend's strategy
+
+    try:
+        devices = tf.distribute.get_strategy().extended.worker_devices
+    except (RuntimeError, NotImplementedError, AttributeError):  # the default strategy: where TF places ops
+        return bool(tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
+    return any(":GPU:" in d.upper() or ":TPU:" in d.upper() for d in devices)
+
+
+def steps_per_execution(value: int | None) -> int:
+    """The recipes' `steps_per_execution`: `value`, or when `None`, 8 on a GPU/TPU and 1 on CPUs.
+
+    Call it inside the strategy's scope (where the recipe compiles). See
+    `ACCELERATOR_STEPS_PER_EXECUTION` for the source of 8.
+
+    Args:
+        value: The config's `steps_per_execution`, or `None` for the device's default.
+
+    Returns:
+        The value to compile with.
+
+    Example:
+    >>> steps_per_execution(4)
+    4
+    >>> steps_per_execution(None)  # on a CPU-only machine  # doctest: +SKIP
+    1
+    """
+    if value is not None:
+        return int(value)
+    return ACCELERATOR_STEPS_PER_EXECUTION if _on_accelerator() else 1
+
+
 def log_learning_rate(model):
     """A Keras `LambdaCallback` that adds the optimizer's `learning_rate` to the epoch logs.
 

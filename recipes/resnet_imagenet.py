@@ -124,7 +124,7 @@ class Config(BaseConfig):
     val_fraction: float = 0.1  # carved from train when the source has no validation split
     # -- performance
     jit_compile: Optional[bool] = None  # None: Keras's "auto"
-    steps_per_execution: int = 1
+    steps_per_execution: Optional[int] = None  # None: 8 on a GPU/TPU, 1 on CPUs (harness.steps_per_execution)
     # -- reliability
     checkpoint_every: str = "epoch"  # "epoch" or a number of steps
     keep_last: int = 3
@@ -409,12 +409,14 @@ def compile_model(cfg: Config, model, steps_per_epoch: int, learning_rate=None) 
     # lazy: Keras loads on first use, not with this module
     import keras
 
+    from trainwell.recipes.harness import steps_per_execution  # lazy, as the recipe's other harness uses
+
     model.compile(
         optimizer=build_optimizer(cfg, steps_per_epoch, learning_rate=learning_rate),
         loss=keras.losses.CategoricalCrossentropy(label_smoothing=cfg.label_smoothing),
         metrics=["accuracy"],
         jit_compile="auto" if cfg.jit_compile is None else cfg.jit_compile,
-        steps_per_execution=cfg.steps_per_execution,
+        steps_per_execution=steps_per_execution(cfg.steps_per_execution),
     )
 
 

@@ -119,7 +119,7 @@ class Config(BaseConfig):
     gradient_accumulation_steps: Optional[int] = None  # Keras optimizer built-in; None = off
     # -- performance
     jit_compile: Optional[bool] = None  # None: Keras's "auto" (XLA off on CPU)
-    steps_per_execution: int = 1
+    steps_per_execution: Optional[int] = None  # None: 8 on a GPU/TPU, 1 on CPUs (harness.steps_per_execution)
     # -- reliability
     checkpoint_every: str = "epoch"  # "epoch" or a number of steps
     keep_last: int = 3
@@ -397,12 +397,14 @@ def compile_model(cfg: Config, model, steps_per_epoch: int) -> None:
     # lazy: Keras loads on first use, not with this module
     import keras
 
+    from trainwell.recipes.harness import steps_per_execution  # lazy, as the recipe's other harness uses
+
     model.compile(
         optimizer=build_optimizer(cfg, steps_per_epoch, model),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
         jit_compile="auto" if cfg.jit_compile is None else cfg.jit_compile,
-        steps_per_execution=cfg.steps_per_execution,
+        steps_per_execution=steps_per_execution(cfg.steps_per_execution),
     )
 
 

@@ -145,6 +145,8 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
         self.directory = os.fspath(directory)
         self.verbose = int(verbose)
         self.save_every = save_every if save_every == "epoch" else int(save_every)
+        if self.save_every != "epoch":
+            self.on_train_batch_end = self._keep_batch_logs
         self.keep_last = int(keep_last)
         self.keep_best = int(keep_best)
         self.monitor = monitor
@@ -399,7 +401,12 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
             self._wrap_train_function()
 
 
-    def on_train_batch_end(self, batch, logs=None) -> None:
+    def _keep_batch_logs(self, batch, logs=None) -> None:
+        """`on_train_batch_end` when saving every N steps (the monitored value of a step's save).
+
+        Not a hook with `save_every="epoch"`: Keras then skips the per-batch
+        call, and reads the logs to the host only if another callback asks.
+        """
         if logs:
             self._last_batch_logs = logs
 
@@ -570,7 +577,25 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
             raise
 
 
+    def _idle(self, iterator) -> bool:
+        """Whether this step needs nothing but the count of its batches (the fast path)."""
+        return (
+            iterator is self._last_iterator
+            and self._epoch_commit is None
+            and self._deferred is None
+            and self._pending_metrics is None
+            and self._replay is None
+            and self._pending_epoch is None
+            and not self._warmup
+            and self._sync_strategy is None
+            and not self._preempt_requested
+            and (self.save_every == "epoch" or not self._save_due())
+        )
+
+
     def _train_step_inner(self, orig, iterator):
+        if self._idle(iterator):
+            return self._run_step(orig, iterator)
         if self._epoch_commit is not None:
             self._settle_epoch_commit(iterator)
         if iterator is not self._last_iterator:
@@ -613,6 +638,12 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
         if preempt:
             self._preempt_save_and_exit()
         self._apply_warmup(spe)
+        return self._run_step(orig, iterator)
+
+
+    def _run_step(self, orig, iterator):
+        """Runs the train function and counts the batches it took."""
+        spe = self._spe()
         try:
             out = orig(iterator)
         except StopIteration:

@@ -5,7 +5,8 @@ Trains a small dropout MLP on (features, example id) pairs from a seeded
 `<global step> <ids...>` to `--ids` after every trained step (replayed steps of a
 resumed epoch are not trained and not logged). Ways to die:
 
-- `--kill-at-step K`: SIGKILL itself right after step K is logged.
+- `--kill-at-step K`: SIGKILL itself right after step K is logged (with
+  `--spe N`, batch callbacks, and so the log, come every N steps).
 - `--sigterm-at-step K`: send itself SIGTERM after step K (the checkpoint writes
   and exits with `Checkpoint.PREEMPTED_EXIT_CODE`).
 - `--pause-at-save N --marker PATH`: the N-th save of this process stalls after
@@ -39,6 +40,7 @@ def main(argv=None) -> int:
     p.add_argument("--sigterm-at-step", type=int, default=None)
     p.add_argument("--pause-at-save", type=int, default=None)
     p.add_argument("--marker", default=None)
+    p.add_argument("--spe", type=int, default=1, help="steps_per_execution (ids are logged for its last step)")
     args = p.parse_args(argv)
 
     import keras
@@ -89,7 +91,7 @@ def main(argv=None) -> int:
 
     model = IdModel()
     model(np.zeros((1, 4), "float32"))  # build the sublayers
-    model.compile(keras.optimizers.Adam(0.01), loss="mse")
+    model.compile(keras.optimizers.Adam(0.01), loss="mse", steps_per_execution=args.spe)
 
     class LogIds(keras.callbacks.Callback):
         def __init__(self):

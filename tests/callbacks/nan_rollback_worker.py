@@ -25,6 +25,9 @@ from trainwell.callbacks.nan_rollback import NaNRollback  # noqa: E402
 def run(bad, value, epochs):
     model = t.build()
     cb = NaNRollback(snapshot_every=4)
+    calls = []  # compiled calls of the check's own (the per-step check runs in the train step)
+    probe_call = cb._probe_call
+    cb._probe_call = lambda weights: calls.append(weights) or probe_call(weights)
     hist = t.fit(model, bad=bad, value=value, callbacks=[cb], epochs=epochs)
     keys = ("step", "restored_step", "causes", "iterations_before", "iterations_after", "lr_before", "lr_after")
     return {
@@ -33,6 +36,8 @@ def run(bad, value, epochs):
         "accuracy": t.accuracy(model),
         "loss_finite": bool(np.all(np.isfinite(hist.history["loss"]))),
         "lr": t.lr_of(model),
+        "probe_calls": len(calls),
+        "history_keys": sorted(hist.history),
     }
 
 

@@ -150,7 +150,11 @@ def test_poisoned_batches_roll_back_and_match_clean_run(value, spe):
     assert clean >= 0.99
     model = build(steps_per_execution=spe)
     cb = NaNRollback(snapshot_every=4)
+    probes = []  # the check runs inside the train step: no separate compiled call per step
+    cb._probe_call = functools.partial(lambda probe, weights: probes.append(weights) or probe(weights), cb._probe_call)
     hist = fit(model, bad=[5, 30], value=value, callbacks=[cb])
+    assert len(probes) == EPOCHS  # the loss tracker read once an epoch, before its first step
+    assert sorted(hist.history) == ["accuracy", "loss", "nan_rollbacks"]  # the check's values are not metrics
     assert finite(model)
     assert abs(accuracy(model) - clean) <= 0.01
     assert np.all(np.isfinite(hist.history["loss"]))
@@ -436,10 +440,12 @@ def test_crash_and_compare():
     model = build()
     first = NaNRollback(**cfg)
     fit(model, bad=bad, callbacks=[first], epochs=2)
+    traced = model.train_function
     second = NaNRollback(**cfg)  # "after the crash"
     second.set_state(json.loads(json.dumps(first.get_state())))
     # The data resumes where it was (global batch 16), as a checkpointed pipeline would.
     fit(model, bad=bad, callbacks=[second], epochs=4, initial_epoch=2, start=2 * STEPS)
+    assert model.train_function is traced  # the check in the step: traced once, kept by later fits
 
     assert second.get_state() == ref.get_state()
     assert len(ref.events) == 3
@@ -583,6 +589,8 @@ def test_inf_batch_and_spike_roll_back_on_jax():
         assert [(e["step"], e["restored_step"]) for e in r["events"]] == expected, case
         assert r["finite"] and r["loss_finite"] and r["accuracy"] >= 0.99, case
         assert np.isclose(r["lr"], 0.025), case
+        assert r["probe_calls"] == 4, case  # the tracker's sums once an epoch; every check in the step
+        assert r["history_keys"] == ["accuracy", "loss", "nan_rollbacks"], case
     inf, spike = out["inf"]["events"], out["spike"]["events"]
     assert all("nonfinite_weights" in e["causes"] for e in inf)
     assert all(e["causes"] == ["loss_spike"] for e in spike)

@@ -58,6 +58,8 @@ __all__ = [
     "compile_function",
     "copy_arrays",
     "build_before_fit",
+    "add_step_output",
+    "StepOutput",
 ]
 
 # The state tuple of Keras's JAX train step, in its order (`JAXTrainer._get_jax_state`).
@@ -340,3 +342,154 @@ def build_before_fit(model, dataset) -> None:
             symbolic_build(model, keras.tree.map_structure(known, spec))
     except Exception:  # noqa: BLE001 - e.g. a layer that needs the real length: Keras builds from a batch
         pass
+
+
+# --------------------------------------------------------------------------- values computed inside the train step
+_STEP_OUTPUTS = "_trainwell_step_outputs"
+
+
+class StepOutput:
+    """One value computed inside a model's compiled train step, carried outside its logs.
+
+    Made by `add_step_output`. After each call of the train function, `take()`
+    returns the value of its last step (a device tensor or array, not yet read
+    to the host) once, then `None` until the next call; `None` also when the
+    train function was not traced with it (or did not run a step).
+
+    Example:
+    >>> out = StepOutput()
+    >>> out.value = 1.0
+    >>> out.take(), out.take()
+    (1.0, None)
+    """
+
+    def __init__(self) -> None:
+        self.fn: Callable | None = None
+        self.active = False
+        self.value = None
+
+    def take(self):
+        value, self.value = self.value, None
+        return value
+
+
+class _StepOutputs:
+    """The outputs registered on one model, and the wrappers that compute and carry them."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.outputs: dict[str, StepOutput] = {}
+        self.traced: set[str] = set()  # the keys the current train function computes
+        self.train_step = model.train_step  # the bound method (or a user's override)
+        self.make_train_function = model.make_train_function
+
+    def step(self, *args):
+        """Keras's `train_step` (`(data)` on TensorFlow, `(state, data)` on JAX), plus the outputs in its logs."""
+        result = self.train_step(*args)
+        logs, state = (result, None) if len(args) == 1 else result
+        if state is None:
+
+            def read(variables):
+                return [v.value for v in variables]
+
+        else:
+            gate("JAXTrainer.train_step -> (logs, state in _JAX_STATE order)")  # at trace time only
+
+            def read(variables):
+                return [state[i][j] for i, j in StateReader(self.model, variables)._positions()]
+
+        extra = {}
+        for key, out in self.outputs.items():
+            if out.active and out.fn is not None:
+                value = out.fn(read)
+                if value is not None:
+                    extra[key] = value
+                    self.traced.add(key)
+        if extra:
+            logs = {**logs, **{_STEP_OUTPUTS + ":" + k: v for k, v in extra.items()}}
+        return logs if state is None else (logs, state)
+
+    def make(self, force: bool = False):
+        """`make_train_function`, whose result hands the outputs over and returns Keras's logs."""
+        if self.model.train_function is not None and not force:
+            return self.model.train_function
+        self.traced = set()
+        result = self.make_train_function(force=force)
+        self.model.train_function = _CarryOutputs(self, self.model.train_function)
+        return result if result is None else self.model.train_function
+
+    def hand_over(self, logs) -> None:
+        prefix = _STEP_OUTPUTS + ":"
+        for name in [k for k in logs if isinstance(k, str) and k.startswith(prefix)]:
+            value = logs.pop(name)
+            out = self.outputs.get(name[len(prefix) :])
+            if out is not None:
+                out.value = value
+
+
+class _CarryOutputs:
+    """The train function, with the step outputs taken out of its logs (one dict scan per call)."""
+
+    def __init__(self, owner: _StepOutputs, fn: Callable) -> None:
+        self.owner, self.fn = owner, fn
+
+    def __call__(self, *args):
+        result = self.fn(*args)
+        logs = result[0] if len(args) == 2 else result  # (state, iterator) -> (logs, state) on JAX
+        if len(logs) > 0:  # a dict of tensors; a step that ran nothing returns {}
+            self.owner.hand_over(logs)
+        return result
+
+
+def add_step_output(model, key: str, fn: Callable) -> StepOutput:
+    """Computes `fn(read)` inside `model`'s compiled train step, after its update.
+
+    `read(variables)` gives the values the step leaves in those Keras variables
+    (the model's, its optimizer's or its metrics'); `fn` returns a tensor, or
+    a tuple of them (each output tensor costs a little Python in every call;
+    `None`: nothing to add), built with `keras.ops`. The value reaches the
+    host only when the caller reads what `StepOutput.take()` returns, so it
+    costs no dispatch and no sync of its own: a callback that reads it in
+    `on_train_batch_end` waits for the same step Keras's own logs wait for.
+    Under a `tf.distribute` strategy, `fn` runs per replica and the values
+    are averaged over the replicas (Keras's reduction of a train step's
+    outputs); with `steps_per_execution=N`, the value is that of the N-th step.
+
+    How: the model's `train_step` and `make_train_function` are wrapped (on
+    this instance, once); the value travels in the step's logs under a private
+    name and is taken out of them as the train function returns, before Keras
+    or any callback sees the logs. If the model's train function was made
+    without `key`, it is dropped so that `fit` makes (and traces) it again; a
+    traced train function keeps `key` until the model is compiled again, so
+    later fits do not retrace. Call it before `fit` makes its train function
+    (from a callback's `set_model`); `StepOutput.active = False` leaves `fn`
+    out of the next trace.
+
+    Args:
+        model: A compiled Keras model. Required.
+        key: A name for this output, unique per model. Required.
+        fn: `fn(read) -> tensor or None`. Required.
+
+    Returns:
+        The `StepOutput` to `take()` the value from.
+
+    Example:
+    >>> import keras, numpy as np
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model.compile("sgd", "mse")
+    >>> out = add_step_output(model, "bias", lambda read: read([model.layers[0].bias])[0][0])
+    >>> h = model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
+    >>> sorted(h.history), float(out.take()) != 0.0
+    (['loss'], True)
+    """
+    owner = vars(model).get(_STEP_OUTPUTS)
+    if owner is None:
+        owner = _StepOutputs(model)
+        object.__setattr__(model, _STEP_OUTPUTS, owner)
+        object.__setattr__(model, "train_step", owner.step)
+        object.__setattr__(model, "make_train_function", owner.make)
+    out = owner.outputs.setdefault(key, StepOutput())
+    out.fn, out.active, out.value = fn, True, None
+    if model.train_function is not None and key not in owner.traced:
+        model.train_function = None  # made without it: fit makes it again
+    return out
