@@ -42,7 +42,7 @@ See [recipes.md](recipes.md) for what each recipe does.
 MEANING = {
     "ema_momentum": "momentum of the weights' moving average (Keras optimizer `ema_momentum`, with `use_ema`)",
     "cache": "cache the decoded dataset in memory (`tf.data.Dataset.cache`)",
-    "steps_per_execution": "Keras `compile(steps_per_execution=...)`: steps per call into the graph",
+    "steps_per_execution": "Keras `compile(steps_per_execution=...)`: steps per call into the graph; None: 8 on a GPU/TPU, 1 on CPUs",
     "keep_last": "checkpoints kept (`Checkpoint(keep_last=...)`)",
     "nan_rollback": "`NaNRollback` on (see callbacks.md)",
     "label_field": "column or key of the label in CSV / JSONL data",

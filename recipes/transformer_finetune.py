@@ -402,7 +402,9 @@ def compile_model(cfg: Config, model, steps_per_epoch: int) -> None:
     model.compile(
         optimizer=build_optimizer(cfg, steps_per_epoch, model),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
+        # weighted: a short last evaluation batch padded with zero-weighted examples (JAX data
+        # parallelism, trainwell/data/batches.py) is not counted; the same values everywhere else
+        weighted_metrics=["accuracy"],
         jit_compile="auto" if cfg.jit_compile is None else cfg.jit_compile,
         steps_per_execution=steps_per_execution(cfg.steps_per_execution),
     )
