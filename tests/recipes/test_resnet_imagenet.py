@@ -112,29 +112,38 @@ def test_a_batch_larger_than_a_built_training_set_says_so():
     assert recipe.training_steps(cfg, SimpleNamespace(steps_per_epoch=3, counts={"train": 200})) == 3
 
 
-def _subprocess_train(overrides: dict, timeout=300):
-    code = (
-        "import json\n"
-        "from trainwell.recipes import resnet_imagenet as r\n"
-        f"run = r.train(**{overrides!r})\n"
-        "print(json.dumps({'metrics': run.metrics, 'loss': run.history['loss'],\n"
-        "                  'replicas': run.model.distribute_strategy.num_replicas_in_sync,\n"
-        "                  'policy': run.model.dtype_policy.name}))\n"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-                       env={**__import__("os").environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+_SUBPROCESS_RUNS = (
+    "import json, sys\n"
+    "from trainwell.recipes import resnet_imagenet as r\n"
+    "for overrides in json.loads(sys.argv[1]):\n"
+    "    run = r.train(**overrides)\n"
+    "    print('RESULT ' + json.dumps({'metrics': run.metrics, 'loss': run.history['loss'],\n"
+    "          'replicas': run.model.distribute_strategy.num_replicas_in_sync,\n"
+    "          'policy': run.model.dtype_policy.name}))\n"
+)
+
+
+@pytest.fixture(scope="module")
+def subprocess_runs(tmp_path_factory):
+    """`cpu:2` (which must precede TensorFlow's start) and mixed_float16: two runs, one fresh interpreter."""
+    tmp = tmp_path_factory.mktemp("resnet_runs")
+    runs = [{**TINY, "epochs": 2, "strategy": "cpu:2", "run_dir": str(tmp / "replicas")},
+            {**TINY, "epochs": 2, "precision": "mixed_float16", "run_dir": str(tmp / "mixed")}]
+    r = subprocess.run([sys.executable, "-c", _SUBPROCESS_RUNS, json.dumps(runs)], capture_output=True, text=True,
+                       timeout=600, env={**__import__("os").environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    results = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    return dict(zip(["replicas", "mixed"], results))
 
 
-def test_train_with_two_replicas_on_cpu(tmp_path):
-    out = _subprocess_train({**TINY, "epochs": 2, "strategy": "cpu:2", "run_dir": str(tmp_path / "r")})
+def test_train_with_two_replicas_on_cpu(subprocess_runs):
+    out = subprocess_runs["replicas"]
     assert out["replicas"] == 2
     assert out["loss"][-1] < out["loss"][0] and np.isfinite(out["metrics"]["test_loss"])
 
 
-def test_train_mixed_float16(tmp_path):
-    out = _subprocess_train({**TINY, "epochs": 2, "precision": "mixed_float16", "run_dir": str(tmp_path / "r")})
+def test_train_mixed_float16(subprocess_runs):
+    out = subprocess_runs["mixed"]
     assert out["policy"] == "mixed_float16"
     assert out["loss"][-1] < out["loss"][0] and np.isfinite(out["metrics"]["test_loss"])
 
