@@ -405,6 +405,7 @@ def compile_model(cfg: Config, model, steps_per_epoch: int) -> None:
         # weighted: a short last evaluation batch padded with zero-weighted examples (JAX data
         # parallelism, trainwell/data/batches.py) is not counted; the same values everywhere else
         weighted_metrics=["accuracy"],
+        metrics=[],  # not keras-hub's "auto" (a second, unweighted accuracy)
         jit_compile="auto" if cfg.jit_compile is None else cfg.jit_compile,
         steps_per_execution=steps_per_execution(cfg.steps_per_execution),
     )

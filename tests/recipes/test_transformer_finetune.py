@@ -196,19 +196,16 @@ def test_mixed_float16_on_two_replicas(tiny, tmp_path):
 
 def _train_code(kw: dict, out: Path, kill_at: int = 0) -> str:
     return (
-        "import os, signal, numpy as np\n"
-        "from trainwell.callbacks import checkpoint as ck\n"
+        "import os, signal, keras, numpy as np\n"
         "from trainwell.recipes import transformer_finetune as r\n"
         f"KILL_AT = {kill_at}\n"
-        "if KILL_AT:\n"
-        "    orig, seen = ck.Checkpoint.on_train_batch_end, [0]\n"
-        "    def hook(self, batch, logs=None):\n"
-        "        orig(self, batch, logs)\n"
-        "        seen[0] += 1\n"
-        "        if seen[0] == KILL_AT:\n"
+        "class Kill(keras.callbacks.Callback):  # after the recipe's own callbacks (its Checkpoint)\n"
+        "    seen = 0\n"
+        "    def on_train_batch_end(self, batch, logs=None):\n"
+        "        Kill.seen += 1\n"
+        "        if Kill.seen == KILL_AT:\n"
         "            os.kill(os.getpid(), signal.SIGKILL)\n"
-        "    ck.Checkpoint.on_train_batch_end = hook\n"
-        f"run = r.train(**{kw!r})\n"
+        f"run = r.train(callbacks=[Kill()] if KILL_AT else None, **{kw!r})\n"
         f"np.savez({str(out)!r}, *run.model.get_weights())\n"
         "print('HISTORY', len(run.history['loss']))\n"
     )

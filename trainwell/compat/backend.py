@@ -220,6 +220,11 @@ def wrap_train_function(model, fn: Callable, step: Callable[[Callable, Any], Any
 
         def run(it):
             logs, box["state"] = fn(current(), it)
+            # The step's output is the state now. A sync during the call (tracing the step reads
+            # variables, e.g. `add_step_output`'s positions) wrote the *input* arrays into the
+            # variables, which the step has donated since: never read them back.
+            model._jax_state = dict(zip(_JAX_STATE, box["state"]))
+            model._jax_state_synced = False
             return logs
 
         logs = step(run, iterator)
