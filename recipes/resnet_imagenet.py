@@ -471,13 +471,20 @@ def build_callbacks(cfg: Config, run_dir, schedule=None, chief: bool = True) -> 
 
 
 # --------------------------------------------------------------------------- train
-def train(cfg: Config | None = None, *, callbacks=None, **overrides):
+def train(cfg: Config | None = None, *, callbacks=None, model_hook=None, segment: bool = False, **overrides):
     """Trains the recipe and returns a `trainwell.recipes.harness.RunResult`.
 
     Args:
         cfg: A `Config`. Defaults to `None` (the published defaults).
         callbacks: Extra Keras callbacks, run after the recipe's own (e.g. a
             KerasTuner reporter). Defaults to `None`.
+        model_hook: `model_hook(factory) -> factory`, wrapping the function that
+            builds and compiles the run's model (`factory(cfg) -> model`): how a
+            PBT search hands a member the model it kept from its previous segment
+            (see `trainwell.recipes.hypermodel.recipe_model_hook`). Defaults to `None`.
+        segment: The run is one segment of a longer one, continued later (a PBT or
+            Hyperband segment): the test evaluation and `curves.png` are
+            skipped (nothing reads them before the last segment). Defaults to `False`.
         **overrides: Config fields to change, e.g. `epochs=5`.
 
     Returns:
@@ -501,9 +508,14 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
         # Exact resume: the resumed epoch sees the same order and augmentation as it would have.
         train_ds = harness.advance_epochs(data.train, harness.resume_epoch(ctx.run_dir / "checkpoints"))
         train_ds = augment_batch(cfg, train_ds, data.num_classes)
-        with ctx.strategy.scope():
+
+        def build_compiled(cfg: Config):
             model = build_model(cfg, data.num_classes, data.channels)
             compile_model(cfg, model, steps)
+            return model
+
+        with ctx.strategy.scope():
+            model = (model_hook(build_compiled) if model_hook is not None else build_compiled)(cfg)
         schedule = raw_learning_rate(model.optimizer)
         callbacks = build_callbacks(cfg, ctx.run_dir, schedule=schedule, chief=ctx.is_chief) + list(callbacks or ())
         if not any(isinstance(c, WarmupCosine) for c in callbacks):  # the step schedule: its LR in the history
@@ -515,13 +527,13 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
                 callbacks=callbacks, verbose=cfg.verbose, shuffle=False,  # the pipeline shuffles (seeded)
             )
             test = {}
-            if data.test is not None:
+            if data.test is not None and not segment:
                 if cfg.verbose != 0:
                     print(f"Evaluating on the test split ({data.counts['test']} images) ...", flush=True)
                 test = model.evaluate(data.test, verbose=cfg.verbose, return_dict=True,
                                       steps=quick.test_steps())  # TRAINWELL_QUICK: a few test batches
         metrics = {f"test_{k}": v for k, v in test.items()}
-        return harness.finish_run(ctx, cfg, model, metrics, history)
+        return harness.finish_run(ctx, cfg, model, metrics, history, plots=not segment)
 
 
 # --------------------------------------------------------------------------- hyperparameter search

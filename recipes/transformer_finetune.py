@@ -458,7 +458,8 @@ def build_callbacks(cfg: Config, run_dir, schedule=None, chief: bool = True, has
 
 
 # --------------------------------------------------------------------------- train
-def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **overrides):
+def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, model_hook=None, segment: bool = False,
+          **overrides):
     """Fine-tunes the recipe and returns a `trainwell.recipes.harness.RunResult`.
 
     Args:
@@ -467,6 +468,13 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
             then records `dataset="memory"`. Defaults to `None`.
         callbacks: Extra Keras callbacks, run after the recipe's own (e.g. a
             KerasTuner reporter). Defaults to `None`.
+        model_hook: `model_hook(factory) -> factory`, wrapping the function that
+            builds and compiles the run's model (`factory(cfg) -> model`): how a
+            PBT search hands a member the model it kept from its previous segment
+            (see `trainwell.recipes.hypermodel.recipe_model_hook`). Defaults to `None`.
+        segment: The run is one segment of a longer one, continued later (a PBT or
+            Hyperband segment): the test evaluation, the export and `curves.png` are
+            skipped (nothing reads them before the last segment). Defaults to `False`.
         **overrides: Config fields to change, e.g. `epochs=1`.
 
     Returns:
@@ -493,9 +501,14 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
         steps = data_.steps_per_epoch
         # Exact resume: the resumed epoch sees the same order as it would have.
         train_ds = harness.advance_epochs(data_.train, harness.resume_epoch(ctx.run_dir / "checkpoints"))
-        with ctx.strategy.scope():
+
+        def build_compiled(cfg: Config):
             model = build_model(cfg, data_.num_classes)
             compile_model(cfg, model, steps)
+            return model
+
+        with ctx.strategy.scope():
+            model = (model_hook(build_compiled) if model_hook is not None else build_compiled)(cfg)
         if ctx.is_chief:
             save_label_map(ctx.run_dir, data_.class_names)
         inner = inner_optimizer(model.optimizer)
@@ -523,16 +536,16 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, **over
                 callbacks=callbacks, verbose=verbose, shuffle=False,  # the pipeline shuffles (seeded)
             )
             test = {}
-            if data_.test is not None:
+            if data_.test is not None and not segment:
                 _say(cfg, f"Evaluating on the test split ({len(data_.splits.test[1])} examples) ...")
                 test = model.evaluate(data_.test, verbose=verbose, return_dict=True,
                                       steps=quick.test_steps())  # TRAINWELL_QUICK: a few test batches
         metrics = {f"test_{k}": v for k, v in test.items()}
-        if cfg.export and ctx.is_chief:
+        if cfg.export and ctx.is_chief and not segment:
             _say(cfg, f"Exporting the model and its tokenizer to {ctx.run_dir / EXPORT_DIR} ...")
             export_model(model, preprocessor, data_.class_names, ctx.run_dir / EXPORT_DIR)
         model.preprocessor = preprocessor
-        return harness.finish_run(ctx, cfg, model, metrics, history)
+        return harness.finish_run(ctx, cfg, model, metrics, history, plots=not segment)
 
 
 def _say(cfg: Config, message: str) -> None:

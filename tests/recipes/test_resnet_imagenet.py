@@ -227,3 +227,26 @@ def test_lr_find_cli_writes_base_lr_into_the_config(tmp_path):
     base_lr = yaml.safe_load(cfg.read_text())["base_lr"]
     assert base_lr == pytest.approx(suggested * 256 / 64, rel=0.02)  # written as the per-256 base LR
     assert list(tmp_path.glob("runs/lr-find-*/lr_find.png"))
+
+
+def test_a_pbt_member_keeps_its_compiled_model_through_the_recipes_model_hook(tmp_path):
+    """Issue 21: PBT's `ModelCache` reaches the model the recipe builds and compiles through
+    `train(model_hook=...)`, and a segment (`segment=True`) skips the test evaluation and
+    `curves.png`. Before, the recipe's uncompiled `build_model` was all a hook could wrap, so
+    every segment built and traced a new model."""
+    import keras_tuner as kt
+
+    from trainwell.tuning.tuners import ModelCache
+
+    hm = recipe.hypermodel(**{**TINY, "epochs": 2, "warmup_epochs": 0})
+    hp = kt.HyperParameters()
+    hm.declare_hyperparameters(hp)
+    cache, run_dir = ModelCache(), tmp_path / "member"
+    with cache.serving(0, resumes=False) as hook:
+        first = hm.run(hp, run_dir, stop_at_epoch=1, model_hook=hook)
+    assert first.metrics == {} and not (run_dir / "curves.png").exists()  # a segment: no test, no plot
+    with cache.serving(0, resumes=True) as hook:
+        second = hm.run(hp, run_dir, model_hook=hook)
+    assert cache.events == [(0, "built"), (0, "reused")] and second.model is first.model
+    assert len(second.history["loss"]) == 2 and set(second.metrics) == {"test_loss", "test_accuracy"}
+    assert (run_dir / "curves.png").is_file()

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from trainwell.compat.versions import gate
 
-__all__ = ["audit", "tf_global_generator", "host_array", "strategy_num_workers"]
+__all__ = ["audit", "tf_global_generator", "host_array", "strategy_num_workers", "dataset_batch_size"]
 
 
 def tf_global_generator():
@@ -71,6 +71,23 @@ def strategy_num_workers(strategy) -> int | None:
     return None if n is None else int(n)
 
 
+def dataset_batch_size(dataset) -> int | None:
+    """The batch size a batched `tf.data.Dataset` was made with, read from its graph (no element read), or None.
+
+    TensorFlow's `data.experimental.ops.distribute.compute_batch_size`, which
+    Keras's own `DataParallel.distribute_tf_dataset` reads the global batch with.
+
+    Example:
+    >>> dataset_batch_size(tf.data.Dataset.range(10).batch(4))
+    4
+    """
+    gate("data.experimental.ops.distribute.compute_batch_size", "tensorflow")
+    from tensorflow.python.data.experimental.ops import distribute  # here: TF's private module only when needed
+
+    n = int(distribute.compute_batch_size(dataset).numpy())
+    return n if n > 0 else None
+
+
 def audit() -> list[str]:
     """The private TensorFlow names used here that the installed TensorFlow lacks (`[]`: all there).
 
@@ -89,4 +106,8 @@ def audit() -> list[str]:
 
     if "self._num_workers =" not in inspect.getsource(cars.CollectiveAllReduceExtended):
         missing.append("CollectiveAllReduceExtended._num_workers")
+    from tensorflow.python.data.experimental.ops import distribute  # here: as above
+
+    if not hasattr(distribute, "compute_batch_size"):
+        missing.append("data.experimental.ops.distribute.compute_batch_size")
     return missing

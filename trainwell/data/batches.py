@@ -44,14 +44,18 @@ def pad_partial_batches(dataset, multiple_of: int):
 
     A dataset whose batches already all have that size (e.g. `drop_remainder=True`
     with a size that divides), one that is not a batched `(x, y)` or
-    `(x, y, sample_weight)` `tf.data.Dataset` of dense tensors, one of infinite or
-    unknown length (`dataset.cardinality()`; a finite pipeline with a `filter` can
-    state its length with `tf.data.experimental.assert_cardinality`) and an empty
-    one are returned as they are. Otherwise the dataset is read once to count its
-    examples (cached for the dataset object), and each batch becomes `(x, y,
-    sample_weight)`, padded with copies of its first example weighted 0, the real
-    examples weighted `slots / examples` times their own weight, which keeps the
-    loss Keras reports equal to the unpadded one (see the module docstring).
+    `(x, y, sample_weight)` `tf.data.Dataset` of dense tensors, one of infinite
+    length and an empty one are returned as they are. Otherwise the dataset is
+    read once to count its examples (cached for the dataset object), and each
+    batch becomes `(x, y, sample_weight)`, padded with copies of its first example
+    weighted 0, the real examples weighted `slots / examples` times their own
+    weight, which keeps the loss Keras reports equal to the unpadded one (see the
+    module docstring). A dataset of unknown length (`dataset.cardinality()`: a
+    `filter` or `ignore_errors`, as in image folders and TFRecords) is not read
+    ahead: each short batch is padded as it comes to the batch size read from the
+    dataset's graph, the real examples weighted 1, so `weighted_metrics` stay
+    exact and the loss is lowered by the padded fraction of the split (a warning
+    says so; `tf.data.experimental.assert_cardinality` makes it exact).
 
     Args:
         dataset: A batched `tf.data.Dataset`. Required.
@@ -81,8 +85,11 @@ def pad_partial_batches(dataset, multiple_of: int):
         return dataset  # unbatched, ragged or sparse: left to Keras
     if flat[0].shape[0] is not None and flat[0].shape[0] % multiple_of == 0:
         return dataset  # drop_remainder=True: every batch full, and it splits evenly
-    if int(dataset.cardinality()) < 0:
-        return dataset  # infinite or unknown length (a generator, a filter): counting could never end
+    cardinality = int(dataset.cardinality())
+    if cardinality == tf.data.INFINITE_CARDINALITY:
+        return dataset  # a repeated dataset: no last batch
+    if cardinality == tf.data.UNKNOWN_CARDINALITY:
+        return _pad_unknown_length(dataset, multiple_of)
     examples, largest = _count(dataset)
     size = math.ceil(largest / multiple_of) * multiple_of if largest else 0
     if examples == 0 or (largest == size and examples % size == 0):
@@ -95,6 +102,34 @@ def pad_partial_batches(dataset, multiple_of: int):
         "with `metrics=` ignore sample weights and count them: compile them as `weighted_metrics=`.",
         stacklevel=2,
     )
+    return _padded(dataset, size, real_weight)
+
+
+def _pad_unknown_length(dataset, multiple_of: int):
+    """Pads each short batch of a dataset of unknown length (a `filter`, `ignore_errors`: an image
+    folder or TFRecords) as it comes, to the batch size the dataset was made with: no count, so the
+    real examples weigh 1 and the padding lowers the reported loss by the padded fraction of the
+    split (`weighted_metrics` stay exact). Without a readable batch size it is returned as it is."""
+    from trainwell.compat.tf_internals import dataset_batch_size  # here: TensorFlow is loaded already
+
+    batch = dataset_batch_size(dataset)
+    if batch is None:
+        return dataset
+    size = math.ceil(batch / multiple_of) * multiple_of
+    warnings.warn(
+        f"trainwell: a dataset of unknown length: each short batch is padded to {size} examples with examples of "
+        f"weight 0 as it comes, so that it splits evenly over {multiple_of} replicas; the loss Keras reports is "
+        "lowered by the padded fraction of the split (state the length with `tf.data.experimental."
+        "assert_cardinality` for an exact loss); compile accuracy-like metrics as `weighted_metrics=`.",
+        stacklevel=3,
+    )
+    return _padded(dataset, size, 1.0)
+
+
+def _padded(dataset, size: int, real_weight: float):
+    """Each batch of `dataset` as `(x, y, sample_weight)` of `size` examples: the real ones weighted
+    `real_weight` (times their own weight), then copies of the first weighted 0."""
+    import tensorflow as tf  # here: see pad_partial_batches
 
     def pad(t):
         # Copies of the batch's first example: real inputs (no all-zero image or fully masked

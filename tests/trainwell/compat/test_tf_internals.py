@@ -18,3 +18,6 @@ def test_host_array_num_workers_and_global_generator():
     assert ti.strategy_num_workers(tf.distribute.get_strategy()) is None
     g = tf.random.get_global_generator()
     assert ti.tf_global_generator() is g
+    short = tf.data.Dataset.range(10).filter(lambda i: i != 3).batch(4)  # unknown length, last batch short
+    assert int(short.cardinality()) == tf.data.UNKNOWN_CARDINALITY and ti.dataset_batch_size(short) == 4
+    assert ti.dataset_batch_size(tf.data.Dataset.range(10)) is None  # not batched

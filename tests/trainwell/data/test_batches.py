@@ -50,3 +50,26 @@ def test_datasets_that_split_evenly_or_cannot_be_weighted_are_unchanged():
         assert [b[0].shape[0] for b in pad_partial_batches(odd, 2)] == [4, 4]
     with pytest.raises(ValueError, match="Received: multiple_of=0"):
         pad_partial_batches(full, 0)
+
+
+def test_a_dataset_of_unknown_length_is_padded_as_it_comes():
+    # A `filter` (as image folders and TFRecords have) leaves the length unknown: no count ahead,
+    # each short batch padded to the dataset's batch size; weighted accuracy exact, the loss
+    # lowered by the padded fraction (11 real of 12 slots).
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(12, 3)).astype("float32"), rng.integers(0, 2, 12)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), weighted_metrics=["accuracy"])
+    keep = np.arange(12) != 5
+    plain = tf.data.Dataset.from_tensor_slices((x[keep], y[keep])).batch(4)
+    filtered = (tf.data.Dataset.from_tensor_slices((x, y, keep)).filter(lambda a, b, k: k)
+                .map(lambda a, b, k: (a, b)).batch(4))
+    assert int(filtered.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+    with pytest.warns(UserWarning, match="unknown length: each short batch is padded to 4"):
+        padded = pad_partial_batches(filtered, 2)
+    batches = list(padded)
+    assert [b[0].shape[0] for b in batches] == [4, 4, 4]
+    assert np.concatenate([b[2].numpy() for b in batches]).tolist() == [1.0] * 11 + [0.0]
+    want, got = (model.evaluate(d, verbose=0, return_dict=True) for d in (plain, padded))
+    assert np.isclose(got["accuracy"], want["accuracy"], rtol=1e-6)
+    assert np.isclose(got["loss"], want["loss"] * 11 / 12, rtol=1e-5)
