@@ -236,17 +236,18 @@ def test_a_pbt_member_keeps_its_compiled_model_through_the_recipes_model_hook(tm
     every segment built and traced a new model."""
     import keras_tuner as kt
 
-    from trainwell.tuning.tuners import ModelCache
+    from trainwell.tuning.tuners import ModelCache, copy_checkpoint
 
     hm = recipe.hypermodel(**{**TINY, "epochs": 2, "warmup_epochs": 0})
     hp = kt.HyperParameters()
     hm.declare_hyperparameters(hp)
-    cache, run_dir = ModelCache(), tmp_path / "member"
-    with cache.serving(0, resumes=False) as hook:
-        first = hm.run(hp, run_dir, stop_at_epoch=1, model_hook=hook)
-    assert first.metrics == {} and not (run_dir / "curves.png").exists()  # a segment: no test, no plot
+    cache = ModelCache()
+    with cache.serving(0, resumes=False) as hook:  # generation 0: the first epoch of 2
+        first = hm.run(hp, tmp_path / "gen0", stop_at_epoch=1, model_hook=hook)
+    assert first.metrics == {} and not (tmp_path / "gen0" / "curves.png").exists()  # a segment: no test, no plot
+    copy_checkpoint(tmp_path / "gen0", tmp_path / "gen1")  # as PBT continues a member in its next trial
     with cache.serving(0, resumes=True) as hook:
-        second = hm.run(hp, run_dir, model_hook=hook)
+        second = hm.run(hp, tmp_path / "gen1", model_hook=hook)
     assert cache.events == [(0, "built"), (0, "reused")] and second.model is first.model
-    assert len(second.history["loss"]) == 2 and set(second.metrics) == {"test_loss", "test_accuracy"}
-    assert (run_dir / "curves.png").is_file()
+    assert second.history["epoch"] == [1.0] and set(second.metrics) == {"test_loss", "test_accuracy"}  # epoch 2
+    assert (tmp_path / "gen1" / "curves.png").is_file()

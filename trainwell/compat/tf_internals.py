@@ -84,7 +84,10 @@ def dataset_batch_size(dataset) -> int | None:
     gate("data.experimental.ops.distribute.compute_batch_size", "tensorflow")
     from tensorflow.python.data.experimental.ops import distribute  # here: TF's private module only when needed
 
-    n = int(distribute.compute_batch_size(dataset).numpy())
+    try:
+        n = int(distribute.compute_batch_size(dataset).numpy())
+    except (IndexError, ValueError, NotImplementedError, tf.errors.OpError):  # not batched, or no batch op found
+        return None
     return n if n > 0 else None
 
 

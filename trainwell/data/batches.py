@@ -54,8 +54,8 @@ def pad_partial_batches(dataset, multiple_of: int):
     `filter` or `ignore_errors`, as in image folders and TFRecords) is not read
     ahead: each short batch is padded as it comes to the batch size read from the
     dataset's graph, the real examples weighted 1, so `weighted_metrics` stay
-    exact and the loss is lowered by the padded fraction of the split (a warning
-    says so; `tf.data.experimental.assert_cardinality` makes it exact).
+    exact and the reported loss counts the padded slots (lower than the unpadded
+    loss; a warning says so; `tf.data.experimental.assert_cardinality` makes it exact).
 
     Args:
         dataset: A batched `tf.data.Dataset`. Required.
@@ -108,8 +108,9 @@ def pad_partial_batches(dataset, multiple_of: int):
 def _pad_unknown_length(dataset, multiple_of: int):
     """Pads each short batch of a dataset of unknown length (a `filter`, `ignore_errors`: an image
     folder or TFRecords) as it comes, to the batch size the dataset was made with: no count, so the
-    real examples weigh 1 and the padding lowers the reported loss by the padded fraction of the
-    split (`weighted_metrics` stay exact). Without a readable batch size it is returned as it is."""
+    real examples weigh 1: `weighted_metrics` stay exact, and the loss Keras reports counts the
+    padded slots (it is lower than the unpadded loss). Without a readable batch size it is
+    returned as it is."""
     from trainwell.compat.tf_internals import dataset_batch_size  # here: TensorFlow is loaded already
 
     batch = dataset_batch_size(dataset)
@@ -118,8 +119,8 @@ def _pad_unknown_length(dataset, multiple_of: int):
     size = math.ceil(batch / multiple_of) * multiple_of
     warnings.warn(
         f"trainwell: a dataset of unknown length: each short batch is padded to {size} examples with examples of "
-        f"weight 0 as it comes, so that it splits evenly over {multiple_of} replicas; the loss Keras reports is "
-        "lowered by the padded fraction of the split (state the length with `tf.data.experimental."
+        f"weight 0 as it comes, so that it splits evenly over {multiple_of} replicas; the loss Keras reports counts "
+        "the padded slots and is lower than the unpadded loss (state the length with `tf.data.experimental."
         "assert_cardinality` for an exact loss); compile accuracy-like metrics as `weighted_metrics=`.",
         stacklevel=3,
     )
