@@ -93,3 +93,13 @@ def test_rerun_of_a_run_without_checkpoint_says_it_starts_from_scratch(tmp_path,
     assert f"Run directory: {run_dir} holds no checkpoint: starting the run from scratch." in out
     assert not stale.exists() and not (run_dir / ".trainwell.lock").exists()
     assert (run_dir / "manifest.json").is_file()  # an existing run directory is never removed
+
+
+def test_steps_per_execution_default_follows_the_device(monkeypatch):
+    # Issue 21: None -> 8 on a GPU/TPU strategy or distribution, 1 on CPUs; a value set is kept.
+    from trainwell.recipes import harness
+
+    assert harness.steps_per_execution(None) == 1  # this machine: CPUs only
+    monkeypatch.setattr(harness, "_on_accelerator", lambda: True)
+    assert harness.steps_per_execution(None) == harness.ACCELERATOR_STEPS_PER_EXECUTION == 8
+    assert harness.steps_per_execution(3) == 3
