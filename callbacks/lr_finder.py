@@ -572,6 +572,10 @@ class LRFinder(keras.callbacks.Callback):
     True
     """
 
+    #: Set by `lr_find` on TensorFlow: the one schedule all its phases share (see `_PhaseLR`);
+    #: `None`: this callback installs its own schedule and puts the model's back.
+    _shared_lr: "_PhaseLR | None" = None
+
     def __init__(
         self,
         start_lr: float = 1e-7,
@@ -651,9 +655,8 @@ class LRFinder(keras.callbacks.Callback):
         self._saved_opt = [v.numpy() for v in self._opt_vars] if self.restore else None
         self._inner = inner
         schedule = self._make_schedule(int(inner.iterations.numpy()))
-        shared = getattr(self, "_shared_lr", None)  # set by `lr_find` on TensorFlow (see `_PhaseLR`)
-        if shared is not None:
-            shared.set(schedule)
+        if self._shared_lr is not None:
+            self._shared_lr.set(schedule)
         else:
             self._orig_lr = set_raw_learning_rate(inner, schedule)
             if getattr(model, "train_function", None) is not None:
@@ -715,7 +718,7 @@ class LRFinder(keras.callbacks.Callback):
         step (it was traced with the test's schedule). Idempotent: a second call does nothing."""
         if getattr(self, "_inner", None) is None:
             return
-        shared = getattr(self, "_shared_lr", None) is not None  # `lr_find` puts its schedule back itself
+        shared = self._shared_lr is not None  # `lr_find` puts its schedule back itself
         if not shared:
             set_raw_learning_rate(self._inner, self._orig_lr)
         if self.restore:
