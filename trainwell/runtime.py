@@ -672,13 +672,24 @@ def broadcast_from_chief(strategy, values) -> list[int]:
     return np.asarray(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)).reshape(-1).tolist()
 
 
+#: Longest time (seconds) a non-chief TensorFlow worker waits, after the last
+#: barrier, for the chief's process to end (see `sync_workers`); the chief's
+#: teardown takes seconds (about 3 s on 2 CPU cores).
+LEADER_EXIT_WAIT_S = 60.0
+
+
 def sync_workers(strategy) -> None:
     """Returns once every worker of `strategy` has called it: a barrier (one small all-reduce).
 
     A no-op with a single worker. Multi-worker runs call it last (the `trainwell`
     command does, after printing the result): a worker that exits while the chief
     still evaluates, plots or exports looks like a crash to TensorFlow's coordination
-    service, which the chief hosts. A barrier that fails (a peer is gone or a
+    service, which the chief hosts. On TensorFlow each other worker then stays until
+    the chief's process has ended (at most `LEADER_EXIT_WAIT_S` seconds), since the
+    chief still tears down after the barrier: a worker gone more than the service's
+    heartbeat timeout (10 s) before the chief makes it print "The tasks have
+    crashed" (tensorflow/tensorflow#58434). On JAX, `jax.distributed.shutdown` at
+    exit already orders the ends. A barrier that fails (a peer is gone or a
     collective timed out, see `TRAINWELL_COLLECTIVE_TIMEOUT_S`) is ignored: the run
     itself is done.
 
@@ -698,6 +709,11 @@ def sync_workers(strategy) -> None:
             multihost_utils.sync_global_devices("trainwell.runtime.sync_workers")
         else:
             any_across_workers(strategy, [False])
+            if not is_chief(strategy):
+                # lazy: it imports TensorFlow, which a multi-worker strategy has loaded already
+                from trainwell.compat.tf_internals import wait_for_coordination_leader
+
+                wait_for_coordination_leader(LEADER_EXIT_WAIT_S)
     except Exception:  # noqa: BLE001 - a failed barrier at the very end changes nothing
         pass
 

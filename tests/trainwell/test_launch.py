@@ -244,16 +244,13 @@ def test_cli_rejects_a_bad_worker_count():
 # Imported by every worker (PYTHONPATH): the chief spends 20 s after training before it
 # returns, longer than TensorFlow's 10 s heartbeat timeout. A worker that exits meanwhile is
 # taken for a crash by the coordination service the chief hosts ("The tasks have crashed").
+# The chief lives 15 s past its last line (an exit handler, after the end-of-run barrier, while
+# its coordination service still runs): longer than the service's heartbeat timeout (10 s), so a
+# worker that leaves before the chief's process has ended is always taken for a crashed one.
 _SLOW_CHIEF = """
-import json, os, time
+import atexit, json, os, time
 if json.loads(os.environ.get("TF_CONFIG") or "{}").get("task", {}).get("index") == 0:
-    import trainwell.recipes.harness as recipe
-    finish = recipe.finish_run
-    def slow_finish(*args, **kwargs):
-        out = finish(*args, **kwargs)
-        time.sleep(20)
-        return out
-    recipe.finish_run = slow_finish
+    atexit.register(time.sleep, 15)
 """
 
 
@@ -289,7 +286,7 @@ def _worker_ports(pid: int) -> dict[int, int]:
 def test_cli_train_with_two_workers(tmp_path):
     # One run, three checks: it trains; the workers' gRPC servers cannot be reached from this
     # machine's network (observed in /proc while they run); the output has no TensorFlow
-    # start-up noise and no "The tasks have crashed" (the chief is made slow to finish).
+    # start-up noise and no "The tasks have crashed" (the chief is made slow to exit, see _SLOW_CHIEF).
     trainwell = str(Path(PY).with_name("trainwell"))
     sets = ["dataset=digits", "image_size=8", "model=resnet18", "width=4", "epochs=1", "batch_size=64",
             "warmup_epochs=0", "verbose=0", "doctor=false"]

@@ -19,7 +19,10 @@ import tensorflow as tf
 
 from trainwell.compat.versions import gate
 
-__all__ = ["audit", "tf_global_generator", "host_array", "strategy_num_workers", "dataset_batch_size"]
+__all__ = [
+    "audit", "tf_global_generator", "host_array", "strategy_num_workers", "dataset_batch_size",
+    "wait_for_coordination_leader",
+]
 
 
 def tf_global_generator():
@@ -91,6 +94,49 @@ def dataset_batch_size(dataset) -> int | None:
     return n if n > 0 else None
 
 
+#: A key of the coordination service's key-value store that nothing sets: reading it
+#: blocks until the service goes away (or the wait times out).
+_NEVER_SET_KEY = "trainwell/coordination-leader-exited"
+
+
+def wait_for_coordination_leader(timeout_s: float) -> bool:
+    """Blocks until this task's coordination service is gone (its leader process ended), at most `timeout_s`.
+
+    A multi-worker TensorFlow job's coordination service lives in its leader (the
+    chief, else worker 0); every other task sends it heartbeats. A task that exits
+    while the leader is still alive (writing its last files, or tearing down) misses
+    heartbeats, and the leader logs "The tasks have crashed" for a job that
+    succeeded (tensorflow/tensorflow#58434). A task that waits here leaves after the
+    leader: the wait is a blocking read of a key that nothing sets
+    (`context.get_config_key_value`), which fails with `UnavailableError` once the
+    leader's server is down.
+
+    Args:
+        timeout_s: Longest wait in seconds.
+
+    Returns:
+        True when the leader's service went away; False when the wait timed out or
+        this process has no coordination service (nothing to wait for).
+
+    Example:
+    >>> wait_for_coordination_leader(1.0)  # a single process has no coordination service
+    False
+    """
+    gate("context.Context.get_config_key_value", "tensorflow")
+    from tensorflow.python.eager import context  # here: TF's private module only at the end of a multi-worker run
+
+    ctx = context.context()
+    if ctx.coordination_service is None:
+        return False
+    try:
+        ctx.get_config_key_value(_NEVER_SET_KEY, timeout_in_ms=max(1, int(timeout_s * 1000)))
+    except tf.errors.UnavailableError:
+        return True
+    except tf.errors.OpError:  # timed out (DeadlineExceeded), or the service refused the read
+        return False
+    return False  # pragma: no cover - someone set the key
+
+
 def audit() -> list[str]:
     """The private TensorFlow names used here that the installed TensorFlow lacks (`[]`: all there).
 
@@ -113,4 +159,10 @@ def audit() -> list[str]:
 
     if not hasattr(distribute, "compute_batch_size"):
         missing.append("data.experimental.ops.distribute.compute_batch_size")
+    from tensorflow.python.eager import context  # here: as above
+
+    ctx_cls = context.Context
+    if not (hasattr(ctx_cls, "get_config_key_value") and hasattr(ctx_cls, "coordination_service")
+            and "timeout_in_ms" in inspect.signature(ctx_cls.get_config_key_value).parameters):
+        missing.append("context.Context.get_config_key_value")
     return missing

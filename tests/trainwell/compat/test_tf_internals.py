@@ -21,3 +21,6 @@ def test_host_array_num_workers_and_global_generator():
     short = tf.data.Dataset.range(10).filter(lambda i: i != 3).batch(4)  # unknown length, last batch short
     assert int(short.cardinality()) == tf.data.UNKNOWN_CARDINALITY and ti.dataset_batch_size(short) == 4
     assert ti.dataset_batch_size(tf.data.Dataset.range(10)) is None  # not batched
+    # No coordination service in one process: nothing to wait for. The multi-worker case (the read
+    # fails once the chief is gone) is tests/trainwell/test_launch.py::test_cli_train_with_two_workers.
+    assert ti.wait_for_coordination_leader(0.1) is False
