@@ -310,6 +310,21 @@ def test_probe_gradients_match_a_gradient_tape():
     assert np.isclose(stats["null_loss"], np.mean((model(x).numpy().mean(axis=0) - y) ** 2), rtol=1e-5)
 
 
+def test_safe_norms_match_float64_and_flag_every_non_finite_tensor():
+    from trainwell.callbacks.doctor.probe import _safe_norms
+
+    rng = np.random.default_rng(3)
+    finite = [rng.normal(size=(3, 4)), np.full((5,), 3e30), np.zeros((2, 2)), np.zeros((0, 3)), np.array(2.5)]
+    bad = [np.array([1.0, np.inf]), np.array([0.0, np.nan]), np.array([7.0, np.nan, -np.inf])]
+    ts = [t.astype("float32") for t in finite + bad]
+    norms, ok = (np.asarray(v) for v in _safe_norms([tf.constant(t) for t in ts]))
+    expected = [np.sqrt(np.sum(t.astype("float64") ** 2)) for t in ts[: len(finite)]]
+    np.testing.assert_allclose(norms[: len(finite)], expected, rtol=1e-6)  # 3e30 squared overflows float32
+    assert ok.tolist() == [True] * len(finite) + [False] * len(bad)
+    assert not np.isfinite(norms[len(finite):]).any()
+    assert [np.asarray(v).shape for v in _safe_norms([])] == [(0,), (0,)]
+
+
 def test_probe_update_ratio_is_the_measured_step():
     model = _mlp()
     rng = np.random.default_rng(1)
