@@ -186,6 +186,7 @@ def chain(tmp_path_factory):
     return res
 
 
+@pytest.mark.slow
 def test_chain_processes_died_as_planned(chain):
     assert chain["rc_ref"] == 0, chain["err_ref"]
     assert chain["rc1"] == -signal.SIGKILL, chain["err1"]

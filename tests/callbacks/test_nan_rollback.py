@@ -552,6 +552,7 @@ _MIRRORED = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_mirrored_strategy_and_steps_per_execution():
     code = _MIRRORED.format(tests=str(Path(__file__).parent))
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")

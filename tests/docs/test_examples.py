@@ -107,6 +107,7 @@ for page, items in pages:
 '''
 
 
+@pytest.mark.slow
 def test_python_examples(workdir):
     pages = [(p.name, [(b["where"], b["code"]) for b in blocks(p) if b["lang"] == "python" and not b["not_run"]])
              for p in PAGES]
@@ -161,6 +162,7 @@ def _shell_blocks():
 EXIT = re.compile(r"^\(exit status (\d+)\)$")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", _shell_blocks())
 def test_shell_examples(block, workdir):
     if block["lang"] != "console":  # a script: every line must succeed

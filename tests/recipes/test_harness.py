@@ -7,10 +7,13 @@ import sys
 import textwrap
 from typing import Optional
 
+import pytest
+
 from trainwell.recipes import harness as recipe
 from trainwell.recipes.harness import plot_history, plot_schedule, read_history_csv
 
 
+@pytest.mark.slow
 def test_plots_leave_the_matplotlib_backend_alone(tmp_path):
     # A notebook's inline backend must survive a recipe's plots: `matplotlib.use("Agg")`
     # in library code stopped `plt.show()` from drawing after `train()`.

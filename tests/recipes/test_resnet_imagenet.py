@@ -81,6 +81,7 @@ def test_build_optimizer_excludes_norm_and_bias_from_decay():
     assert isinstance(recipe.build_optimizer(recipe.Config(**{**TINY, "optimizer": "lars"}), 7), LARS)
 
 
+@pytest.mark.slow
 def test_train_end_to_end_on_digits(tmp_path):
     # The recipe's own short-run defaults (warmup 5/90 of the run, pad-crop, no zero-init gamma at batch 64).
     run = recipe.train(**{**TINY, "width": 8, "base_lr": 0.4, "warmup_epochs": None, "augment": None},
@@ -112,38 +113,24 @@ def test_a_batch_larger_than_a_built_training_set_says_so():
     assert recipe.training_steps(cfg, SimpleNamespace(steps_per_epoch=3, counts={"train": 200})) == 3
 
 
-_SUBPROCESS_RUNS = (
+_SUBPROCESS_RUN = (
     "import json, sys\n"
     "from trainwell.recipes import resnet_imagenet as r\n"
-    "for overrides in json.loads(sys.argv[1]):\n"
-    "    run = r.train(**overrides)\n"
-    "    print('RESULT ' + json.dumps({'metrics': run.metrics, 'loss': run.history['loss'],\n"
-    "          'replicas': run.model.distribute_strategy.num_replicas_in_sync,\n"
-    "          'policy': run.model.dtype_policy.name}))\n"
+    "run = r.train(**json.loads(sys.argv[1]))\n"
+    "print('RESULT ' + json.dumps({'metrics': run.metrics, 'loss': run.history['loss'],\n"
+    "      'policy': run.model.dtype_policy.name}))\n"
 )
 
 
-@pytest.fixture(scope="module")
-def subprocess_runs(tmp_path_factory):
-    """`cpu:2` (which must precede TensorFlow's start) and mixed_float16: two runs, one fresh interpreter."""
-    tmp = tmp_path_factory.mktemp("resnet_runs")
-    runs = [{**TINY, "epochs": 2, "strategy": "cpu:2", "run_dir": str(tmp / "replicas")},
-            {**TINY, "epochs": 2, "precision": "mixed_float16", "run_dir": str(tmp / "mixed")}]
-    r = subprocess.run([sys.executable, "-c", _SUBPROCESS_RUNS, json.dumps(runs)], capture_output=True, text=True,
+# The recipe under `strategy="cpu:2"` in a plain process is the "ref" job of
+# tests/recipes/test_multiworker.py (2 replicas, loss falls, same weights as 2 workers).
+@pytest.mark.slow
+def test_train_mixed_float16(tmp_path):
+    run = {**TINY, "epochs": 2, "precision": "mixed_float16", "run_dir": str(tmp_path / "mixed")}
+    r = subprocess.run([sys.executable, "-c", _SUBPROCESS_RUN, json.dumps(run)], capture_output=True, text=True,
                        timeout=600, env={**__import__("os").environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert r.returncode == 0, r.stderr[-4000:]
-    results = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    return dict(zip(["replicas", "mixed"], results))
-
-
-def test_train_with_two_replicas_on_cpu(subprocess_runs):
-    out = subprocess_runs["replicas"]
-    assert out["replicas"] == 2
-    assert out["loss"][-1] < out["loss"][0] and np.isfinite(out["metrics"]["test_loss"])
-
-
-def test_train_mixed_float16(subprocess_runs):
-    out = subprocess_runs["mixed"]
+    (out,) = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
     assert out["policy"] == "mixed_float16"
     assert out["loss"][-1] < out["loss"][0] and np.isfinite(out["metrics"]["test_loss"])
 
@@ -173,6 +160,7 @@ def _train_cmd(overrides: dict, out: Path) -> list[str]:
     return [sys.executable, "-c", code]
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     import os
     import signal
@@ -212,6 +200,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
         np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.slow
 def test_lr_find_cli_writes_base_lr_into_the_config(tmp_path):
     import yaml
 
@@ -229,6 +218,7 @@ def test_lr_find_cli_writes_base_lr_into_the_config(tmp_path):
     assert list(tmp_path.glob("runs/lr-find-*/lr_find.png"))
 
 
+@pytest.mark.slow
 def test_a_pbt_member_keeps_its_compiled_model_through_the_recipes_model_hook(tmp_path):
     """Issue 21: PBT's `ModelCache` reaches the model the recipe builds and compiles through
     `train(model_hook=...)`, and a segment (`segment=True`) skips the test evaluation and

@@ -120,6 +120,7 @@ def test_callbacks_early_stop_on_validation_accuracy_and_restore_best(tmp_path):
     assert not any(isinstance(c, EarlyStopping) for c in no_val)
 
 
+@pytest.mark.slow
 def test_train_end_to_end_export_predict_and_label_mapping(tiny, tmp_path, capsys):
     import keras_hub
 
@@ -151,6 +152,7 @@ def test_train_end_to_end_export_predict_and_label_mapping(tiny, tmp_path, capsy
     assert recipe.predict([], run_dir=run.run_dir)[1].shape == (0, 2)
 
 
+@pytest.mark.slow
 def test_max_steps_ends_the_schedule_and_the_run_inside_the_last_epoch(tiny, tmp_path):
     kw = tiny_kw(tiny, epochs=3, early_stopping_patience=None, export=False, max_train_examples=160,
                  run_dir=str(tmp_path / "run"))

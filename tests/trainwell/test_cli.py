@@ -25,6 +25,7 @@ def _env_without_tf_log_settings():
     return {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", cli.TF_LOGS_ENV)}
 
 
+@pytest.mark.slow
 def test_info_via_console_script_without_tensorflow_start_up_lines():
     # TF 2.21 prints ~5 C++ lines at start on a machine without a GPU driver (absl's
     # notice, CUDA probes, "failed call to cuInit"), whatever TF_CPP_MIN_LOG_LEVEL says.

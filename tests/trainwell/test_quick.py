@@ -58,6 +58,7 @@ def test_quick_run_stops_fit_and_each_evaluation_after_its_batches():
         quick.QuickRun(0)
 
 
+@pytest.mark.slow
 def test_a_recipe_run_and_lr_find_under_the_switch_are_short(monkeypatch, tmp_path):
     import keras
 

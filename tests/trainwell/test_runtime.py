@@ -33,6 +33,7 @@ def _last_json(out: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_mirrored_fit_over_two_logical_cpus(python_subprocess):
     r = python_subprocess(_tiny_fit_code("cpu:2", "float32"))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -42,6 +43,7 @@ def test_mirrored_fit_over_two_logical_cpus(python_subprocess):
     assert out["acc"] > 0.8
 
 
+@pytest.mark.slow
 def test_mixed_float16_fit_on_cpu(python_subprocess):
     r = python_subprocess(_tiny_fit_code("auto", "mixed_float16"))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -52,6 +54,7 @@ def test_mixed_float16_fit_on_cpu(python_subprocess):
     assert out["loss"][-1] < out["loss"][0]
 
 
+@pytest.mark.slow
 def test_cpu_spec_after_tf_initialised_is_a_clear_error(python_subprocess):
     r = python_subprocess("""
     import tensorflow as tf

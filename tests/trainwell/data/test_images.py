@@ -432,6 +432,7 @@ def test_datasets_feed_keras_fit():
     assert hist.history["val_accuracy"][-1] > 0.5  # 10 classes: well above chance after 3 epochs
 
 
+@pytest.mark.slow
 def test_distribute_datasets_from_function_mirrored_cpu2(python_subprocess):
     result = python_subprocess(
         """

@@ -153,6 +153,7 @@ def test_label_map_round_trip(tmp_path):
         text.load_label_map(tmp_path / "nowhere")
 
 
+@pytest.mark.slow
 def test_pipeline_tokenises_buckets_and_reshuffles(preprocessor):
     texts, labels = make_texts(300, seed=1)
     s = text.load_text_splits((texts, labels), val_fraction=0.1, test_fraction=0.1)

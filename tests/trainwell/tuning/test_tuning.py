@@ -225,6 +225,7 @@ def test_bayesian_search_runs_and_ranks(tmp_path):
     assert type(result.tuner.oracle).__name__ == "BayesianOptimizationOracle"
 
 
+@pytest.mark.slow
 def test_hyperband_continues_promoted_trials_from_their_checkpoint(tmp_path):
     from trainwell import tuning
     from trainwell.callbacks.checkpoint import list_checkpoints
@@ -245,6 +246,7 @@ def test_hyperband_continues_promoted_trials_from_their_checkpoint(tmp_path):
     assert len(history) - 1 == r["meta"]["tuner/epochs"] - r["meta"]["tuner/initial_epoch"]
 
 
+@pytest.mark.slow
 def test_pbt_search_exploits_with_optimizer_state_and_records_lineage(tmp_path):
     """PBT's exploit copies weights AND optimizer state (SGD momentum, iterations) of the donor."""
     import gc
@@ -314,6 +316,7 @@ def test_pbt_search_exploits_with_optimizer_state_and_records_lineage(tmp_path):
     assert all(r["hyperparameters"] == by_id[r["parent"]]["hyperparameters"] for r in continued)
 
 
+@pytest.mark.slow
 def test_pbt_exploit_trains_at_its_explored_learning_rate_not_the_donors(tmp_path):
     """A plain LR is an optimizer variable: the donor's checkpoint must not overwrite the explored value.
 
@@ -428,6 +431,7 @@ def test_hypermodel_run_hands_the_model_hook_and_segment_to_the_recipes_train():
     assert recipe.build_model is build_model  # restored after the run
 
 
+@pytest.mark.slow
 def test_pbt_keeps_each_members_model_and_trains_exactly_as_with_a_new_model_per_segment(tmp_path):
     """A continued member and an exploit that changed only a plain LR reuse the member's traced model.
 
@@ -567,6 +571,7 @@ def _tiny_bert(root: Path, tiny_bert_preset):
     return root / "preset", root / "data.csv"
 
 
+@pytest.mark.slow
 def test_transformer_hypermodel_trains_a_trial_with_a_tiny_bert(tmp_path, tiny_bert_preset):
     import keras_tuner as kt
 
@@ -630,6 +635,7 @@ def _wait(pred, timeout, proc=None, what=""):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+@pytest.mark.slow
 def test_a_killed_search_continues_where_it_stopped(tmp_path):
     from trainwell import tuning
 
@@ -724,6 +730,7 @@ def test_a_search_killed_between_keras_tuners_two_writes_reruns_exactly_the_unfi
         assert after[k]["score"] == before[k]["score"]
 
 
+@pytest.mark.slow
 def test_chief_and_two_workers_run_the_same_search_as_one_process(tmp_path):
     from trainwell import tuning
 
@@ -762,6 +769,7 @@ def _alive(pgid: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_pbt_runs_on_a_chief_and_two_workers_with_exploits_from_the_donors_checkpoint(tmp_path):
     """PBT under KerasTuner's distributed mode: the oracle (population, barriers, lineage) lives in the chief.
 
