@@ -50,7 +50,7 @@ def tiny_bert_preset():
 def pytest_collection_modifyitems(config, items):
     """Runs the tests marked `slow` first (the order is kept otherwise).
 
-    `make test` spreads the tests over 2 pytest-xdist workers: started first, the longest
+    `make test` spreads the tests over pytest-xdist workers: started first, the longest
     jobs (the notebooks, the recipe runs in subprocesses) do not leave one worker running
     alone at the end while the other idles.
     """
