@@ -26,11 +26,13 @@ demo: install
 	$(BIN)/trainwell train resnet-imagenet --config configs/demo_mnist5k.yaml
 
 # Two parts: most tests on 3 pytest-xdist workers (on the 2-core machine a third worker fills the
-# time the others spend waiting on subprocesses, sleeps and disk syncs), then the few marked `serial`
-# (several training processes with deadlines): two files at a time, never two of one file
+# time the others spend waiting on subprocesses, sleeps and disk syncs), handed out one at a time
+# (`--maxschedchunk 1`; xdist's default gives each worker a quarter of its share up front, and the
+# slow tests, which tests/conftest.py puts first, all went to the first worker), then the few marked
+# `serial` (several training processes with deadlines): two files at a time, never two of one file
 # (`--dist loadfile`), so the multi-worker recipe jobs run beside the small launcher tests only.
 test: install
-	$(BIN)/python -m pytest -q -n 3 -m "not serial"
+	$(BIN)/python -m pytest -q -n 3 --maxschedchunk 1 -m "not serial"
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m serial
 
 bench: install

@@ -52,7 +52,9 @@ def pytest_collection_modifyitems(config, items):
 
     `make test` spreads the tests over pytest-xdist workers: started first, the longest
     jobs (the notebooks, the recipe runs in subprocesses) do not leave one worker running
-    alone at the end while the other idles.
+    alone at the end while the others idle. That needs `--maxschedchunk 1` (the Makefile):
+    by default xdist hands each worker a contiguous quarter of its share at the start, so the
+    first worker got every slow test.
     """
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
