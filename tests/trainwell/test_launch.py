@@ -241,12 +241,10 @@ def test_cli_rejects_a_bad_worker_count():
     assert r.returncode == 2 and "--workers: expected an integer >= 1. Received: '0'" in r.stderr and "Traceback" not in r.stderr
 
 
-# Imported by every worker (PYTHONPATH): the chief spends 20 s after training before it
-# returns, longer than TensorFlow's 10 s heartbeat timeout. A worker that exits meanwhile is
-# taken for a crash by the coordination service the chief hosts ("The tasks have crashed").
-# The chief lives 15 s past its last line (an exit handler, after the end-of-run barrier, while
-# its coordination service still runs): longer than the service's heartbeat timeout (10 s), so a
-# worker that leaves before the chief's process has ended is always taken for a crashed one.
+# Imported by every worker (PYTHONPATH): the chief lives 15 s past its last line (an exit
+# handler, after the end-of-run barrier, while the coordination service it hosts still runs),
+# longer than TensorFlow's 10 s heartbeat timeout, so a worker that leaves before the chief's
+# process has ended is always taken for a crashed one ("The tasks have crashed").
 _SLOW_CHIEF = """
 import atexit, json, os, time
 if json.loads(os.environ.get("TF_CONFIG") or "{}").get("task", {}).get("index") == 0:
