@@ -61,7 +61,7 @@ import numpy as np
 
 from trainwell import quick
 from trainwell.callbacks.doctor import step_noise
-from trainwell.compat import inner_optimizer, raw_learning_rate, set_raw_learning_rate
+from trainwell.compat import build_before_fit, inner_optimizer, raw_learning_rate, set_raw_learning_rate
 from trainwell.io import atomic_write_bytes
 from trainwell.validation import invalid_argument, is_int, is_number
 
@@ -911,6 +911,7 @@ def _fit_steps(model, data, callback, steps: int, batch_size, verbose, shuffle: 
     except ImportError:  # pragma: no cover
         is_ds = False
     if is_ds:  # `fit` ignores `shuffle` for a dataset, and warns unless it is False
+        build_before_fit(model, data)  # TensorFlow: one trace of the train step, not two
         model.fit(data.repeat(), epochs=1, steps_per_epoch=steps, shuffle=False, **fit_kw)
     elif isinstance(data, (tuple, list)) and 2 <= len(data) <= 3:
         x, y = data[0], data[1]

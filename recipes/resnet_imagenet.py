@@ -520,7 +520,7 @@ def train(cfg: Config | None = None, *, callbacks=None, model_hook=None, segment
         callbacks = build_callbacks(cfg, ctx.run_dir, schedule=schedule, chief=ctx.is_chief) + list(callbacks or ())
         if not any(isinstance(c, WarmupCosine) for c in callbacks):  # the step schedule: its LR in the history
             callbacks.insert(0, harness.log_learning_rate(model))
-        build_before_fit(model, train_ds)  # JAX: the k-th iterator stays the k-th epoch (see compat.backend)
+        build_before_fit(model, train_ds)  # one trace on TF; on JAX the k-th iterator stays the k-th epoch
         with ctx.fit_scope():  # JAX: fit reads the distribution when called
             history = model.fit(
                 train_ds, validation_data=data.val, epochs=cfg.epochs, steps_per_epoch=steps,

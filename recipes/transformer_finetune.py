@@ -529,7 +529,7 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, model_
         if total < epochs * epoch_steps:
             callbacks.append(StopAtStep(total))
         verbose = cfg.verbose if cfg.verbose == "auto" else int(cfg.verbose)
-        build_before_fit(model, train_ds)  # JAX: the k-th iterator stays the k-th epoch (see compat.backend)
+        build_before_fit(model, train_ds)  # one trace on TF; on JAX the k-th iterator stays the k-th epoch
         with ctx.fit_scope():  # JAX: fit reads the distribution when called
             history = model.fit(
                 train_ds, validation_data=data_.val, epochs=epochs, steps_per_epoch=epoch_steps,
