@@ -311,8 +311,9 @@ def build_before_fit(model, dataset) -> None:
     - TensorFlow, without a distribution strategy, defers the build to the first
       trace of the train function; the compiled metrics (and an unbuilt optimizer)
       then create their variables inside that trace, and `tf.function` traces the
-      whole train step a second time. Building first gives one trace: for the
-      embedded MiniLM, about 11 s of CPU less before the first step.
+      whole train step a second time. Building first gives one trace: the first
+      two steps of the transformer recipe on MiniLM cost a third less CPU time
+      (`bench/first_step.py`).
     - JAX builds from one batch of a fresh iterator of the training data. A
       `tf.data` pipeline shuffled with a fixed seed and
       `reshuffle_each_iteration=True` gives its k-th iterator the k-th order, so
