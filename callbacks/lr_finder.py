@@ -61,7 +61,13 @@ import numpy as np
 
 from trainwell import quick
 from trainwell.callbacks.doctor import step_noise
-from trainwell.compat import build_before_fit, inner_optimizer, raw_learning_rate, set_raw_learning_rate
+from trainwell.compat import (
+    build_before_fit,
+    inner_optimizer,
+    raw_learning_rate,
+    set_raw_learning_rate,
+    strategy_scope,
+)
 from trainwell.io import atomic_write_bytes
 from trainwell.validation import invalid_argument, is_int, is_number
 
@@ -493,9 +499,7 @@ class _PhaseLR(keras.optimizers.schedules.LearningRateSchedule):
     _KINDS = {"ramp": 0, "constant": 1, "warmup_cosine": 2}
 
     def __init__(self, model) -> None:
-        strategy = getattr(model, "distribute_strategy", None)
-        scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
-        with scope:
+        with strategy_scope(model):
             var = lambda value, dtype="float32": keras.Variable(value, dtype=dtype, trainable=False)  # noqa: E731
             self.kind, self.offset = var(0, "int32"), var(0, "int64")
             self.start, self.log_ratio, self.span = var(1.0), var(0.0), var(1.0)

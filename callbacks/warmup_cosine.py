@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 from pathlib import Path
@@ -20,6 +19,7 @@ from trainwell.callbacks.schedules import (
     _step_count,
     is_trainwell_schedule,
 )
+from trainwell.compat.backend import strategy_scope
 from trainwell.compat.learning_rate import current_lr, install_schedule, raw_learning_rate
 from trainwell.io import atomic_write_bytes
 from trainwell.validation import invalid_argument, is_number
@@ -229,8 +229,7 @@ class WarmupCosine(keras.callbacks.Callback):
             raise ValueError("WarmupCosine needs a compiled model with an optimizer. Received: optimizer=None")
         current = raw_learning_rate(optimizer)
         peak = self._resolve_peak(current)
-        strategy = getattr(self.model, "distribute_strategy", None)
-        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        with strategy_scope(self.model):
             schedule = self._build_schedule(peak)
         if (
             is_trainwell_schedule(current)
@@ -247,7 +246,7 @@ class WarmupCosine(keras.callbacks.Callback):
             if getattr(self.model, "train_function", None) is not None:
                 self.model.make_train_function(force=True)
         if self.run_dir is not None:
-            if runtime.is_chief(strategy):
+            if runtime.is_chief(getattr(self.model, "distribute_strategy", None)):
                 self.plot(Path(self.run_dir) / "lr_schedule.png")
 
     def on_epoch_end(self, epoch, logs=None) -> None:

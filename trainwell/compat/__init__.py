@@ -25,7 +25,7 @@ Example:
 'max'
 """
 
-from trainwell.compat.backend import backend_name, build_before_fit, sync_variables
+from trainwell.compat.backend import backend_name, build_before_fit, strategy_scope, sync_variables
 from trainwell.compat.learning_rate import (
     current_lr,
     get_lr_multiplier,
@@ -61,4 +61,5 @@ __all__ = [
     "backend_name",
     "sync_variables",
     "build_before_fit",
+    "strategy_scope",
 ]

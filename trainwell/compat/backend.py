@@ -26,6 +26,8 @@ The API:
   around it, the same on both trainers.
 - `compile_function(fn)`, `copy_arrays(values)`: one compiled dispatch; device
   copies that outlive the next step.
+- `strategy_scope(model)`: where variables for `model` are made (its
+  `tf.distribute` strategy's scope on TensorFlow; no scope on JAX).
 - `build_before_fit(model, dataset)`: builds before `fit` from the data's element
   spec: one trace of the train step on TensorFlow (not two), and on JAX a
   reshuffling `tf.data` pipeline's k-th iterator stays the k-th epoch.
@@ -60,6 +62,7 @@ __all__ = [
     "compile_function",
     "copy_arrays",
     "build_before_fit",
+    "strategy_scope",
     "add_step_output",
     "StepOutput",
 ]
@@ -302,6 +305,23 @@ def _jax_copy():
     return _COPY[0]
 
 
+def strategy_scope(model):
+    """The context to create variables for `model` in: its `distribute_strategy`'s scope, or none.
+
+    A TensorFlow model carries the `tf.distribute` strategy it was built under;
+    optimizer slots, metrics and other variables made for it later (outside
+    `fit`) must be made in that scope to be mirrored like its weights. A Keras
+    model on JAX has no `distribute_strategy`: no scope.
+
+    Example:
+    >>> import keras
+    >>> with strategy_scope(keras.Sequential()):
+    ...     pass
+    """
+    strategy = getattr(model, "distribute_strategy", None)
+    return strategy.scope() if strategy is not None else contextlib.nullcontext()
+
+
 def build_before_fit(model, dataset) -> None:
     """Builds `model`, its optimizer and its compiled loss and metrics from `dataset`'s element spec before `fit`.
 
@@ -360,9 +380,8 @@ def build_before_fit(model, dataset) -> None:
         shape = [s.shape[0], *(1 if d is None else d for d in s.shape[1:])] if s.shape.rank else []
         return keras.KerasTensor(shape, dtype=s.dtype.name)
 
-    scope = getattr(model, "distribute_strategy", None)  # TensorFlow: variables of the model's strategy
     try:
-        with warnings.catch_warnings(), (scope.scope() if scope is not None else contextlib.nullcontext()):
+        with warnings.catch_warnings(), strategy_scope(model):
             warnings.simplefilter("ignore")  # shapes only: e.g. "softmax over an axis of size 1" for a length of 1
             symbolic_build(model, keras.tree.map_structure(known, spec))
     except Exception:  # noqa: BLE001 - e.g. a layer that needs the real length: Keras builds from a batch

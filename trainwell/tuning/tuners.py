@@ -22,7 +22,7 @@ import keras_tuner
 from trainwell.callbacks.checkpoint import latest_checkpoint, list_checkpoints
 from trainwell.callbacks.checkpoint.files import copy_checkpoint as copy_checkpoint_files
 from trainwell.callbacks.nan_rollback import TrainingDivergedError
-from trainwell.compat import get_lr_multiplier, learning_rate_variables, set_lr_multiplier
+from trainwell.compat import get_lr_multiplier, learning_rate_variables, set_lr_multiplier, strategy_scope
 from trainwell.compat.keras_internals import model_fully_built
 from trainwell.compat.keras_tuner import is_chief_oracle, serve_chief
 from trainwell.io import atomic_write_json
@@ -193,12 +193,10 @@ def adopt_state(model, fresh) -> None:
     for dst, src in zip(model.variables, fresh.variables):
         dst.assign(src.value)
     if not fresh.optimizer.built:
-        strategy = getattr(fresh, "distribute_strategy", None)
-        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        with strategy_scope(fresh):
             fresh.optimizer.build(fresh.trainable_variables)
     if not model.optimizer.built:
-        strategy = getattr(model, "distribute_strategy", None)
-        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        with strategy_scope(model):
             model.optimizer.build(model.trainable_variables)
     for dst, src in zip(model.optimizer.variables, fresh.optimizer.variables):
         dst.assign(src.value)
