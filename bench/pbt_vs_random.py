@@ -4,7 +4,9 @@ The problem: an MLP (784-128-10, ReLU) on the embedded mnist5k digits (3,500 tra
 500 validation / 1,000 test), trained with plain SGD at a *constant* learning rate
 (no schedule), so the best LR changes during training: a high LR gets the loss
 down fastest early, a low LR settles better late. Both searches tune the same space
-(learning rate, log-uniform in [1e-3, 1]; label smoothing in [0, 0.2]) through
+(learning rate, log-uniform in [1e-3, 1]; label smoothing in [0, 0.2], a constant of
+the traced loss, so an exploit that changes it builds and traces a new model; `--space lr`
+tunes the learning rate alone, an optimizer variable that no exploit retraces) through
 `trainwell.tuning.search`, each trial with the tiny recipe below (trainwell's
 `setup_run`, `standard_callbacks`: NaN rollback, checkpoints; `finish_run`):
 
@@ -42,6 +44,7 @@ Run:
     python bench/pbt_vs_random.py --quick              # 2 members x 2 epochs x 1 seed smoke run
     python bench/pbt_vs_random.py --trials 4 --epochs 8 --batch-size 64 --seeds 3   # the earlier design
     python bench/pbt_vs_random.py --trials 4 --seeds 1 --with-rebuild   # + PBT with a new model per segment
+    python bench/pbt_vs_random.py --trials 4 --epochs 4 --seeds 2 --space lr   # the LR alone: no exploit traces
 
 Wall time (`wall_s`) and CPU time (`cpu_s`, this process's) are the search's alone (not
 the bench's evaluation of the best model after it); `wall_time_vs_random` is PBT's over
@@ -83,6 +86,7 @@ class Config(BaseConfig):
     label_smoothing: float = 0.0
     units: int = 128
     verbose: int = 0
+    tune_label_smoothing: bool = True  # `--space lr`: False, the LR alone is tuned
 
 
 def _data(cfg: Config):
@@ -116,6 +120,7 @@ def build_model(cfg: Config):
 
 
 def train(cfg: Config, *, callbacks=None, model_hook=None, segment=False):
+    from trainwell.compat import build_before_fit
     from trainwell.recipes import harness as recipe
 
     with recipe.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
@@ -123,6 +128,7 @@ def train(cfg: Config, *, callbacks=None, model_hook=None, segment=False):
         train_ds = recipe.advance_epochs(train_ds, recipe.resume_epoch(ctx.run_dir / "checkpoints"))
         model = (model_hook(build_model) if model_hook else build_model)(cfg)  # PBT's ModelCache: the member's
         cbs = recipe.standard_callbacks(cfg, ctx.run_dir, monitor="val_accuracy", mode="max", doctor=False)
+        build_before_fit(model, train_ds)  # one trace on TensorFlow, as the shipped recipes do
         history = model.fit(train_ds, validation_data=val, epochs=cfg.epochs, steps_per_epoch=steps,
                             callbacks=cbs + list(callbacks or []), verbose=0)
         if segment:  # to be continued (a PBT segment): nothing reads its test score or curves
@@ -133,10 +139,10 @@ def train(cfg: Config, *, callbacks=None, model_hook=None, segment=False):
 
 
 def space(hp, cfg: Config) -> dict:
-    return {
-        "learning_rate": hp.Float("learning_rate", 1e-3, 1.0, sampling="log", default=cfg.learning_rate),
-        "label_smoothing": hp.Float("label_smoothing", 0.0, 0.2, default=cfg.label_smoothing),
-    }
+    out = {"learning_rate": hp.Float("learning_rate", 1e-3, 1.0, sampling="log", default=cfg.learning_rate)}
+    if cfg.tune_label_smoothing:  # a constant of the traced loss: an exploit that changes it traces anew
+        out["label_smoothing"] = hp.Float("label_smoothing", 0.0, 0.2, default=cfg.label_smoothing)
+    return out
 
 
 def hypermodel(cfg: Optional[Config] = None, **overrides):
@@ -147,12 +153,13 @@ def hypermodel(cfg: Optional[Config] = None, **overrides):
 
 
 def run_search(kind: str, seed: int, trials: int, epochs: int, root: Path, batch_size: int = 16,
-               ready_interval: int = 1) -> dict:
+               ready_interval: int = 1, space_name: str = "lr_smoothing") -> dict:
     """One search; `kind` is "random", "pbt" or "pbt_rebuild" (PBT with a new model per segment)."""
     from trainwell import tuning
 
     t0, c0 = time.perf_counter(), time.process_time()
-    hm = hypermodel(Config(epochs=epochs, seed=seed, batch_size=batch_size))
+    hm = hypermodel(Config(epochs=epochs, seed=seed, batch_size=batch_size,
+                           tune_label_smoothing=space_name == "lr_smoothing"))
     # PBT's member 0 would start from the space's defaults; off here, so the initial
     # population is the same random sample (same oracle seed) as random search's trials.
     kw = (dict(population_size=trials, ready_interval=ready_interval, max_epochs=epochs, start_with_defaults=False,
@@ -209,6 +216,10 @@ def main() -> None:
     ap.add_argument("--seeds", default="3", help="a count (3: seeds 0,1,2) or a list (0,4,7)")
     ap.add_argument("--with-rebuild", action="store_true",
                     help="also PBT with a new model per segment (reuse_models=False), the earlier behaviour")
+    ap.add_argument("--space", choices=("lr_smoothing", "lr"), default="lr_smoothing",
+                    help="lr_smoothing: learning rate and label smoothing (an exploit that changes the smoothing, a "
+                         "constant of the traced loss, builds and traces anew); lr: the learning rate alone (a "
+                         "variable: no exploit traces again)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
@@ -220,7 +231,8 @@ def main() -> None:
         for i, seed in enumerate(seeds):
             for kind in kinds[i % len(kinds):] + kinds[: i % len(kinds)]:  # the order rotates with the seed
                 per_seed[kind].append(run_search(kind, seed, args.trials, args.epochs, Path(tmp),
-                                                 batch_size=args.batch_size, ready_interval=args.ready_interval))
+                                                 batch_size=args.batch_size, ready_interval=args.ready_interval,
+                                                 space_name=args.space))
 
     def med(kind, key):
         return rnd(statistics.median(r[key] for r in per_seed[kind]), 4)
@@ -238,8 +250,9 @@ def main() -> None:
     wins = sum(p["test_accuracy_of_best"] > r["test_accuracy_of_best"] for p, r in zip(per_seed["pbt"], per_seed["random"]))
     print_json({
         "benchmark": "pbt_vs_random",
-        "problem": "MLP 784-128-10 on mnist5k, SGD at a constant LR (no schedule); space: learning_rate (log 1e-3..1), "
-                   "label_smoothing (0..0.2)",
+        "problem": "MLP 784-128-10 on mnist5k, SGD at a constant LR (no schedule); space: learning_rate (log 1e-3..1)"
+                   + (", label_smoothing (0..0.2)" if args.space == "lr_smoothing" else ""),
+        "space": args.space,
         "trials_or_population": args.trials,
         "epochs_per_trial_or_member": args.epochs,
         "batch_size": args.batch_size,
