@@ -135,6 +135,26 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise invalid_argument(name, f"an int >= {minimum}", value)
 
 
+def _all_finite(tensors: list):
+    """Whether every element of `tensors` is finite, as one boolean scalar, in one pass over each.
+
+    The sum of a tensor is NaN or infinite when an element is (NaN propagates;
+    an infinity stays infinite or meets the opposite one and makes NaN), so one
+    reduction per tensor replaces `all(isfinite(w))`, whose boolean temporary
+    is a second pass over the weights in every step. Sums are taken in at least
+    float32 (a float16 sum of finite weights overflows at 65504); a float32
+    sum of finite weights overflows only beyond 3.4e38, weights that have
+    diverged anyway, and then reads as non-finite.
+    """
+    ops = keras.ops
+    sums = []
+    for t in tensors:
+        if keras.backend.standardize_dtype(t.dtype) not in ("float32", "float64"):
+            t = ops.cast(t, "float32")
+        sums.append(ops.cast(ops.sum(t), "float32"))
+    return ops.all(ops.isfinite(ops.stack(sums)))
+
+
 class _Copy:
     """`dst[i].assign(src[i])` for all i; wrapped in one `tf.function` (one dispatch).
 
@@ -630,14 +650,15 @@ class NaNRollback(StatefulCallback):
         and the `LossScaleOptimizer`'s scale (-1.0 without one).
         """
         ops, model = keras.ops, self.model
-        f = "float64" if backend_name() == "tensorflow" else "float32"  # JAX runs without float64
+        # float32, the dtype of the tracker's sums and the loss scale: their casts are no-ops
+        # (float64 added one op per value in every step and no precision).
+        f = "float32"
         none = -ops.ones((), f)
         tracker = loss_tracker(model)
         vals = [ops.cast(x, f) for x in read([tracker.total, tracker.count])] if tracker is not None else [none, none]
         floats = [w for w in model.weights if keras.backend.is_float_dtype(w.dtype)]
         if self.check_weights_every == 1 and floats:
-            ok = ops.all(ops.stack([ops.all(ops.isfinite(w)) for w in read(floats)]))
-            vals.append(1.0 - ops.cast(ok, f))
+            vals.append(1.0 - ops.cast(_all_finite(read(floats)), f))
         else:
             vals.append(none)
         opt = model.optimizer

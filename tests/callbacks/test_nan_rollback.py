@@ -35,6 +35,7 @@ from trainwell.callbacks.nan_rollback import (  # noqa: E402
     SPIKE_MIN_HISTORY,
     NaNRollback,
     TrainingDivergedError,
+    _all_finite,
     spike_threshold,
 )
 
@@ -230,6 +231,26 @@ def test_check_weights_every_delays_detection():
     assert ev["causes"] == ["nonfinite_weights"]
     assert (ev["step"], ev["restored_step"], ev["batches_skipped"]) == (8, 4, 4)
     assert finite(model)
+
+
+def test_the_in_step_weight_check_is_exact_for_nan_and_inf_and_float16_sums():
+    """One sum per tensor stands for `all(isfinite)`: NaN and +-Inf found, large float16 sums are not overflow."""
+
+    def check(*arrays):
+        return bool(keras.ops.convert_to_numpy(_all_finite([keras.ops.convert_to_tensor(a) for a in arrays])))
+
+    ones16 = np.ones(100_000, "float16")  # sums to 1e5 > 65504, float16's largest finite value
+    assert check(ones16, np.ones((3, 4), "float32"))
+    for bad in (np.nan, np.inf, -np.inf):
+        w = np.ones((3, 4), "float32")
+        w[1, 2] = bad
+        assert not check(ones16, w), bad
+    both = np.zeros(4, "float32")
+    both[0], both[1] = np.inf, -np.inf  # their sum is NaN, not 0
+    assert not check(both)
+    half = ones16.copy()
+    half[7] = np.inf
+    assert not check(half)
 
 
 # --------------------------------------------------------------------------- mixed precision
