@@ -33,13 +33,26 @@ same 512 examples each epoch. Configurations:
 - `trainwell`: trainwell's defaults: `WarmupCosine` + `NaNRollback` + `Checkpoint`
   each epoch + `EarlyStopping`;
 - `warmup_cosine`, `nan_rollback`, `checkpoint`, `early_stopping`: each trainwell
-  callback alone (attribution).
+  callback alone (attribution);
+- only when `--kinds` names them: `keras_tensorboard` (Keras's `TensorBoard` at its
+  defaults, which the recipes add) and `tensorboard` (trainwell's, which skips the
+  per-batch summary calls that record nothing).
 
 Figures: ms per step of the timed steps (wall and CPU), and ratios against `bare`
 and `keras`. Target (#21): `trainwell` <= 1.02 x `keras` at both values of spe.
 
+`--interleaved`: all configurations in one process, each `fit` in a thread of its own,
+taking turns an epoch at a time (one runs, the others wait), `--short-epochs` - 1 timed
+rounds; each ratio is the median over rounds of the per-round ratio (epochs seconds
+apart), which cancels the drift in this VM's speed that separates fresh-process rounds
+minutes apart. One model instance per configuration, so a run still carries that
+instance's own speed: repeat the run.
+
     python bench/callback_overhead.py --case short --rounds 3
     python bench/callback_overhead.py --case short --spe 1 --kinds bare keras trainwell --rounds 7   # the headline only
+    python bench/callback_overhead.py --case short --interleaved --spe 1 8 --short-epochs 16 \
+        --kinds bare keras trainwell keras_tensorboard tensorboard   # one process, an epoch each in turn
+    python bench/callback_overhead.py --case tensorboard_hooks --rounds 5   # TensorBoard's batch hooks alone
 """
 
 from __future__ import annotations
@@ -122,6 +135,8 @@ def run(kind: str, data, epochs: int, steps: int, workdir: str) -> tuple[float, 
 
 # --------------------------------------------------------------------------- the short-step case
 SHORT_KINDS = ("bare", "keras", "trainwell", "warmup_cosine", "nan_rollback", "checkpoint", "early_stopping")
+# Not in the default run (`--kinds` names them): Keras's `TensorBoard` at its defaults alone, and trainwell's.
+TENSORBOARD_KINDS = ("keras_tensorboard", "tensorboard")
 SHORT_BATCH = 128
 SHORT_LR = 0.05
 
@@ -135,6 +150,11 @@ def short_callbacks(kind: str, directory: str, total_steps: int, steps_per_epoch
     patience = 1000  # never stops: every configuration trains every step
     if kind == "bare":
         return []
+    if kind in TENSORBOARD_KINDS:  # each at its defaults (update_freq="epoch"), as the recipes use it
+        from trainwell.callbacks import TensorBoard
+
+        cls = keras.callbacks.TensorBoard if kind == "keras_tensorboard" else TensorBoard
+        return [cls(log_dir=os.path.join(directory, "tensorboard"))]
     if kind == "keras":  # the warmup + cosine schedule is the optimizer's (see build_short)
         return [keras.callbacks.TerminateOnNaN(),
                 keras.callbacks.BackupAndRestore(os.path.join(directory, "backup"), save_freq="epoch",
@@ -363,10 +383,50 @@ def short_case(args) -> dict:
     return out
 
 
+def tensorboard_hooks(rounds: int, calls: int = 2000) -> dict:
+    """Microseconds per step of the batch hooks of Keras's `TensorBoard` and trainwell's, at their defaults.
+
+    Both in this process, alternating, `rounds` rounds of `calls` steps each, with a
+    batch's logs of two values (a loss and one metric), outside any `fit`.
+    """
+    import keras
+    import tensorflow as tf
+
+    from trainwell.callbacks import TensorBoard
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse", metrics=["mae"])
+    logs = {"loss": tf.constant(0.5), "mae": tf.constant(0.3)}
+    out: dict = {"keras": [], "trainwell": []}
+    with tempfile.TemporaryDirectory() as d:
+        cbs = {}
+        for name, cls in (("keras", keras.callbacks.TensorBoard), ("trainwell", TensorBoard)):
+            cb = cls(log_dir=os.path.join(d, name), write_graph=False)
+            cb.set_model(model)
+            cb.on_train_begin()
+            cb.on_epoch_begin(0)
+            cbs[name] = cb
+        step = 0
+        for _ in range(rounds):
+            for name, cb in cbs.items():
+                t = time.perf_counter()
+                for _ in range(calls):
+                    cb.on_train_batch_begin(step)
+                    cb.on_train_batch_end(step, logs)
+                    step += 1
+                out[name].append(1e6 * (time.perf_counter() - t) / calls)
+    med = {k: statistics.median(v) for k, v in out.items()}
+    return {"benchmark": "callback_overhead", "case": "tensorboard_hooks", "logs_values": 2,
+            "us_per_step": {k: round(v, 1) for k, v in med.items()},
+            "us_per_step_all": {k: [round(x, 1) for x in v] for k, v in out.items()},
+            "load_avg_1min": os.getloadavg()[0]}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--case", choices=("cnn", "short"), default="cnn",
-                   help="cnn: the small CNN in one process; short: the ~4 ms MLP, a process per run")
+    p.add_argument("--case", choices=("cnn", "short", "tensorboard_hooks"), default="cnn",
+                   help="cnn: the small CNN in one process; short: the ~4 ms MLP, a process per run; "
+                        "tensorboard_hooks: the batch hooks of Keras's TensorBoard and trainwell's, timed alone")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--steps", type=int, default=30, help="steps per epoch")
@@ -374,11 +434,11 @@ def main(argv=None) -> dict:
     p.add_argument("--spe", type=int, nargs="+", default=[1, 8], help="short case: steps_per_execution values")
     p.add_argument("--short-epochs", type=int, default=9, help="short case: epochs (the first is not timed)")
     p.add_argument("--short-steps", type=int, default=128, help="short case: steps per epoch")
-    p.add_argument("--kinds", nargs="+", choices=SHORT_KINDS,
+    p.add_argument("--kinds", nargs="+", choices=SHORT_KINDS + TENSORBOARD_KINDS,
                    help="short case: only these configurations (must include bare, keras and trainwell)")
     p.add_argument("--interleaved", action="store_true",
                    help="short case: all configurations in one process, taking turns an epoch at a time")
-    p.add_argument("--short-child", choices=SHORT_KINDS, help=argparse.SUPPRESS)
+    p.add_argument("--short-child", choices=SHORT_KINDS + TENSORBOARD_KINDS, help=argparse.SUPPRESS)
     p.add_argument("--profile", help="with --short-child: write a cProfile of the timed epochs here")
     args = p.parse_args(argv)
     if args.short_child:
@@ -389,6 +449,10 @@ def main(argv=None) -> dict:
         p.error(f"--kinds must include bare, keras and trainwell (the ratios need them). Received: {args.kinds}")
     if args.case == "short":
         return short_case(args)
+    if args.case == "tensorboard_hooks":
+        res = tensorboard_hooks(args.rounds)
+        print(json.dumps(res, indent=2))
+        return res
     import numpy as np
 
     rng = np.random.default_rng(0)

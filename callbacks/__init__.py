@@ -30,6 +30,7 @@ _LAZY = {
     "StopAtStep": "early_stopping",
     "TrainingDoctor": "doctor",
     "LRFinder": "lr_finder",
+    "TensorBoard": "tensorboard",
 }
 
 __all__ = ["StatefulCallback", "stateful_callbacks", *_LAZY]

@@ -517,7 +517,7 @@ def standard_callbacks(
     import keras
 
     from trainwell import quick
-    from trainwell.callbacks import Checkpoint, EarlyStopping, NaNRollback, TrainingDoctor, WarmupCosine
+    from trainwell.callbacks import Checkpoint, EarlyStopping, NaNRollback, TensorBoard, TrainingDoctor, WarmupCosine
     from trainwell.callbacks.schedules import WarmupCosineDecay
 
     run_dir = Path(run_dir)
@@ -545,7 +545,8 @@ def standard_callbacks(
         )
     if chief:
         out.append(keras.callbacks.CSVLogger(str(run_dir / "history.csv"), append=True))
-        out.append(keras.callbacks.TensorBoard(log_dir=str(run_dir / "tensorboard"), write_graph=False))
+        # Keras's, without its per-batch summary calls that record nothing (callbacks/tensorboard.py)
+        out.append(TensorBoard(log_dir=str(run_dir / "tensorboard"), write_graph=False))
     save_every = checkpoint_every if checkpoint_every == "epoch" else int(checkpoint_every)
     out.append(
         Checkpoint(
