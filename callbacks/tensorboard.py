@@ -17,13 +17,14 @@ class TensorBoard(keras.callbacks.TensorBoard):
     (`bench/callback_overhead.py --case tensorboard_hooks`); in a `fit` of 7 ms
     steps, Keras's `TensorBoard` alone made the steps 1.16x slower than no
     callback, this one 1.03x (`--case short --interleaved`, `bench/README.md`),
-    and an accelerator's steps are shorter still. This class skips those calls when
-    `tf.summary.should_record_summaries()` says nothing would be written (no
+    and an accelerator's steps are shorter still. This class skips those calls
+    when `tf.summary.should_record_summaries()` says nothing would be written (no
     default writer); with one (a `writer.as_default()` around `fit`, or
     `update_freq=N`, for which Keras pushes its own), it records exactly what
-    Keras records, the same summaries at the same steps. Everything else (epoch summaries, graphs, histograms, the
-    profiler) is Keras's, unchanged. Keras's own tests for `TensorBoard` run
-    against this class (`tests/conformance/`).
+    Keras records, the same summaries at the same steps. Everything else
+    (epoch summaries, graphs, histograms, the profiler) is Keras's, unchanged.
+    Keras's own tests for `TensorBoard` run against this class
+    (`tests/conformance/`).
 
     Args:
         **kwargs: Keras's `TensorBoard` arguments, unchanged.
