@@ -188,8 +188,8 @@ def build_short(kind: str, spe: int, total_steps: int, steps_per_epoch: int):
     return model
 
 
-def short_child(kind: str, spe: int, epochs: int, steps: int, profile: str | None = None) -> dict:
-    """One configuration in this (fresh) process: ms per timed step, wall and CPU."""
+def short_data(steps: int):
+    """`(train, validation)`: random MLP inputs, `steps` batches repeated, and 512 of them to validate on."""
     import numpy as np
     import tensorflow as tf
 
@@ -197,7 +197,12 @@ def short_child(kind: str, spe: int, epochs: int, steps: int, profile: str | Non
     x = rng.normal(size=(SHORT_BATCH * steps, 784)).astype("float32")
     y = rng.integers(0, 10, size=(len(x),)).astype("int32")
     val = tf.data.Dataset.from_tensor_slices((x[:512], y[:512])).batch(SHORT_BATCH)
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(SHORT_BATCH, drop_remainder=True).repeat()
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(SHORT_BATCH, drop_remainder=True).repeat(), val
+
+
+def short_child(kind: str, spe: int, epochs: int, steps: int, profile: str | None = None) -> dict:
+    """One configuration in this (fresh) process: ms per timed step, wall and CPU."""
+    ds, val = short_data(steps)
     model = build_short(kind, spe, epochs * steps, steps)
     timer = _Timer()
     with tempfile.TemporaryDirectory() as d:
@@ -241,12 +246,7 @@ def short_interleaved(kinds, spe: int, epochs: int, steps: int) -> dict:
     import threading
 
     import keras
-    import numpy as np
-    import tensorflow as tf
 
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(SHORT_BATCH * steps, 784)).astype("float32")
-    y = rng.integers(0, 10, size=(len(x),)).astype("int32")
     cond = threading.Condition()
     state = {"turn": 0, "done": set()}
     walls = {k: [] for k in kinds}
@@ -289,8 +289,7 @@ def short_interleaved(kinds, spe: int, epochs: int, steps: int) -> dict:
 
     def one(i, kind, directory):
         try:
-            val = tf.data.Dataset.from_tensor_slices((x[:512], y[:512])).batch(SHORT_BATCH)
-            ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(SHORT_BATCH, drop_remainder=True).repeat()
+            ds, val = short_data(steps)
             model = build_short(kind, spe, epochs * steps, steps)
             cbs = short_callbacks(kind, directory, epochs * steps, steps)
             model.fit(ds, epochs=epochs, steps_per_epoch=steps, validation_data=val, verbose=0,

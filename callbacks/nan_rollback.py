@@ -190,8 +190,7 @@ class _Probe:
         else:
             vals = [tf.constant(0.0, f64), tf.constant(0.0, f64)]
         if self.check_weights and self.floats:
-            ok = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(w)) for w in self.floats]))
-            vals.append(tf.cast(ok, f64))
+            vals.append(tf.cast(_all_finite(self.floats), f64))  # the same verdict as the in-step check
         else:
             vals.append(tf.constant(1.0, f64))
         vals.append(tf.cast(self.scale_var, f64) if self.scale_var is not None else tf.constant(-1.0, f64))
@@ -584,8 +583,8 @@ class NaNRollback(StatefulCallback):
                 zero = ops.zeros((), f32)
                 vals = [ops.cast(values[0], f32), ops.cast(values[1], f32)] if tracker_vars else [zero, zero]
                 weights = values[len(tracker_vars) : len(tracker_vars) + len(floats)]
-                ok = [ops.all(ops.isfinite(w)) for w in weights] if check_weights else []
-                vals.append(ops.cast(ops.all(ops.stack(ok)), f32) if ok else ops.ones((), f32))
+                ok = _all_finite(weights) if check_weights and weights else None
+                vals.append(ops.cast(ok, f32) if ok is not None else ops.ones((), f32))
                 vals.append(ops.cast(values[-1], f32) if scale_vars else -ops.ones((), f32))
                 return ops.stack(vals)
 

@@ -42,11 +42,14 @@ cannot quietly test Keras against itself.
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.util
+import inspect
 import shutil
 import sys
 import tempfile
+import textwrap
 import types
 from pathlib import Path
 
@@ -249,10 +252,6 @@ DEVIATIONS: dict[str, dict] = {
 
 def _empty_test(fn) -> bool:
     """Whether a test function's body is only `pass` (and a docstring)."""
-    import ast
-    import inspect
-    import textwrap
-
     body = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].body
     return all(isinstance(n, ast.Pass) or (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
                for n in body)
