@@ -222,11 +222,15 @@ class NaNRollback(StatefulCallback):
       tracker's `total`/`count` variables (the mean of the batches since the last
       callback: with `steps_per_execution=N`, of the last N batches).
     - `"nonfinite_weights"`: a NaN/Inf in the model's weights, checked by one
-      reduction over all of them every `check_weights_every` steps and before
-      every snapshot. Needed because on
-      some x86 CPUs oneDNN's ReLU maps NaN to 0: after a batch of `inf` inputs
-      the weights are NaN while the loss stays finite (on others, and with XLA,
-      the loss turns NaN too).
+      reduction over all of them before every snapshot, at the end of every
+      epoch (before a `Checkpoint` listed after this callback saves them),
+      after every non-finite loss, and every `check_weights_every` steps if
+      set. Needed because on some x86 CPUs oneDNN's ReLU maps NaN to 0: after
+      a batch of `inf` inputs the weights are NaN while the loss stays finite
+      (on others, and with XLA, the loss turns NaN too). By default such
+      weights are found at the next snapshot or epoch end, and the rollback
+      lands on the snapshot before them, so no snapshot and no checkpoint ever
+      holds them; `check_weights_every=1` finds them at the step they appear.
     - `"loss_scale_collapse"` (mixed_float16): the `LossScaleOptimizer`'s scale
       fell to `loss_scale_floor` or below. The optimizer's own skipped steps
       (non-finite loss, scale halved, weights unchanged) are *not* divergence;
@@ -292,17 +296,20 @@ class NaNRollback(StatefulCallback):
     1.3 ms. A snapshot holds one copy of the model weights and the optimizer
     state, on the device that holds them.
 
-    When the checks run, and what they cost: the loss tracker's sums, the
-    weight check and the loss scale are computed *inside the compiled train
-    step*, after its update (`trainwell.compat.backend.add_step_output`: the
+    When the checks run, and what they cost: the loss tracker's sums and the
+    loss scale (and the weight check with `check_weights_every=1`) are
+    computed *inside the compiled train step*, after its update (`trainwell.compat.backend.add_step_output`: the
     model's `train_step` is wrapped once, and its train function traced again
     if it was made without them), and carried outside the logs, so they never
     show as metrics. Reading them in `on_train_batch_end` costs no compiled
     call of its own and waits for the step that Keras's logs wait for; before
     this (trainwell 2026-12-01) the check was a separate compiled call plus a
-    host read every step, 1.24x the CPU time of a bare 4 ms step. A separate
-    compiled call remains once an epoch (the loss tracker's starting sums),
-    for the weight checks when `check_weights_every > 1`, and for steps the
+    host read every step, 1.24x the CPU time of a bare 4 ms step. The weight
+    check is not in the step by default: on a 4 ms step (a 784-256-256-10
+    MLP) it cost 2.5-3 % (`bench/README.md`). A separate compiled call
+    remains once an epoch (the loss tracker's starting sums), for the weight
+    checks (before a snapshot, at the end of an epoch, after a non-finite
+    loss, every `check_weights_every > 1` steps), and for steps the
     train function ran without the check (a Checkpoint's replay of a resumed
     epoch, a custom trainer that bypasses `train_step`). With
     `steps_per_execution=N` the values are those after the N-th step: the loss
@@ -369,12 +376,17 @@ class NaNRollback(StatefulCallback):
             reference. Windows of 10 to 100 measured alike (at most 2.65 x on
             the healthy runs at a new high); shorter ones follow a falling loss
             sooner. Defaults to `50`.
-        check_weights_every: Steps between weight checks. At `1` the check is
-            part of the train step (one reduction over the weights, no call of
-            its own); above 1 each check is a separate compiled call and host
-            read (for very large models, where a pass over the weights every
-            step shows). The weights are always checked before a snapshot.
-            Defaults to `1`.
+        check_weights_every: Steps between weight checks besides the ones
+            always made (before every snapshot, at every epoch end, after a
+            non-finite loss); `None` adds none. At `1` the check is part of the
+            train step (one reduction over the weights, no call of its own):
+            NaN weights behind a finite loss are found at the step they
+            appear, and the rollback skips only the batches since the
+            snapshot, at 2.5-3 % of a 4 ms step. Above 1 each check is a
+            separate compiled call and host read. Defaults to `None`: such
+            weights are found at the next snapshot or epoch end (at most
+            `snapshot_every` steps later, and rolled back to the snapshot
+            before them), which costs nothing per step.
         loss_scale_floor: Under a `LossScaleOptimizer`, a loss scale at or
             below this value is a divergence. Keras starts at 2**15 and halves
             the scale at each overflow, so `1.0` means 15 more overflows than
@@ -407,7 +419,7 @@ class NaNRollback(StatefulCallback):
         window_steps: int | None = None,
         spike_factor: float | None = 5.0,
         spike_window: int = 50,
-        check_weights_every: int = 1,
+        check_weights_every: int | None = None,
         loss_scale_floor: float = 1.0,
         run_dir: str | os.PathLike | None = None,
     ) -> None:
@@ -428,7 +440,8 @@ class NaNRollback(StatefulCallback):
                 f"Received: spike_factor={spike_factor!r}"
             )
         _check_int("spike_window", spike_window, 2)
-        _check_int("check_weights_every", check_weights_every, 1)
+        if check_weights_every is not None:
+            _check_int("check_weights_every", check_weights_every, 1)
         if not is_number(loss_scale_floor, finite=False) or not 0.0 <= float(loss_scale_floor) < math.inf:
             raise ValueError(
                 "Invalid value for argument `loss_scale_floor`. Expected a finite float >= 0. "
@@ -445,7 +458,7 @@ class NaNRollback(StatefulCallback):
         self.window_steps = None if window_steps is None else int(window_steps)
         self.spike_factor = None if spike_factor is None else float(spike_factor)
         self.spike_window = int(spike_window)
-        self.check_weights_every = int(check_weights_every)
+        self.check_weights_every = None if check_weights_every is None else int(check_weights_every)
         self.loss_scale_floor = float(loss_scale_floor)
         self.run_dir = None if run_dir is None else os.fspath(run_dir)
         super().__init__()
@@ -645,7 +658,7 @@ class NaNRollback(StatefulCallback):
 
         `[loss total, loss count, weights non-finite, loss scale]`: the loss
         tracker's sums, 1.0 when a weight is NaN/Inf (0.0 when all are finite;
-        -1.0 when `check_weights_every > 1`, whose checks stay separate calls),
+        -1.0 unless `check_weights_every` is 1: other checks are separate calls),
         and the `LossScaleOptimizer`'s scale (-1.0 without one).
         """
         ops, model = keras.ops, self.model
@@ -698,6 +711,7 @@ class NaNRollback(StatefulCallback):
         self._epoch_batches = 0
         self._prev_mean = None
         self._last_scale = None
+        self._weights_checked = None
         self._strategy = getattr(self.model, "distribute_strategy", None)
         self._replicas = runtime.num_replicas(self._strategy) if backend_name() == "tensorflow" else 1
         self._lso = _is_lso(self.model.optimizer)
@@ -739,15 +753,16 @@ class NaNRollback(StatefulCallback):
         snapshot_due = self.snapshot_step is None or (
             self.step // self.snapshot_every > self.snapshot_step // self.snapshot_every
         )
-        check = snapshot_due or (
-            self.step // self.check_weights_every > (self.step - n) // self.check_weights_every
-        )
+        every = self.check_weights_every
+        check = snapshot_due or (every is not None and self.step // every > (self.step - n) // every)
         vals = self._probe(check)
         loss = self._batch_loss(vals, logs)
         loss_finite = loss is None or math.isfinite(loss)
         if not loss_finite and not check:
             vals = self._probe_call(True)  # a non-finite loss: always look at the weights
         weights_finite = bool(vals[2] > 0.5)
+        if check or not loss_finite or every == 1:
+            self._weights_checked = self.step  # the step's own check with `check_weights_every=1`
         scale = float(vals[3]) if vals[3] >= 0 else None
 
         causes = []
@@ -794,6 +809,15 @@ class NaNRollback(StatefulCallback):
             self._take_snapshot()
 
     def on_epoch_end(self, epoch, logs=None) -> None:
+        # The weights at the end of an epoch are what a Checkpoint listed after this callback saves.
+        # (`step` is the same on every worker: all of them check, and agree, or none does.)
+        if self._machinery is not None and getattr(self, "_weights_checked", None) != self.step:
+            self._weights_checked = self.step
+            causes = [] if self._probe_call(True)[2] > 0.5 else ["nonfinite_weights"]
+            if getattr(self, "_sync", False):
+                _, causes = self._agree(True, causes)
+            if causes:
+                self._diverged(causes, None, None, None)
         if logs is not None:
             logs["nan_rollbacks"] = self.rollbacks
 

@@ -37,6 +37,7 @@ def run(bad, value, epochs):
         "loss_finite": bool(np.all(np.isfinite(hist.history["loss"]))),
         "lr": t.lr_of(model),
         "probe_calls": len(calls),
+        "weight_checks": sum(1 for w in calls if w),
         "history_keys": sorted(hist.history),
     }
 

@@ -154,7 +154,9 @@ def test_poisoned_batches_roll_back_and_match_clean_run(value, spe):
     probes = []  # the check runs inside the train step: no separate compiled call per step
     cb._probe_call = functools.partial(lambda probe, weights: probes.append(weights) or probe(weights), cb._probe_call)
     hist = fit(model, bad=[5, 30], value=value, callbacks=[cb])
-    assert len(probes) == EPOCHS  # the loss tracker read once an epoch, before its first step
+    assert probes.count(False) == EPOCHS  # the loss tracker read once an epoch, before its first step
+    if spe == 1:  # the weights: before each of the 16 snapshots due (every 4 steps), after the 2 NaN losses
+        assert probes.count(True) == STEPS * EPOCHS // 4 + 2
     assert sorted(hist.history) == ["accuracy", "loss", "nan_rollbacks"]  # the check's values are not metrics
     assert finite(model)
     assert abs(accuracy(model) - clean) <= 0.01
@@ -218,19 +220,34 @@ def test_terminate_on_nan_alone_misses_nan_weights(kernel):
     cb = NaNRollback(snapshot_every=4)
     fit(model, bad=[5], callbacks=[cb], epochs=1)
     (ev,) = cb.events
-    assert ev["causes"] == ["nonfinite_weights"] and (ev["step"], ev["restored_step"]) == (6, 4)
+    # Found by the weight check before the snapshot due at step 8; restored to the one before.
+    assert ev["causes"] == ["nonfinite_weights"] and (ev["step"], ev["restored_step"]) == (8, 4)
     assert finite(model)
 
 
-def test_check_weights_every_delays_detection():
-    model = build(hide_nan=True)  # NaN weights, finite loss: only a weight check finds them
-    cb = NaNRollback(snapshot_every=4, check_weights_every=4)
-    fit(model, bad=[5], callbacks=[cb], epochs=2)
+class _WeightsAtEpochEnd(keras.callbacks.Callback):
+    """Records whether the weights are finite when a later callback (a Checkpoint) sees the epoch end."""
+
+    def __init__(self):
+        super().__init__()
+        self.finite = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.finite.append(finite(self.model))
+
+
+@pytest.mark.parametrize("every, step", [(None, 8), (1, 3), (2, 4)])
+def test_nan_weights_are_found_by_the_next_check_and_never_reach_an_epoch_end(every, step):
+    model = build(hide_nan=True)  # NaN weights, finite loss from step 3: only a weight check finds them
+    cb = NaNRollback(snapshot_every=16, check_weights_every=every)
+    seen = _WeightsAtEpochEnd()
+    fit(model, bad=[2], callbacks=[cb, seen], epochs=2)
     (ev,) = cb.events
-    # NaN weights after batch 5 are found at the next check (step 8), not at 6.
+    # By default at the end of the epoch (step 8; the next snapshot is due at 16), before the
+    # callbacks listed after NaNRollback see it; every step with 1; at the next even step with 2.
     assert ev["causes"] == ["nonfinite_weights"]
-    assert (ev["step"], ev["restored_step"], ev["batches_skipped"]) == (8, 4, 4)
-    assert finite(model)
+    assert (ev["step"], ev["restored_step"], ev["batches_skipped"]) == (step, 0, step)
+    assert seen.finite == [True, True] and finite(model)
 
 
 def test_the_in_step_weight_check_is_exact_for_nan_and_inf_and_float16_sums():
@@ -505,7 +522,7 @@ def test_get_config_round_trip(tmp_path):
         "window_steps": None,
         "spike_factor": 5.0,
         "spike_window": 50,
-        "check_weights_every": 1,
+        "check_weights_every": None,
         "loss_scale_floor": 1.0,
         "run_dir": None,
     }
@@ -526,6 +543,7 @@ def test_get_config_round_trip(tmp_path):
         {"spike_factor": float("inf")},
         {"spike_window": 1},
         {"check_weights_every": 0},
+        {"check_weights_every": 1.5},
         {"loss_scale_floor": -1.0},
         {"run_dir": 3},
     ],
@@ -611,7 +629,11 @@ def test_inf_batch_and_spike_roll_back_on_jax():
         assert [(e["step"], e["restored_step"]) for e in r["events"]] == expected, case
         assert r["finite"] and r["loss_finite"] and r["accuracy"] >= 0.99, case
         assert np.isclose(r["lr"], 0.025), case
-        assert r["probe_calls"] == 4, case  # the tracker's sums once an epoch; every check in the step
+        # Compiled calls of the check's own: the tracker's sums once an epoch, and the weight checks
+        # before each of the 8 snapshots (steps 4, 8, ..., 32) and after the 2 non-finite losses;
+        # every other check runs in the step.
+        assert r["probe_calls"] - r["weight_checks"] == 4, case
+        assert r["weight_checks"] == {"inf": 10, "spike": 8}[case], case
         assert r["history_keys"] == ["accuracy", "loss", "nan_rollbacks"], case
     inf, spike = out["inf"]["events"], out["spike"]["events"]
     assert all("nonfinite_weights" in e["causes"] for e in inf)
