@@ -1,7 +1,7 @@
 """Snapshot/restore cost of `NaNRollback` against file-based saving, side by side.
 
-Ours: the callback's device-side copy (shadow variables assigned in one compiled
-function) of the model weights and the optimizer state. Baselines, in the same
+Ours: the callback's device-side copy (the values read as tensors in one compiled
+function, kept by TensorFlow's copy-on-write) of the model weights and the optimizer state. Baselines, in the same
 run on the same model: `model.save_weights`/`load_weights` (.weights.h5, model
 weights only, so less state than ours) and `tf.train.Checkpoint(model,
 optimizer).write/read` (the same state as ours). Also the cost of one weight
@@ -90,8 +90,8 @@ def main() -> None:
         "state_floats": int(sum(np.prod(v.shape) for v in state_vars)),
         "repeats": args.repeats,
     }
-    # TensorFlow variables are copy-on-write: `shadow.assign(var)` may only share
-    # the buffer, and a copy happens at the next update of `var` (the next
+    # TensorFlow variables are copy-on-write: the snapshot's read shares the
+    # buffer, and a copy happens at the next update of `var` (the next
     # optimizer step) if that update cannot write in place. So each copy is also
     # timed together with an update of every state variable (`touch`), minus
     # the cost of `touch` alone: the effective cost added to training.

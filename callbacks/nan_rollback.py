@@ -155,20 +155,37 @@ def _all_finite(tensors: list):
     return ops.all(ops.isfinite(ops.stack(sums)))
 
 
-class _Copy:
-    """`dst[i].assign(src[i])` for all i; wrapped in one `tf.function` (one dispatch).
+class _Read:
+    """The values of `variables` as tensors; wrapped in one `tf.function` (one dispatch).
 
-    A callable object rather than a closure, so that TensorFlow's retracing
-    detector (keyed on a function's code) does not warn when a new fit builds a
-    new one.
+    A snapshot: TensorFlow updates a variable whose buffer a read tensor still
+    holds copy-on-write, so the values stay as they were while training goes
+    on (the copy is made by the next update, on the device). Callable objects
+    rather than closures, so that TensorFlow's retracing detector (keyed on a
+    function's code) does not warn when another model makes its own.
     """
 
-    def __init__(self, dst: list, src: list) -> None:
-        self.dst, self.src = dst, src
+    def __init__(self, variables: list) -> None:
+        self.variables = variables
 
-    def __call__(self) -> None:
-        for d, s in zip(self.dst, self.src):
-            d.assign(s)
+    def __call__(self) -> list:
+        tf = _tf()
+        return [tf.identity(v) for v in self.variables]
+
+
+class _Assign:
+    """`variables[i].assign(values[i])` for all i; wrapped in one `tf.function` (one dispatch)."""
+
+    def __init__(self, variables: list) -> None:
+        self.variables = variables
+
+    def __call__(self, values) -> None:
+        for v, x in zip(self.variables, values):
+            v.assign(x)
+
+
+#: The attribute of a model that keeps NaNRollback's compiled functions between fits.
+_FNS_ATTR = "_trainwell_nan_rollback_fns"
 
 
 class _Probe:
@@ -213,9 +230,9 @@ class NaNRollback(StatefulCallback):
 
     Extends no Keras built-in: `TerminateOnNaN` only stops and only reads
     `logs["loss"]`; `BackupAndRestore` restores whole epochs from files. This
-    callback keeps a *device-side* copy of the training state (a set of shadow
-    variables assigned in one compiled function) every `snapshot_every` steps and
-    checks every step for:
+    callback keeps a *device-side* copy of the training state (its values as
+    tensors, read in one compiled function; TensorFlow's copy-on-write keeps
+    them as they were) every `snapshot_every` steps and checks every step for:
 
     - `"nonfinite_loss"`: a non-finite *batch* loss. `logs["loss"]` is the
       epoch's running mean, so the batch value is recovered exactly from the loss
@@ -316,8 +333,8 @@ class NaNRollback(StatefulCallback):
     is the mean of the N batches (from the tracker's sums) and a NaN weight
     of any of them is still NaN then (an update of a NaN weight is NaN).
 
-    Works under `tf.distribute.MirroredStrategy` (shadow copies mirror the
-    primary replica; a restore writes every replica) and with
+    Works under `tf.distribute.MirroredStrategy` (the snapshot holds the
+    primary replica's values; a restore writes every replica) and with
     `steps_per_execution > 1` (checks then run every N steps, when Keras calls
     batch callbacks; steps are counted in batches).
 
@@ -528,7 +545,16 @@ class NaNRollback(StatefulCallback):
         return out
 
     def _build_machinery(self) -> None:
-        """Creates the shadow variables and the compiled snapshot/restore/probe functions."""
+        """The compiled snapshot/restore/probe functions, and a place for the snapshot.
+
+        The snapshot is the state's values as tensors (`_Read`, one compiled
+        call; copy-on-write keeps them as they were), put back by `_Assign`.
+        The compiled functions hold only the model's variables, so they are
+        kept with the model (`_FNS_ATTR`) while its variables stay the same: a
+        later `fit` of the same model (a PBT member's kept model, a notebook's
+        second `fit`) does not trace them again. The snapshot itself lives
+        with this callback's machinery and is freed at the end of `fit`.
+        """
         if backend_name() != "tensorflow":
             self._build_array_machinery()
             return
@@ -536,19 +562,6 @@ class NaNRollback(StatefulCallback):
         model = self.model
         variables = self._state_variables()
         raws = [_raw(v) for v in variables]
-        shadows = []
-        with tf.init_scope():
-            for r in raws:
-                try:
-                    device = r.device
-                except Exception:  # pragma: no cover
-                    device = None
-                with tf.device(device):
-                    shadows.append(tf.Variable(tf.zeros(r.shape, r.dtype), trainable=False, name="nan_rollback_shadow"))
-
-        snapshot = tf.function(_Copy(shadows, raws), autograph=False)
-        restore = tf.function(_Copy(raws, shadows), autograph=False)
-
         floats = [_raw(w) for w in self._model_weights() if keras.backend.is_float_dtype(w.dtype)]
         tracker = loss_tracker(model)
         tracker_vars = None
@@ -556,15 +569,32 @@ class NaNRollback(StatefulCallback):
             tracker_vars = (_raw(tracker.total), _raw(tracker.count))
         opt = model.optimizer
         scale_var = _raw(opt.dynamic_scale) if _is_lso(opt) and getattr(opt, "built", False) else None
-        probe_full = tf.function(_Probe(tracker_vars, floats, scale_var, True), autograph=False)
-        probe_loss = tf.function(_Probe(tracker_vars, floats, scale_var, False), autograph=False)
+        key = tuple(id(v) for v in raws + floats + list(tracker_vars or ()) + [scale_var])
+        kept = vars(model).get(_FNS_ATTR)
+        if kept is not None and kept[0] == key:
+            fns = kept[1]
+        else:
+            fns = {
+                "read": tf.function(_Read(raws), autograph=False),
+                "assign": tf.function(_Assign(raws), autograph=False),
+                "probe_full": tf.function(_Probe(tracker_vars, floats, scale_var, True), autograph=False),
+                "probe_loss": tf.function(_Probe(tracker_vars, floats, scale_var, False), autograph=False),
+            }
+            object.__setattr__(model, _FNS_ATTR, (key, fns))  # untracked: not a Keras attribute
+        shadow: list = []
+
+        def snapshot() -> None:
+            shadow[:] = fns["read"]()
+
+        def restore() -> None:
+            fns["assign"](list(shadow))  # the snapshot stays valid for the next rollback
 
         self._machinery = {
             "n_vars": len(variables),
             "snapshot": snapshot,
             "restore": restore,
-            "probe_full": probe_full,
-            "probe_loss": probe_loss,
+            "probe_full": fns["probe_full"],
+            "probe_loss": fns["probe_loss"],
             "has_tracker": tracker_vars is not None,
         }
 
@@ -717,7 +747,7 @@ class NaNRollback(StatefulCallback):
         self._lso = _is_lso(self.model.optimizer)
         sync = self.sync_across_workers
         self._sync = runtime.num_workers(self._strategy) > 1 if sync is None else sync
-        if not self._ready():  # builds the shadow copies; the first snapshot waits for the first batch
+        if not self._ready():  # builds the machinery; the first snapshot waits for the first batch
             self._hook_first_apply()
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
@@ -826,7 +856,7 @@ class NaNRollback(StatefulCallback):
         if getattr(self, "_out", None) is not None:
             self._out.active = False  # a train function traced later (after a compile) leaves the check out
         self._unhook_first_apply()
-        self._machinery = None  # free the shadow copies
+        self._machinery = None  # frees the snapshot (the compiled functions stay with the model)
 
     # ------------------------------------------------------------------ a model built at its first step
     def _hook_first_apply(self) -> None:
@@ -859,9 +889,9 @@ class NaNRollback(StatefulCallback):
         """Called while the train function is traced, before the first update exists."""
         tf = _tf()
         with tf.init_scope():  # run eagerly, outside the graph being traced
-            # `_ready` creates the shadow variables: a tf.function may create
-            # variables in its first trace only, while the model's are not yet
-            # initialised; the snapshot itself is taken in the second trace.
+            # tf.function traces twice when its first trace creates variables:
+            # in the first the model's are not yet initialised; the snapshot
+            # is taken in the second.
             if self.snapshot_step is None and self._ready():
                 if not all(bool(_raw(v).is_initialized()) for v in self._state_variables()):
                     return

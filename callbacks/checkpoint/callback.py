@@ -160,7 +160,6 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
         self._worker: threading.Thread | None = None
         self._queue: queue.Queue | None = None
         self._async_error: BaseException | None = None
-        self._plan_cache = None
         self._prev_sigterm = None
         self._sigterm_installed = False
         self._grace_timer = None

@@ -114,9 +114,32 @@ class Plan:
                 yield (f"model:{path}/{k}" if path else f"model:{k}"), v
 
 
-def plan_signature(model):
+_PLAN_ATTR = "_trainwell_checkpoint_plan"
+
+
+def plan_for(model, include_optimizer: bool) -> Plan:
+    """`model`'s `Plan`, kept on the model while its variables stay the same.
+
+    Each `fit` makes its own `Checkpoint`; keeping the plan (and the compiled
+    read in it) with the model spares a later `fit` of the same model the trace
+    of that read: a PBT member's kept model, or `fit` called again in a
+    notebook. The key is the identity of every variable (a model compiled
+    again with a new optimizer gets a new plan); the plan holds only those
+    variables, which the model holds anyway.
+    """
     opt = getattr(model, "optimizer", None)
-    return (len(model.variables), len(opt.variables) if opt is not None else 0, len(model.metrics_variables))
+    key = (
+        bool(include_optimizer),
+        tuple(id(v) for v in model.variables),
+        tuple(id(v) for v in (opt.variables if opt is not None else ())),
+        tuple(id(v) for v in model.metrics_variables),
+    )
+    kept = vars(model).get(_PLAN_ATTR)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    plan = Plan(model, include_optimizer=include_optimizer)
+    object.__setattr__(model, _PLAN_ATTR, (key, plan))  # untracked: not a Keras attribute
+    return plan
 
 
 def _plan_items(plan: Plan, *, weights_only: bool, include_metrics: bool) -> list[tuple[str, Any]]:
@@ -126,6 +149,23 @@ def _plan_items(plan: Plan, *, weights_only: bool, include_metrics: bool) -> lis
         if include_metrics:
             items += plan.metric_vars
     return items
+
+
+class _ReadAll:
+    """`[identity(v) for v in variables]`, for one `tf.function`.
+
+    A callable object rather than a closure: TensorFlow's retracing detector,
+    keyed on a function's code, warned ("5 out of the last 14 calls ...
+    triggered tf.function retracing") when each new model's plan traced its own.
+    """
+
+    def __init__(self, variables: list) -> None:
+        self.variables = variables
+
+    def __call__(self) -> list:
+        import tensorflow as tf  # only ever traced on TensorFlow
+
+        return [tf.identity(v) for v in self.variables]
 
 
 def _read_snapshot(plan: Plan, items: list[tuple[str, Any]]) -> list:
@@ -149,14 +189,7 @@ def _read_snapshot(plan: Plan, items: list[tuple[str, Any]]) -> list:
 
         fn = plan.readers.get(keys)
         if fn is None:
-            tf_vars = [v.value for v in variables]
-
-            @tf.autograph.experimental.do_not_convert
-            def read_all():
-                return [tf.identity(v) for v in tf_vars]
-
-            fn = tf.function(read_all)
-            plan.readers[keys] = fn
+            fn = plan.readers[keys] = tf.function(_ReadAll([v.value for v in variables]), autograph=False)
         return list(fn())
     except Exception:  # another backend, or something tf.function cannot read: copy now
         return [to_numpy(v) for v in variables]

@@ -41,7 +41,7 @@ from trainwell.callbacks.checkpoint.files import (
     seal,
     zip_crcs,
 )
-from trainwell.callbacks.checkpoint.state import Plan, capture, host, json_safe, plan_signature, rng_capture
+from trainwell.callbacks.checkpoint.state import Plan, capture, host, json_safe, plan_for, rng_capture
 from trainwell.compat.backend import sync_variables
 from trainwell.compat.learning_rate import get_lr_multiplier
 from trainwell.compat.metrics import finite_value, metric_direction
@@ -65,11 +65,7 @@ class CheckpointWriter:
 
 
     def _plan(self) -> Plan:
-        model = self.model
-        sig = (id(model), plan_signature(model))
-        if self._plan_cache is None or self._plan_cache[0] != sig:
-            self._plan_cache = (sig, Plan(model, include_optimizer=not self.weights_only))
-        return self._plan_cache[1]
+        return plan_for(self.model, include_optimizer=not self.weights_only)
 
 
     def _callback_states(self) -> dict:

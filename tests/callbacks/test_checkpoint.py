@@ -954,3 +954,22 @@ def test_argument_validation(tmp_path, kwargs, name):
     args = {"directory": str(tmp_path), **kwargs}
     with pytest.raises(ValueError, match=rf"Invalid value for argument `{name}`.*Received: {name}="):
         Checkpoint(**args)
+
+
+def test_a_later_fit_of_the_same_model_reuses_the_plan_until_its_variables_change(tmp_path):
+    """The plan (and its compiled read) stays with the model; a new optimizer gets a new plan."""
+    model = _model()
+    _fit(model, [Checkpoint(tmp_path / "a")], epochs=1)
+    plan = ckpt_state.plan_for(model, include_optimizer=True)
+    assert len(plan.readers) == 1  # the first fit's compiled read
+    _fit(model, [Checkpoint(tmp_path / "b")], epochs=1)
+    assert ckpt_state.plan_for(model, include_optimizer=True) is plan and len(plan.readers) == 1
+
+    # A new optimizer of the same kind: as many variables as before, but not the same ones.
+    model.compile(keras.optimizers.Adam(0.01), loss="mse")
+    _fit(model, [Checkpoint(tmp_path / "c")], epochs=1)
+    assert ckpt_state.plan_for(model, include_optimizer=True) is not plan
+    (latest,) = list_checkpoints(tmp_path / "c")[-1:]
+    _, arrays = ckpt_mod.read_checkpoint(latest["path"])
+    # The new optimizer's 10 steps (40 examples, batches of 4), not the old one's 20.
+    assert int(arrays["opt:iteration"]) == 10 == int(model.optimizer.iterations.numpy())

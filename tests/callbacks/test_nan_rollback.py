@@ -467,6 +467,25 @@ def test_state_round_trip_is_json():
     assert restored.get_state() == state
 
 
+def test_a_later_fit_of_the_same_model_keeps_the_compiled_functions():
+    """A PBT member's kept model, a notebook's second fit: no new traces; a new optimizer: new functions."""
+    model = build()
+    fit(model, callbacks=[NaNRollback(snapshot_every=4)], epochs=1)
+    _, fns = vars(model)["_trainwell_nan_rollback_fns"]
+    assert fns["read"].experimental_get_tracing_count() == 1
+    cb = NaNRollback(snapshot_every=4)
+    fit(model, bad=[3], callbacks=[cb], epochs=1)  # a second fit, with a rollback
+    assert vars(model)["_trainwell_nan_rollback_fns"][1] is fns
+    assert [fns[k].experimental_get_tracing_count() for k in ("read", "assign", "probe_full", "probe_loss")] == [1] * 4
+    assert [e["restored_step"] for e in cb.events] == [0] and finite(model)
+
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    cb = NaNRollback(snapshot_every=4)
+    fit(model, bad=[10], callbacks=[cb], epochs=2)  # the new optimizer's slots are in the snapshot and restored
+    assert vars(model)["_trainwell_nan_rollback_fns"][1] is not fns
+    assert len(cb.events) == 1 and finite(model)
+
+
 def test_crash_and_compare():
     """Two fits joined by get_state/set_state on a fresh callback == one fit."""
     cfg = dict(snapshot_every=4, spike_factor=10.0, spike_window=8)
