@@ -47,7 +47,8 @@ Run:
     python bench/pbt_vs_random.py --trials 4 --epochs 4 --seeds 2 --space lr   # the LR alone: no exploit traces
 
 Wall time (`wall_s`) and CPU time (`cpu_s`, this process's) are the search's alone (not
-the bench's evaluation of the best model after it); `wall_time_vs_random` is PBT's over
+the bench's evaluation of the best model after it), after an untimed warm-up search of each
+kind (2 trials x 2 epochs; not with `--quick`) takes the process's one-time costs; `wall_time_vs_random` is PBT's over
 random search's, per seed (target <= 1.2), and `cpu_time_vs_random` the same in CPU time
 (steadier than wall time when other jobs share the machine). With `--with-rebuild` a third search, `pbt_rebuild`, runs PBT with
 `reuse_models=False` (a new model and trace per segment, as before the model cache):
@@ -228,6 +229,13 @@ def main() -> None:
     kinds = ["random", "pbt"] + (["pbt_rebuild"] if args.with_rebuild else [])
     per_seed = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory(prefix="bench-pbt-") as tmp:
+        if not args.quick:
+            # Untimed: the first search of a process pays one-time costs (imports, TensorFlow's
+            # and KerasTuner's first use, matplotlib for PBT's figure), 2-12 CPU-s on this VM, which
+            # otherwise fell on whichever search ran first (random for seed 0, PBT for seed 1).
+            for kind in kinds:
+                run_search(kind, 10_000, 2, 2, Path(tmp) / "warmup", batch_size=args.batch_size,
+                           ready_interval=args.ready_interval, space_name=args.space)
         for i, seed in enumerate(seeds):
             for kind in kinds[i % len(kinds):] + kinds[: i % len(kinds)]:  # the order rotates with the seed
                 per_seed[kind].append(run_search(kind, seed, args.trials, args.epochs, Path(tmp),

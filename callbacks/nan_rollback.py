@@ -305,13 +305,15 @@ class NaNRollback(StatefulCallback):
 
     Cost, measured with `bench/nan_rollback_snapshot.py` (2 shared CPU cores,
     TF 2.21, an MLP with 4.2 M parameters and Adam: 12.6 M floats of state;
-    medians of 30): a snapshot is one compiled call of 0.3 ms, and 5.2 ms once
-    the copy that TensorFlow's copy-on-write variables defer to the next update
-    is counted; a restore 4.9 ms. Writing / reading the same state with
-    `tf.train.Checkpoint` files took 54 / 25 ms, and `model.save_weights` /
-    `load_weights` (model weights only) 76 / 45 ms. One weight check took
-    1.3 ms. A snapshot holds one copy of the model weights and the optimizer
-    state, on the device that holds them.
+    medians of 30; 2026-12-02, a slow period of the VM): a snapshot is one
+    compiled call of 0.7 ms, and 8.4 ms once the copy that TensorFlow's
+    copy-on-write variables defer to the next update is counted; a restore
+    9.7 ms. Writing / reading the same state with `tf.train.Checkpoint` files
+    took 98 / 54 ms in the same run. (The shadow variables this snapshot
+    replaced measured 9.2 ms and 7.5 ms there; on a quieter day 5.2 / 4.9 ms
+    against 54 / 25 ms.) One weight check took 2.2 ms. A snapshot holds one
+    copy of the model weights and the optimizer state, on the device that
+    holds them.
 
     When the checks run, and what they cost: the loss tracker's sums and the
     loss scale (and the weight check with `check_weights_every=1`) are
