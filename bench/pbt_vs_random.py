@@ -48,9 +48,10 @@ Run:
 
 Wall time (`wall_s`) and CPU time (`cpu_s`, this process's) are the search's alone (not
 the bench's evaluation of the best model after it), after an untimed warm-up search of each
-kind (2 trials x 2 epochs; not with `--quick`) takes the process's one-time costs; `wall_time_vs_random` is PBT's over
-random search's, per seed (target <= 1.2), and `cpu_time_vs_random` the same in CPU time
-(steadier than wall time when other jobs share the machine). With `--with-rebuild` a third search, `pbt_rebuild`, runs PBT with
+kind (2 trials x 2 epochs; not with `--quick`) takes the process's one-time costs;
+`wall_time_vs_random` is PBT's over random search's, per seed (target <= 1.2), and
+`cpu_time_vs_random` the same in CPU time (steadier than wall time when other jobs share the
+machine). With `--with-rebuild` a third search, `pbt_rebuild`, runs PBT with
 `reuse_models=False` (a new model and trace per segment, as before the model cache):
 it must give the same lineage and scores as `pbt`, only slower.
 """
