@@ -37,7 +37,9 @@ from trainwell.compat.backend import (
     add_step_output,
     backend_name,
     compile_function,
+    compiled_read,
     copy_arrays,
+    kept_on_model,
     sync_variables,
 )
 from trainwell.compat.keras_internals import loss_tracker
@@ -155,26 +157,13 @@ def _all_finite(tensors: list):
     return ops.all(ops.isfinite(ops.stack(sums)))
 
 
-class _Read:
-    """The values of `variables` as tensors; wrapped in one `tf.function` (one dispatch).
-
-    A snapshot: TensorFlow updates a variable whose buffer a read tensor still
-    holds copy-on-write, so the values stay as they were while training goes
-    on (the copy is made by the next update, on the device). Callable objects
-    rather than closures, so that TensorFlow's retracing detector (keyed on a
-    function's code) does not warn when another model makes its own.
-    """
-
-    def __init__(self, variables: list) -> None:
-        self.variables = variables
-
-    def __call__(self) -> list:
-        tf = _tf()
-        return [tf.identity(v) for v in self.variables]
-
-
 class _Assign:
-    """`variables[i].assign(values[i])` for all i; wrapped in one `tf.function` (one dispatch)."""
+    """`variables[i].assign(values[i])` for all i; wrapped in one `tf.function` (one dispatch).
+
+    Puts back a snapshot read by `compat.backend.compiled_read`. A callable
+    object rather than a closure, so that TensorFlow's retracing detector
+    (keyed on a function's code) does not warn when another model makes its own.
+    """
 
     def __init__(self, variables: list) -> None:
         self.variables = variables
@@ -549,10 +538,11 @@ class NaNRollback(StatefulCallback):
     def _build_machinery(self) -> None:
         """The compiled snapshot/restore/probe functions, and a place for the snapshot.
 
-        The snapshot is the state's values as tensors (`_Read`, one compiled
-        call; copy-on-write keeps them as they were), put back by `_Assign`.
+        The snapshot is the state's values as tensors (`compiled_read`, one
+        compiled call; copy-on-write keeps them as they were), put back by
+        `_Assign`.
         The compiled functions hold only the model's variables, so they are
-        kept with the model (`_FNS_ATTR`) while its variables stay the same: a
+        kept with the model (`kept_on_model`) while its variables stay the same: a
         later `fit` of the same model (a PBT member's kept model, a notebook's
         second `fit`) does not trace them again. The snapshot itself lives
         with this callback's machinery and is freed at the end of `fit`.
@@ -572,17 +562,12 @@ class NaNRollback(StatefulCallback):
         opt = model.optimizer
         scale_var = _raw(opt.dynamic_scale) if _is_lso(opt) and getattr(opt, "built", False) else None
         key = tuple(id(v) for v in raws + floats + list(tracker_vars or ()) + [scale_var])
-        kept = vars(model).get(_FNS_ATTR)
-        if kept is not None and kept[0] == key:
-            fns = kept[1]
-        else:
-            fns = {
-                "read": tf.function(_Read(raws), autograph=False),
-                "assign": tf.function(_Assign(raws), autograph=False),
-                "probe_full": tf.function(_Probe(tracker_vars, floats, scale_var, True), autograph=False),
-                "probe_loss": tf.function(_Probe(tracker_vars, floats, scale_var, False), autograph=False),
-            }
-            object.__setattr__(model, _FNS_ATTR, (key, fns))  # untracked: not a Keras attribute
+        fns = kept_on_model(model, _FNS_ATTR, key, lambda: {
+            "read": compiled_read(raws),
+            "assign": tf.function(_Assign(raws), autograph=False),
+            "probe_full": tf.function(_Probe(tracker_vars, floats, scale_var, True), autograph=False),
+            "probe_loss": tf.function(_Probe(tracker_vars, floats, scale_var, False), autograph=False),
+        })
         shadow: list = []
 
         def snapshot() -> None:
@@ -843,7 +828,7 @@ class NaNRollback(StatefulCallback):
     def on_epoch_end(self, epoch, logs=None) -> None:
         # The weights at the end of an epoch are what a Checkpoint listed after this callback saves.
         # (`step` is the same on every worker: all of them check, and agree, or none does.)
-        if self._machinery is not None and getattr(self, "_weights_checked", None) != self.step:
+        if self._machinery is not None and self._weights_checked != self.step:
             self._weights_checked = self.step
             causes = [] if self._probe_call(True)[2] > 0.5 else ["nonfinite_weights"]
             if getattr(self, "_sync", False):

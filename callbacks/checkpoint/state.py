@@ -32,7 +32,7 @@ from trainwell.callbacks.checkpoint.files import (
     read_checkpoint,
     resolve_checkpoint_path,
 )
-from trainwell.compat.backend import backend_name, copy_arrays
+from trainwell.compat.backend import backend_name, compiled_read, copy_arrays, kept_on_model
 from trainwell.compat.keras_internals import (
     keras_global_seed_state,
     model_fully_built,
@@ -134,12 +134,7 @@ def plan_for(model, include_optimizer: bool) -> Plan:
         tuple(id(v) for v in (opt.variables if opt is not None else ())),
         tuple(id(v) for v in model.metrics_variables),
     )
-    kept = vars(model).get(_PLAN_ATTR)
-    if kept is not None and kept[0] == key:
-        return kept[1]
-    plan = Plan(model, include_optimizer=include_optimizer)
-    object.__setattr__(model, _PLAN_ATTR, (key, plan))  # untracked: not a Keras attribute
-    return plan
+    return kept_on_model(model, _PLAN_ATTR, key, lambda: Plan(model, include_optimizer=include_optimizer))
 
 
 def _plan_items(plan: Plan, *, weights_only: bool, include_metrics: bool) -> list[tuple[str, Any]]:
@@ -149,23 +144,6 @@ def _plan_items(plan: Plan, *, weights_only: bool, include_metrics: bool) -> lis
         if include_metrics:
             items += plan.metric_vars
     return items
-
-
-class _ReadAll:
-    """`[identity(v) for v in variables]`, for one `tf.function`.
-
-    A callable object rather than a closure: TensorFlow's retracing detector,
-    keyed on a function's code, warned ("5 out of the last 14 calls ...
-    triggered tf.function retracing") when each new model's plan traced its own.
-    """
-
-    def __init__(self, variables: list) -> None:
-        self.variables = variables
-
-    def __call__(self) -> list:
-        import tensorflow as tf  # only ever traced on TensorFlow
-
-        return [tf.identity(v) for v in self.variables]
 
 
 def _read_snapshot(plan: Plan, items: list[tuple[str, Any]]) -> list:
@@ -185,11 +163,9 @@ def _read_snapshot(plan: Plan, items: list[tuple[str, Any]]) -> list:
     if backend_name() != "tensorflow":
         return copy_arrays([v.value for v in variables])
     try:
-        import tensorflow as tf  # here: the compiled read is TensorFlow's; another backend copies below
-
         fn = plan.readers.get(keys)
         if fn is None:
-            fn = plan.readers[keys] = tf.function(_ReadAll([v.value for v in variables]), autograph=False)
+            fn = plan.readers[keys] = compiled_read([v.value for v in variables])
         return list(fn())
     except Exception:  # another backend, or something tf.function cannot read: copy now
         return [to_numpy(v) for v in variables]

@@ -61,6 +61,8 @@ __all__ = [
     "wrap_train_function",
     "compile_function",
     "copy_arrays",
+    "compiled_read",
+    "kept_on_model",
     "build_before_fit",
     "strategy_scope",
     "add_step_output",
@@ -291,6 +293,82 @@ def copy_arrays(values: list) -> list:
     if not is_jax():
         return list(values)
     return list(_jax_copy()(list(values)))
+
+
+class _ReadValues:
+    """`[identity(v) for v in variables]`, for one `tf.function` (see `compiled_read`).
+
+    A callable object rather than a closure: TensorFlow's retracing detector,
+    keyed on a function's code, warned ("5 out of the last 14 calls ...
+    triggered tf.function retracing") when each new model traced its own.
+    """
+
+    def __init__(self, variables: list) -> None:
+        self.variables = variables
+
+    def __call__(self) -> list:
+        import tensorflow as tf  # here: only ever traced on TensorFlow
+
+        return [tf.identity(v) for v in self.variables]
+
+
+def compiled_read(variables: list) -> Callable:
+    """One compiled call (TensorFlow) returning the current values of `variables` as tensors.
+
+    A snapshot, without a copy: TensorFlow updates a variable whose buffer a
+    read tensor still holds copy-on-write, so the tensors keep the values they
+    had while training goes on (the copy is made by the next update, on the
+    device). One dispatch instead of one eager read per variable (a few ms
+    for ResNet-50's ~540 variables, against ~30 ms). What `Checkpoint`'s
+    capture and `NaNRollback`'s snapshot use.
+
+    Args:
+        variables: TensorFlow variables (a Keras variable's `.value`). Required.
+
+    Example:
+    >>> import keras
+    >>> v = keras.Variable([1.0, 2.0])
+    >>> read = compiled_read([v.value])
+    >>> before = read()[0]
+    >>> _ = v.assign([5.0, 6.0])
+    >>> [float(x) for x in before]
+    [1.0, 2.0]
+    """
+    import tensorflow as tf  # here: only the TensorFlow backend reads this way
+
+    return tf.function(_ReadValues(list(variables)), autograph=False)
+
+
+def kept_on_model(model, attr: str, key, make: Callable):
+    """`make()`, kept on `model` under `attr` and made again when `key` changes.
+
+    For what a callback compiles for a model (each `fit` makes new callbacks,
+    so the model is what outlives them): a later `fit` of the same model, a
+    PBT member's kept model or a notebook's second `fit`, reuses it instead of
+    tracing again. `key` should name what the made object depends on, e.g.
+    the identity of the variables it holds (a model compiled again with a new
+    optimizer then gets a new one). The attribute is set past Keras's
+    attribute tracking, so it is neither saved nor counted as a layer.
+
+    Args:
+        model: The Keras model. Required.
+        attr: The attribute's name (one per kind of object). Required.
+        key: A comparable value; a different one makes `make()` again. Required.
+        make: `make() -> object`. Required.
+
+    Example:
+    >>> import keras
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> a = kept_on_model(model, "_my_cache", 1, object)
+    >>> kept_on_model(model, "_my_cache", 1, object) is a, kept_on_model(model, "_my_cache", 2, object) is a
+    (True, False)
+    """
+    kept = vars(model).get(attr)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    made = make()
+    object.__setattr__(model, attr, (key, made))
+    return made
 
 
 _COPY: list = []
