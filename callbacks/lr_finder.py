@@ -1046,6 +1046,12 @@ def lr_find(
     if method == "probe" and getattr(model, "optimizer", None) is not None:
         probe_schedule = probe_schedule or compiled_schedule_shape(model)  # before `_one_trace` swaps the LR
     finder = LRFinder(start_lr, end_lr, steps, smooth, diverge_factor, restore, "minimum" if method == "probe" else method)
+    if keras.backend.backend() == "tensorflow":
+        # Up to 9 `fit`s of one model: under a strategy, Keras would draw and drop a batch
+        # at the start of each, which TensorFlow sometimes answers with a segfault.
+        from trainwell.compat import keras_fixes  # lazy: it imports TensorFlow's trainer
+
+        keras_fixes.apply("symbolic_build")
     with _one_trace(model) as shared_lr:
         finder._shared_lr = shared_lr
         try:

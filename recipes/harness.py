@@ -206,20 +206,12 @@ def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext
     Example:
     >>> ctx = setup_run(Config(epochs=1), "resnet-imagenet")  # doctest: +SKIP
     """
-    strategy = runtime.make_strategy(cfg.strategy)
+    strategy = runtime.make_strategy(cfg.strategy)  # on TensorFlow, also the Keras fixes a strategy needs
     precision = runtime.set_precision(cfg.precision)
     if deterministic is None:
         deterministic = bool(getattr(cfg, "deterministic", False))
     runtime.seed_everything(cfg.seed, deterministic=deterministic)
     chief = runtime.is_chief(strategy)
-    if runtime.num_replicas(strategy) > 1 and not isinstance(strategy, runtime.JaxStrategy):
-        # Keras builds the model from one batch MEAN-reduced across replicas, which
-        # fails on multi-worker data and on boolean padding masks; the fix takes a
-        # local batch. Both recipes get it for every multi-replica strategy on
-        # TensorFlow (it patches TensorFlow's trainer; JAX builds differently).
-        from trainwell.compat import keras_fixes  # lazy: it imports Keras
-
-        keras_fixes.apply("symbolic_build")
     given = Path(cfg.run_dir) if cfg.run_dir is not None else None
     fresh = "created" if given is None or not given.exists() else None
     if given is not None and given.is_dir() and not any(given.iterdir()):

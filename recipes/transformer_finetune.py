@@ -522,8 +522,8 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, model_
             # The LR in the history, as Keras's LearningRateScheduler logs it (WarmupCosine
             # does it for its own schedule); before the loggers, which write the logs.
             callbacks.insert(0, harness.log_learning_rate(model))
-        # Multi-replica strategies: `harness.setup_run` applied keras_fixes' "symbolic_build"
-        # (Keras would MEAN-reduce a per-replica batch, boolean padding masks included).
+        # Under a strategy, `runtime.make_strategy` (in `harness.setup_run`) applied keras_fixes'
+        # "symbolic_build" (Keras would MEAN-reduce a per-replica batch, boolean padding masks included).
         total = phase_steps(cfg, steps)[0]
         epochs, epoch_steps = fit_epochs(cfg, steps)
         if total < epochs * epoch_steps:

@@ -168,6 +168,17 @@ def make_strategy(spec: Any = "auto"):
     if _keras_backend() == "jax":
         return make_jax_strategy(spec)
     tf = _tf()
+    strategy = _make_tf_strategy(spec, tf)
+    if strategy is not tf.distribute.get_strategy():
+        # Keras draws (and drops) a batch at the start of every `fit` under a strategy,
+        # which TensorFlow's single-device input pipeline sometimes survives only with
+        # a segfault; the fix draws none when nothing needs building (`keras_fixes`).
+        _apply_keras_fixes("symbolic_build")
+    return strategy
+
+
+def _make_tf_strategy(spec: Any, tf):
+    """`make_strategy` on the TensorFlow backend, before the Keras fixes it needs."""
     if isinstance(spec, tf.distribute.Strategy):
         if isinstance(spec, tf.distribute.MultiWorkerMirroredStrategy):
             _apply_multiworker_fixes()
@@ -208,11 +219,15 @@ def make_strategy(spec: Any = "auto"):
     return tf.distribute.TPUStrategy(resolver)
 
 
-def _apply_multiworker_fixes() -> None:
+def _apply_keras_fixes(fixes=None) -> None:
     # lazy: it imports Keras/TensorFlow; loaded on first use, not with this module
     from trainwell.compat import keras_fixes
 
-    keras_fixes.apply()
+    keras_fixes.apply(fixes)
+
+
+def _apply_multiworker_fixes() -> None:
+    _apply_keras_fixes()
 
 
 # --------------------------------------------------------------------------- the JAX backend

@@ -20,6 +20,32 @@ backend (keras-team/keras#20585). Both live in
   replicas, so every worker reports the same logs) and leaves every other case
   to the original function.
 
+The `"symbolic_build"` fix also stops a segfault of single-device strategies
+(`OneDeviceStrategy`, `MirroredStrategy` over one GPU, what `make_strategy("auto")`
+gives on a one-GPU machine). Keras's `_maybe_symbolic_build` draws its batch at
+the start of *every* `fit`, `evaluate` and `predict` under a strategy, even when
+the model, its compiled loss and metrics and its optimizer are all built and the
+symbolic build does nothing; `fit` then drops that iterator at once
+(`epoch_iterator.reset()`). TensorFlow 2.21's `MultiDeviceIterator` sometimes
+frees its host iterator while its background thread still reads from it
+(`MultiDeviceBuffer::BackgroundThread` -> `DatasetBaseIterator::GetNext` on
+freed memory, a SIGSEGV): a loop of small `fit`s under `OneDeviceStrategy` on
+the 2-core CI machine crashed within 50-300 fits, and the `lr_find` test with
+probes (9 `fit`s) crashed twice in the suite runs of 2026-12-02, CI's included.
+The fix draws no batch when nothing needs building, and builds an unbuilt model
+from the data's element spec (`backend.build_before_fit`) before it falls back
+to drawing one. `runtime.make_strategy` applies it for every TensorFlow strategy
+but the default one (so the recipes, the CLI and the tuners get it), and
+`lr_find` on TensorFlow. With the fix the same loops ran without a crash:
+1,000 whole-epoch fits under `OneDeviceStrategy`, and 950 and 400 fits stopped
+mid-epoch under `OneDeviceStrategy` and a one-device `MirroredStrategy`, where
+each then stalled in TensorFlow's iterator destructor
+(`RootDataset::Iterator::~Iterator` waiting on its thread pool, with hundreds
+of tf.data threads left by the stopped iterators), a separate TensorFlow
+problem the fix does not touch (2026-12-02; the deterministic part, how many
+times a `fit` starts the data, is tested in
+`tests/trainwell/compat/test_keras_fixes.py`).
+
 The module patches those two attributes only, and only for the Keras versions
 known to be broken (`KNOWN_BROKEN`: `3.0 <= keras < 3.16`; tested with 3.15.1). A
 newer Keras runs unpatched: re-run `tests/trainwell/compat/test_keras_fixes.py` with it
@@ -99,13 +125,36 @@ def _names(fixes: str | Iterable[str] | None) -> tuple[str, ...]:
 # --------------------------------------------------------------------------- the fixes
 
 
+def _nothing_to_build(model) -> bool:
+    """What `Trainer._symbolic_build` checks: every layer, the compiled loss and metrics and the optimizer built."""
+    from trainwell.compat.keras_internals import compiled_metrics_unbuilt, model_fully_built
+
+    optimizer = getattr(model, "optimizer", None)
+    return (model_fully_built(model) and not compiled_metrics_unbuilt(model)
+            and (optimizer is None or optimizer.built))
+
+
 def _fixed_maybe_symbolic_build(self, iterator=None, data_batch=None):
-    """`TensorFlowTrainer._maybe_symbolic_build` taking a local batch, not a reduced one."""
+    """`TensorFlowTrainer._maybe_symbolic_build` drawing no batch when it can, and a local batch, not a reduced one."""
     import tensorflow as tf  # here: runs only on the TF backend, inside `fit`; module import stays TF-free
     from keras.src import tree
 
     if self._distribute_strategy is None:
         return
+    if data_batch is None and iterator is not None:
+        if not _nothing_to_build(self):
+            # The element spec builds most models with no iterator (and no batch drawn).
+            from trainwell.compat.backend import build_before_fit
+
+            adapter = getattr(iterator, "data_adapter", None)
+            try:
+                dataset = adapter.get_tf_dataset() if adapter is not None else None
+            except Exception:  # noqa: BLE001 - an adapter that cannot: draw a batch as Keras does
+                dataset = None
+            if dataset is not None:
+                build_before_fit(self, dataset)
+        if _nothing_to_build(self):
+            return  # `_symbolic_build` would do nothing (`_post_build` is a no-op on TensorFlow)
     if iterator is not None:
         for _, _, it in iterator:
             batch = next(it)

@@ -135,6 +135,55 @@ def test_fixes_leave_single_process_mirrored_unchanged(clean_fixes):
         assert np.allclose(a, b, rtol=0, atol=1e-7)
 
 
+def _fits_under_one_device(fits: int) -> tuple[int, list]:
+    """`fits` fits of a new model under `OneDeviceStrategy`; how many times the data was started, and the weights."""
+    import keras
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(5)
+    rs = np.random.RandomState(0)
+    x, y = rs.randn(48, 4).astype("float32"), rs.randn(48, 1).astype("float32")
+    started = []
+
+    def gen():
+        started.append(1)
+        yield from zip(x, y)
+
+    spec = (tf.TensorSpec((4,), tf.float32), tf.TensorSpec((1,), tf.float32))
+    data = tf.data.Dataset.from_generator(gen, output_signature=spec).batch(16)
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.05), "mse", metrics=["mae"])
+    for _ in range(fits):
+        model.fit(data, epochs=1, verbose=0)
+    return len(started), model.get_weights()
+
+
+def test_symbolic_build_draws_no_batch_from_data_it_does_not_need(clean_fixes):
+    # Keras draws one batch from a new iterator at the start of every `fit` under a
+    # strategy and drops that iterator; TensorFlow 2.21 sometimes segfaults there under
+    # a single-device strategy (see keras_fixes). The fix builds the first fit's model
+    # and compiled metrics from the element spec and draws nothing once all is built.
+    started_off, w_off = _fits_under_one_device(3)
+    with keras_fixes.patched("symbolic_build"):
+        started_on, w_on = _fits_under_one_device(3)
+    assert started_off == 6  # one epoch and one drawn batch per fit: the fix is still needed
+    assert started_on == 3  # one epoch per fit, nothing else
+    for a, b in zip(w_on, w_off):
+        assert np.array_equal(a, b)
+
+
+def test_make_strategy_applies_symbolic_build_for_every_strategy_but_the_default(clean_fixes, monkeypatch):
+    from trainwell import runtime
+
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+
+    runtime.make_strategy("auto")  # no GPU here: the default strategy, no patch needed
+    assert keras_fixes.applied() == ()
+    runtime.make_strategy("one_device")
+    assert keras_fixes.applied() == ("symbolic_build",)
+
+
 # --------------------------------------------------------------------------- real workers
 
 
