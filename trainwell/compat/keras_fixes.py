@@ -127,6 +127,7 @@ def _names(fixes: str | Iterable[str] | None) -> tuple[str, ...]:
 
 def _nothing_to_build(model) -> bool:
     """What `Trainer._symbolic_build` checks: every layer, the compiled loss and metrics and the optimizer built."""
+    # lazy: keras_internals imports Keras; this module stays importable without it (runs inside `fit`)
     from trainwell.compat.keras_internals import compiled_metrics_unbuilt, model_fully_built
 
     optimizer = getattr(model, "optimizer", None)
@@ -144,14 +145,16 @@ def _fixed_maybe_symbolic_build(self, iterator=None, data_batch=None):
     if data_batch is None and iterator is not None:
         if not _nothing_to_build(self):
             # The element spec builds most models with no iterator (and no batch drawn).
-            from trainwell.compat.backend import build_before_fit
+            from trainwell.compat.backend import build_before_fit  # lazy: it imports Keras, as above
 
             adapter = getattr(iterator, "data_adapter", None)
             try:
                 dataset = adapter.get_tf_dataset() if adapter is not None else None
             except Exception:  # noqa: BLE001 - an adapter that cannot: draw a batch as Keras does
                 dataset = None
-            if dataset is not None:
+            # A dataset already distributed (`distribute_datasets_from_function`) has per-replica
+            # specs: Keras draws a batch from it, as before.
+            if isinstance(dataset, tf.data.Dataset):
                 build_before_fit(self, dataset)
         if _nothing_to_build(self):
             return  # `_symbolic_build` would do nothing (`_post_build` is a no-op on TensorFlow)
