@@ -406,14 +406,13 @@ def build_optimizer(cfg: Config, steps_per_epoch: int, learning_rate=None):
 
 def compile_model(cfg: Config, model, steps_per_epoch: int, learning_rate=None) -> None:
     """Compiles `model` with the recipe's optimizer, loss (label smoothing) and metrics."""
-    # lazy: Keras loads on first use, not with this module
-    import keras
-
+    from trainwell.losses import CategoricalCrossentropy  # lazy: Keras loads on first use, not with this module
     from trainwell.recipes.harness import steps_per_execution  # lazy, as the recipe's other harness uses
 
     model.compile(
         optimizer=build_optimizer(cfg, steps_per_epoch, learning_rate=learning_rate),
-        loss=keras.losses.CategoricalCrossentropy(label_smoothing=cfg.label_smoothing),
+        # Keras's, with the smoothing in a variable: a PBT exploit that explores it keeps the traced step
+        loss=CategoricalCrossentropy(label_smoothing=cfg.label_smoothing),
         # weighted: a short last evaluation batch padded with zero-weighted examples (JAX data
         # parallelism, trainwell/data/batches.py) is not counted; the same values everywhere else
         weighted_metrics=["accuracy"],

@@ -2,7 +2,7 @@
 
 Four floors; imports only go down a floor or stay on it:
 
-    0 foundation     trainwell.{config, io, runtime, rundir, validation, data, models, optimizers, compat, ...}
+    0 foundation     trainwell.{config, io, runtime, rundir, validation, data, models, optimizers, losses, compat, ...}
     1 callbacks      trainwell.callbacks
     2 recipes        trainwell.recipes
     3 orchestration  trainwell.{tuning (with pbt), launch, cli}
@@ -51,6 +51,7 @@ SEAM = "trainwell.compat"
 FLOORS = {
     "trainwell.config": 0, "trainwell.io": 0, "trainwell.runtime": 0, "trainwell.rundir": 0,
     "trainwell.validation": 0, "trainwell.data": 0, "trainwell.models": 0, "trainwell.optimizers": 0,
+    "trainwell.losses": 0,
     "trainwell.compat": 0, "trainwell.quick": 0,
     "trainwell.callbacks": 1,
     "trainwell.recipes": 2,

@@ -23,7 +23,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 __version__ = "0.1.0"
 
 _SUBMODULES = (
-    "config", "io", "runtime", "rundir", "validation", "data", "models", "optimizers", "compat", "quick",  # floor 0
+    "config", "io", "runtime", "rundir", "validation", "data", "models", "optimizers", "losses", "compat", "quick",  # floor 0
     "callbacks", "recipes",  # floors 1 and 2
     "tuning", "launch", "cli",  # floor 3
 )

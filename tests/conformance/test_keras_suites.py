@@ -1,6 +1,6 @@
 """Keras's own tests, run against trainwell's callbacks and schedules.
 
-The Keras wheel ships its test files. This module loads six of them from the
+The Keras wheel ships its test files. This module loads seven of them from the
 installed package (located through `keras.__file__`; nothing is copied into this
 repository), puts trainwell's class in place of the Keras class each one tests,
 and hands their `TestCase` classes to pytest with Keras's assertions unchanged
@@ -14,7 +14,9 @@ and hands their `TestCase` classes to pytest with Keras's assertions unchanged
   trainwell's stateful callbacks (below);
 - `optimizers/schedules/learning_rate_schedule_test.py`, `CosineDecayTest` only:
   `CosineDecay` -> `WarmupCosineDecay`;
-- `callbacks/tensorboard_test.py`: `TensorBoard` -> trainwell's `TensorBoard`.
+- `callbacks/tensorboard_test.py`: `TensorBoard` -> trainwell's `TensorBoard`;
+- `losses/losses_test.py`, `CategoricalCrossentropyTest` only: `CategoricalCrossentropy`
+  -> trainwell's (`trainwell.losses`, its label smoothing in a variable).
 
 Adapters translate argument names only (below, one per Keras name). The
 `BackupAndRestore` adapter also answers the private attributes Keras's tests
@@ -62,6 +64,7 @@ from trainwell.callbacks.early_stopping import EarlyStopping
 from trainwell.callbacks.nan_rollback import NaNRollback
 from trainwell.callbacks.schedules import WarmupCosineDecay, WarmupLinearDecay
 from trainwell.callbacks.tensorboard import TensorBoard
+from trainwell.losses import CategoricalCrossentropy
 
 KERAS_SRC = Path(keras.__file__).resolve().parent / "src"
 
@@ -201,6 +204,11 @@ SUITES = {
         "classes": ("TestTensorBoardV2",),
         "replace": {"callbacks": {"TensorBoard": TensorBoard}},
         "ours": (TensorBoard,),
+    },
+    "losses/losses_test.py": {
+        "classes": ("CategoricalCrossentropyTest",),
+        "replace": {"losses": {"CategoricalCrossentropy": CategoricalCrossentropy}},
+        "ours": (CategoricalCrossentropy,),
     },
 }
 
