@@ -383,6 +383,34 @@ def _jax_copy():
     return _COPY[0]
 
 
+@contextlib.contextmanager
+def reseeding_keeps_compiled_functions():
+    """A block in which reseeding keeps the compiled functions ready; yields whether it does.
+
+    On TensorFlow, `keras.utils.set_random_seed` clears the kernel caches, which
+    hold each traced function's instantiation: the next call of every traced
+    function instantiates it again (`tf_internals.kernel_caches_kept` has the
+    figures). Within the block they are kept, unless a traced function holds a
+    stateful random op, whose stream restarts only when its kernel is made anew
+    (then this yields False and changes nothing). JAX's seeding keeps its
+    compiled functions: nothing to do (False).
+
+    Example:
+    >>> with reseeding_keeps_compiled_functions() as kept:
+    ...     keras.utils.set_random_seed(0)
+    """
+    if backend_name() != "tensorflow":
+        yield False
+        return
+    from trainwell.compat import tf_internals  # here: it imports TensorFlow, which a JAX run never loads
+
+    if tf_internals.stateful_random_functions():
+        yield False
+        return
+    with tf_internals.kernel_caches_kept():
+        yield True
+
+
 def strategy_scope(model):
     """The context to create variables for `model` in: its `distribute_strategy`'s scope, or none.
 

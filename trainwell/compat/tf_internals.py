@@ -12,16 +12,17 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import numpy as np
 import tensorflow as tf
 
-from trainwell.compat.versions import gate
+from trainwell.compat.versions import gate, upstream_changed
 
 __all__ = [
     "audit", "tf_global_generator", "host_array", "strategy_num_workers", "dataset_batch_size",
-    "wait_for_coordination_leader",
+    "wait_for_coordination_leader", "kernel_caches_kept", "stateful_random_functions",
 ]
 
 
@@ -137,6 +138,91 @@ def wait_for_coordination_leader(timeout_s: float) -> bool:
     return False  # pragma: no cover - someone set the key
 
 
+# --------------------------------------------------------------------------- reseeding without re-instantiation
+@contextlib.contextmanager
+def kernel_caches_kept():
+    """Within the block, `tf.random.set_seed` keeps TensorFlow's kernel caches.
+
+    TensorFlow's eager `Context._set_global_seed` (what `tf.random.set_seed` and
+    `keras.utils.set_random_seed` call) clears the context's kernel caches
+    (`TFE_ContextClearCaches`), so that stateful random kernels (`RandomUniform`
+    and the like) restart from the new seed. Those caches also hold each traced
+    function's instantiation: the next call of every `tf.function` instantiates
+    it again (TensorFlow's graph optimizer runs again), about 60 ms for a small
+    MLP's train step on the 2-core VM, seconds for a ResNet-50. Within the block
+    the seed and the operation-seed sequence are set exactly as without it; only
+    the caches stay. Used by PBT's model cache, for a segment that reuses its
+    member's traced model (see `trainwell.tuning.tuners.ModelCache`).
+
+    Example:
+    >>> with kernel_caches_kept():
+    ...     tf.random.set_seed(0)
+    """
+    gate("context.Context._set_global_seed", "tensorflow")
+    from tensorflow.python import pywrap_tfe  # here: TF's private modules only when the caches are kept
+    from tensorflow.python.eager import context
+
+    clear = getattr(pywrap_tfe, "TFE_ContextClearCaches", None)
+    original = context.Context.__dict__.get("_set_global_seed")
+    if clear is None or original is None:
+        raise upstream_changed("context.Context._set_global_seed", "tensorflow",
+                               "it clears the kernel caches through pywrap_tfe.TFE_ContextClearCaches")
+
+    def set_global_seed(ctx, seed):
+        pywrap_tfe.TFE_ContextClearCaches = lambda handle: None  # looked up at each call by context.py
+        try:
+            original(ctx, seed)
+        finally:
+            pywrap_tfe.TFE_ContextClearCaches = clear
+
+    context.Context._set_global_seed = set_global_seed
+    try:
+        yield
+    finally:
+        context.Context._set_global_seed = original
+
+
+_RANDOM_OPS_BY_FUNCTION: dict[str, bool] = {}
+
+
+def _stateful_random_op(op_type: str) -> bool:
+    """A stateful op with `seed`/`seed2` attributes: its random state lives in its kernel (`RandomUniform`, ...)."""
+    from tensorflow.python.framework import op_def_registry  # here: as in kernel_caches_kept
+
+    op_def = op_def_registry.get(op_type)
+    if op_def is None:  # a function call: that function is checked on its own
+        return False
+    attrs = {a.name for a in op_def.attr}
+    return op_def.is_stateful and {"seed", "seed2"} <= attrs
+
+
+def stateful_random_functions() -> list[str]:
+    """The traced functions of the eager context whose graph holds a stateful random op.
+
+    Such an op's state lives in its kernel: keeping the kernel caches through a
+    reseeding (`kernel_caches_kept`) would continue its stream where a fresh
+    process restarts it. Keras 3 draws its randomness with stateless ops and
+    seed-generator variables, so a Keras model's functions hold none. Each
+    function is read once (a function's definition never changes).
+
+    Example:
+    >>> isinstance(stateful_random_functions(), list)
+    True
+    """
+    gate("context.Context.list_function_names", "tensorflow")
+    from tensorflow.python.eager import context  # here: as in kernel_caches_kept
+
+    ctx = context.context()
+    out = []
+    for name in ctx.list_function_names():
+        if name not in _RANDOM_OPS_BY_FUNCTION:
+            fdef = ctx.get_function_def(name)
+            _RANDOM_OPS_BY_FUNCTION[name] = any(_stateful_random_op(n.op) for n in fdef.node_def)
+        if _RANDOM_OPS_BY_FUNCTION[name]:
+            out.append(name)
+    return out
+
+
 def audit() -> list[str]:
     """The private TensorFlow names used here that the installed TensorFlow lacks (`[]`: all there).
 
@@ -165,4 +251,11 @@ def audit() -> list[str]:
     if not (hasattr(ctx_cls, "get_config_key_value") and hasattr(ctx_cls, "coordination_service")
             and "timeout_in_ms" in inspect.signature(ctx_cls.get_config_key_value).parameters):
         missing.append("context.Context.get_config_key_value")
+    from tensorflow.python import pywrap_tfe  # here: as above
+
+    if "TFE_ContextClearCaches" not in inspect.getsource(ctx_cls._set_global_seed) or not hasattr(
+            pywrap_tfe, "TFE_ContextClearCaches"):
+        missing.append("context.Context._set_global_seed")
+    if not (hasattr(ctx_cls, "list_function_names") and hasattr(ctx_cls, "get_function_def")):
+        missing.append("context.Context.list_function_names")
     return missing

@@ -23,9 +23,11 @@ from trainwell.callbacks.checkpoint import latest_checkpoint, list_checkpoints
 from trainwell.callbacks.checkpoint.files import copy_checkpoint as copy_checkpoint_files
 from trainwell.callbacks.nan_rollback import TrainingDivergedError
 from trainwell.compat import get_lr_multiplier, learning_rate_variables, set_lr_multiplier, strategy_scope
+from trainwell.compat.backend import reseeding_keeps_compiled_functions
 from trainwell.compat.keras_internals import model_fully_built
 from trainwell.compat.keras_tuner import is_chief_oracle, serve_chief
 from trainwell.io import atomic_write_json
+from trainwell.losses import VARIABLE_CONFIG_KEYS
 from trainwell.recipes.hypermodel import checkpoint_dir
 
 #: Hyperparameter names KerasTuner (`tuner/...`) and PBT (`pbt/...`) add to a trial's
@@ -122,13 +124,20 @@ def _renamed(obj, mapping: dict):
     return obj
 
 
-def _without_plain_lr(obj):
-    """A serialized optimizer with its numeric learning rates masked (an optimizer variable, not the graph)."""
+def _without_variables(obj, keys=()):
+    """A serialized config with the values the traced step reads from variables masked.
+
+    `keys` (an optimizer's numeric `learning_rate`, an optimizer variable) and, on
+    TensorFlow, the `variable_config_keys` of trainwell's losses
+    (`trainwell.losses`, e.g. `label_smoothing`): assigned, not traced.
+    """
     if isinstance(obj, dict):
-        return {k: ("<variable>" if k == "learning_rate" and isinstance(v, (int, float)) else _without_plain_lr(v))
+        if keras.backend.backend() == "tensorflow" and obj.get("registered_name") in VARIABLE_CONFIG_KEYS:
+            keys = (*keys, *VARIABLE_CONFIG_KEYS[obj["registered_name"]])
+        return {k: ("<variable>" if k in keys and isinstance(v, (int, float)) else _without_variables(v, keys))
                 for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_without_plain_lr(v) for v in obj]
+        return [_without_variables(v, keys) for v in obj]
     return obj
 
 
@@ -136,19 +145,27 @@ def _graph_description(model):
     compile_config = dict(model.get_compile_config() or {})
     if not compile_config:
         return None
-    compile_config["optimizer"] = _without_plain_lr(compile_config.get("optimizer"))
+    compile_config = {k: _without_variables(v, ("learning_rate",) if k == "optimizer" else ())
+                      for k, v in compile_config.items()}
     return {"model": model.get_config(), "compile": compile_config}
 
 
+def _variable_backed_losses(model) -> list:
+    """The compiled losses of `model` that read hyperparameters from variables (`trainwell.losses`)."""
+    return [loss for loss in keras.tree.flatten(getattr(model, "loss", None))
+            if getattr(loss, "uses_variable", False)]
+
+
 def same_graph(model, other) -> bool:
-    """Whether two compiled models trace to the same train step (up to auto-generated names and a plain LR).
+    """Whether two compiled models trace to the same train step (up to auto-generated names and variables).
 
     The same class, distribution strategy, variables (shapes, dtypes) and
     optimizer, and the same `get_config()` and `get_compile_config()` (optimizer,
     loss, metrics, `steps_per_execution`, `jit_compile`, ...) once the names Keras
-    numbers (`dense_3`) are matched up and a numeric learning rate (a variable,
-    assigned, not traced) is left out. Anything that cannot be compared counts
-    as different.
+    numbers (`dense_3`) are matched up and the values the step reads from
+    variables (assigned, not traced) are left out: a numeric learning rate, and
+    on TensorFlow the label smoothing of `trainwell.losses.CategoricalCrossentropy`.
+    Anything that cannot be compared counts as different.
 
     Example:
     >>> same_graph(build_model(cfg), build_model(cfg))  # doctest: +SKIP
@@ -184,7 +201,8 @@ def adopt_state(model, fresh) -> None:
 
     Weights and seed-generator states (`model.variables`), every optimizer
     variable (`fresh`'s optimizer is built for this: iterations, learning rate,
-    slots at their initial values) and the schedule's LR multiplier: after this
+    slots at their initial values), the schedule's LR multiplier and the
+    variable-backed values of `trainwell.losses` (a label smoothing): after this
     `model` is what the recipe's build returned, but with its traced functions.
 
     Example:
@@ -201,6 +219,9 @@ def adopt_state(model, fresh) -> None:
     for dst, src in zip(model.optimizer.variables, fresh.optimizer.variables):
         dst.assign(src.value)
     set_lr_multiplier(model.optimizer, get_lr_multiplier(fresh.optimizer))
+    for dst, src in zip(_variable_backed_losses(model), _variable_backed_losses(fresh)):
+        for key in dst.variable_config_keys:
+            setattr(dst, key, getattr(src, key))
     model.reset_metrics()
 
 
@@ -215,14 +236,24 @@ class ModelCache:
     `trainwell.recipes.hypermodel.recipe_model_hook`): it hands back the
     member's model from its previous segment instead of the new build, when the
     recipe's own new build describes the same graph (`same_graph`: a continued
-    member always; an exploit when explore changed only a plain learning rate):
+    member always; an exploit when explore changed only values the step reads from
+    variables: a plain learning rate, `trainwell.losses`' label smoothing):
     the new build lends it its whole state (`adopt_state`), and the segment's
     `Checkpoint` then restores the member's or the donor's checkpoint into it,
     as into a new model. Only a segment that resumes from a checkpoint reuses a
     model. The new build still runs (it is cheap beside a trace, and its side
     effects, e.g. seeding, stay as they were), so a segment trains exactly as
     it would in a fresh process (a search killed and continued gives the same
-    results).
+    results). One side effect of the recipe's seeding is left out while a
+    segment runs: on TensorFlow it clears the kernel caches, and every traced
+    function of every kept model would instantiate again (graph optimization
+    included) at its next call; the caches stay
+    (`reseeding_keeps_compiled_functions`), unless a traced function holds a
+    stateful random op, whose stream restarts only with a new kernel (Keras 3's
+    own randomness is stateless). An eager stateful random op (`tf.random.uniform`
+    outside any traced function, after the seeding) would continue its stream
+    instead of restarting it; pass `reuse_models=False` to a recipe that relies
+    on that.
 
     Example:
     >>> cache = ModelCache()
@@ -264,7 +295,10 @@ class ModelCache:
 
             return build_model
 
-        yield hook
+        # The recipe seeds each run; on TensorFlow that would make every traced function of every
+        # kept model instantiate again at its next call (see reseeding_keeps_compiled_functions).
+        with reseeding_keeps_compiled_functions():
+            yield hook
         if served:
             self._models[key] = served[0]
 

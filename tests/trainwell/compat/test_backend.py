@@ -86,3 +86,26 @@ def test_an_unbuilt_model_is_not_built_from_a_guessed_length():
     assert not m.built  # left to Keras
     m.fit(ds, epochs=1, verbose=0)
     assert m.built
+
+
+def test_reseeding_keeps_compiled_functions_unless_a_traced_function_holds_random_state():
+    import gc
+
+    from trainwell.compat.backend import reseeding_keeps_compiled_functions
+
+    with reseeding_keeps_compiled_functions() as kept:
+        keras.utils.set_random_seed(0)
+    assert kept is True
+
+    @tf.function(autograph=False)
+    def draws(x):
+        return x + tf.random.uniform([2])  # its stream restarts only with a new kernel: the caches must go
+
+    draws(tf.constant(0.0))
+    with reseeding_keeps_compiled_functions() as kept:
+        keras.utils.set_random_seed(0)
+        first = draws(tf.constant(0.0)).numpy()
+    keras.utils.set_random_seed(0)
+    assert kept is False and (draws(tf.constant(0.0)).numpy() == first).all()  # restarted, as without the block
+    del draws
+    gc.collect()

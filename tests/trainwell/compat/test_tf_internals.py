@@ -3,6 +3,8 @@
 These fail when a private TensorFlow name moves or stops doing what trainwell relies on.
 """
 
+import gc
+
 import tensorflow as tf
 
 from trainwell.compat import tf_internals as ti
@@ -24,3 +26,52 @@ def test_host_array_num_workers_and_global_generator():
     # No coordination service in one process: nothing to wait for. The multi-worker case (the read
     # fails once the chief is gone) is tests/trainwell/test_launch.py::test_cli_train_with_two_workers.
     assert ti.wait_for_coordination_leader(0.1) is False
+
+
+def _count_cache_clears(monkeypatch) -> list:
+    from tensorflow.python import pywrap_tfe
+
+    calls, clear = [], pywrap_tfe.TFE_ContextClearCaches
+
+    def counting(handle):
+        calls.append(handle)
+        return clear(handle)
+
+    monkeypatch.setattr(pywrap_tfe, "TFE_ContextClearCaches", counting)
+    return calls
+
+
+def test_seeding_clears_the_kernel_caches_except_within_kernel_caches_kept(monkeypatch):
+    """TensorFlow's reseeding clears the caches (what costs the re-instantiation); the block keeps them
+    and seeds exactly as without it (the same operation seeds after it)."""
+    from tensorflow.python.eager import context
+
+    clears = _count_cache_clears(monkeypatch)
+    tf.random.set_seed(7)
+    assert len(clears) == 1  # upstream still clears: else kernel_caches_kept has nothing to do
+    plain = [context.context()._internal_operation_seed() for _ in range(3)]
+    with ti.kernel_caches_kept():
+        tf.random.set_seed(7)
+        kept = [context.context()._internal_operation_seed() for _ in range(3)]
+        assert context.context()._seed == 7
+    assert len(clears) == 1 and kept == plain
+    tf.random.set_seed(7)  # the patch is gone after the block
+    assert len(clears) == 2
+
+
+def test_stateful_random_functions_finds_the_functions_whose_kernels_hold_random_state():
+    @tf.function(autograph=False)
+    def stateful(x):
+        return x + tf.random.uniform([2])
+
+    @tf.function(autograph=False)
+    def stateless(x):
+        return x + tf.random.stateless_uniform([2], seed=[1, 2])
+
+    stateless(tf.constant(1.0))
+    assert not any("stateless" in name for name in ti.stateful_random_functions())
+    stateful(tf.constant(1.0))
+    assert any("stateful" in name for name in ti.stateful_random_functions())
+    del stateful  # TensorFlow removes a deleted function's graphs from the context: found no more
+    gc.collect()
+    assert not any("stateful" in name for name in ti.stateful_random_functions())

@@ -43,6 +43,7 @@ class Config(BaseConfig):
     weight_decay: float = 1e-4
     warmup_fraction: float = 0.0
     label_smoothing: float = 0.0
+    keras_loss: bool = False  # Keras's CategoricalCrossentropy (smoothing a traced constant) instead of trainwell's
     units: int = 16
     constant_lr: bool = False  # a plain float LR (an optimizer variable) instead of the schedule
     train_examples: int = 1259  # all of the training split
@@ -80,6 +81,7 @@ def build_model(cfg: Config, steps_per_epoch: int):
     import keras
 
     from trainwell.callbacks.schedules import WarmupCosineDecay
+    from trainwell.losses import CategoricalCrossentropy
 
     keras.utils.set_random_seed(cfg.seed)
     model = keras.Sequential([
@@ -91,9 +93,9 @@ def build_model(cfg: Config, steps_per_epoch: int):
     schedule = WarmupCosineDecay(cfg.learning_rate, total_steps=total, warmup_steps=int(cfg.warmup_fraction * total))
     opt = keras.optimizers.SGD(cfg.learning_rate if cfg.constant_lr else schedule, momentum=cfg.momentum,
                                weight_decay=cfg.weight_decay or None)
-    model.compile(optimizer=opt, loss=keras.losses.CategoricalCrossentropy(from_logits=True,
-                                                                           label_smoothing=cfg.label_smoothing),
-                  metrics=["accuracy"])
+    loss = (keras.losses.CategoricalCrossentropy if cfg.keras_loss else CategoricalCrossentropy)(
+        from_logits=True, label_smoothing=cfg.label_smoothing)
+    model.compile(optimizer=opt, loss=loss, metrics=["accuracy"])
     return model
 
 
@@ -365,7 +367,11 @@ def test_same_graph_matches_auto_names_and_a_plain_learning_rate_but_not_traced_
     model = build_model(cfg, 10)
     assert same_graph(model, build_model(cfg, 10))  # Keras numbered the second one's layers dense_2, dense_3
     assert same_graph(model, build_model(cfg.replace(learning_rate=0.2), 10))  # an optimizer variable: assigned
-    assert not same_graph(model, build_model(cfg.replace(label_smoothing=0.1), 10))  # a constant of the loss
+    assert same_graph(model, build_model(cfg.replace(label_smoothing=0.1), 10))  # trainwell's loss: a variable
+    keras_loss = cfg.replace(keras_loss=True)
+    assert not same_graph(model, build_model(keras_loss, 10))  # another loss class
+    # Keras's loss: the smoothing is a constant of the traced step
+    assert not same_graph(build_model(keras_loss, 10), build_model(keras_loss.replace(label_smoothing=0.1), 10))
     assert not same_graph(model, build_model(cfg.replace(units=8), 10))  # other variables
     assert not same_graph(model, build_model(cfg.replace(weight_decay=0.0), 10))  # the optimizer's update
     scheduled = Config()  # a schedule's constants are traced into the step
@@ -382,8 +388,9 @@ def test_adopt_state_gives_a_trained_model_the_state_of_a_new_build():
     model = build_model(cfg, 10)
     x = np.random.default_rng(0).random((64, 64)).astype("float32")
     model.fit(x, np.eye(10, dtype="float32")[np.arange(64) % 10], epochs=1, verbose=0)  # moves weights, slots, iterations
-    fresh = build_model(cfg.replace(learning_rate=0.2), 10)
+    fresh = build_model(cfg.replace(learning_rate=0.2, label_smoothing=0.1), 10)
     adopt_state(model, fresh)
+    assert model.loss.label_smoothing == 0.1 and model.loss.uses_variable  # read by the traced step
     assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(model.variables, fresh.variables))
     opt = model.optimizer
     assert int(opt.iterations.numpy()) == 0 and float(keras.ops.convert_to_numpy(opt.learning_rate)) == pytest.approx(0.2)
@@ -432,8 +439,9 @@ def test_hypermodel_run_hands_the_model_hook_and_segment_to_the_recipes_train():
 
 
 @pytest.mark.slow
-def test_pbt_keeps_each_members_model_and_trains_exactly_as_with_a_new_model_per_segment(tmp_path):
-    """A continued member and an exploit that changed only a plain LR reuse the member's traced model.
+def test_pbt_keeps_each_members_model_and_trains_exactly_as_with_a_new_model_per_segment(tmp_path, monkeypatch):
+    """A continued member and an exploit that changed only variables (a plain LR, trainwell's label
+    smoothing) reuse the member's traced model.
 
     The results are bit for bit those of `reuse_models=False` (a new model per segment, which is
     also what a search killed and continued in a new process builds): scores, lineage and the
@@ -446,9 +454,15 @@ def test_pbt_keeps_each_members_model_and_trains_exactly_as_with_a_new_model_per
     from trainwell.callbacks.checkpoint import latest_checkpoint, read_checkpoint
 
     hp = kt.HyperParameters()
-    hp.Float("learning_rate", 1e-3, 1.0, sampling="log", default=0.05)  # the only tuned value: a plain LR
-    runs = {}
+    hp.Float("learning_rate", 1e-3, 1.0, sampling="log", default=0.05)  # a plain LR: an optimizer variable
+    hp.Float("label_smoothing", 0.0, 0.2, default=0.1)  # read from a variable by trainwell's loss
+    from tensorflow.python import pywrap_tfe
+
+    clears, clear = [], pywrap_tfe.TFE_ContextClearCaches  # what each recipe's seeding would do
+    monkeypatch.setattr(pywrap_tfe, "TFE_ContextClearCaches", lambda handle: (clears.append(1), clear(handle)))
+    runs, cleared = {}, {}
     for reuse in (True, False):
+        clears.clear()
         result = tuning.search(tiny_hypermodel(epochs=2, constant_lr=True, train_examples=320), "pbt", population_size=2,
                                ready_interval=1, max_epochs=2, directory=tmp_path / str(reuse), hyperparameters=hp,
                                tune_new_entries=False, verbose=0, seed=3, export=False, reuse_models=reuse)
@@ -457,10 +471,16 @@ def test_pbt_keeps_each_members_model_and_trains_exactly_as_with_a_new_model_per
             result.project_dir / f"trial_{r['trial_id']}" / "run" / "checkpoints"))[1]
             for r in lineage if r["generation"] == 1}
         runs[reuse] = (result.tuner, lineage, final, result.project_dir)
+        cleared[reuse] = len(clears)
     tuner, lineage, final, project = runs[True]
     assert runs[False][0].model_cache is None
+    # the kept models' traced functions stay instantiated: the seeding of each segment clears no cache
+    assert cleared == {True: 0, False: cleared[False]} and cleared[False] >= 4
     assert sorted(tuner.model_cache.events) == [(0, "built"), (0, "reused"), (1, "built"), (1, "reused")]
     assert sum(r["action"] == "exploit" for r in lineage) == 1  # the worse member: its model is reused too
+    exploit = next(r for r in lineage if r["action"] == "exploit")
+    parent = next(r for r in lineage if r["trial_id"] == exploit["parent"])  # the donor's segment it copied
+    assert exploit["hyperparameters"]["label_smoothing"] != parent["hyperparameters"]["label_smoothing"]
     assert [(r["member"], r["action"], r["hyperparameters"], r["score"]) for r in lineage] == [
         (r["member"], r["action"], r["hyperparameters"], r["score"]) for r in runs[False][1]]
     for tid, arrays in final.items():
