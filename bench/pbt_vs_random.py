@@ -4,9 +4,11 @@ The problem: an MLP (784-128-10, ReLU) on the embedded mnist5k digits (3,500 tra
 500 validation / 1,000 test), trained with plain SGD at a *constant* learning rate
 (no schedule), so the best LR changes during training: a high LR gets the loss
 down fastest early, a low LR settles better late. Both searches tune the same space
-(learning rate, log-uniform in [1e-3, 1]; label smoothing in [0, 0.2], a constant of
-the traced loss, so an exploit that changes it builds and traces a new model; `--space lr`
-tunes the learning rate alone, an optimizer variable that no exploit retraces) through
+(learning rate, log-uniform in [1e-3, 1]; label smoothing in [0, 0.2], read from a variable
+by `trainwell.losses.CategoricalCrossentropy`, as the shipped ResNet recipe's is, so no exploit
+retraces; `--keras-loss` uses Keras's loss, whose smoothing is a constant of the traced step: an
+exploit that changes it builds and traces a new model; `--space lr` tunes the learning rate alone,
+an optimizer variable) through
 `trainwell.tuning.search`, each trial with the tiny recipe below (trainwell's
 `setup_run`, `standard_callbacks`: NaN rollback, checkpoints; `finish_run`):
 
@@ -44,7 +46,8 @@ Run:
     python bench/pbt_vs_random.py --quick              # 2 members x 2 epochs x 1 seed smoke run
     python bench/pbt_vs_random.py --trials 4 --epochs 8 --batch-size 64 --seeds 3   # the earlier design
     python bench/pbt_vs_random.py --trials 4 --seeds 1 --with-rebuild   # + PBT with a new model per segment
-    python bench/pbt_vs_random.py --trials 4 --epochs 4 --seeds 2 --space lr   # the LR alone: no exploit traces
+    python bench/pbt_vs_random.py --trials 4 --epochs 4 --seeds 2 --space lr   # the LR alone
+    python bench/pbt_vs_random.py --trials 4 --epochs 4 --seeds 2 --keras-loss   # exploits retrace
 
 Wall time (`wall_s`) and CPU time (`cpu_s`, this process's) are the search's alone (not
 the bench's evaluation of the best model after it), after an untimed warm-up search of each
@@ -89,6 +92,7 @@ class Config(BaseConfig):
     units: int = 128
     verbose: int = 0
     tune_label_smoothing: bool = True  # `--space lr`: False, the LR alone is tuned
+    keras_loss: bool = False  # `--keras-loss`: Keras's loss, its smoothing a constant of the traced step
 
 
 def _data(cfg: Config):
@@ -112,12 +116,14 @@ def _data(cfg: Config):
 def build_model(cfg: Config):
     import keras
 
+    from trainwell.losses import CategoricalCrossentropy
+
     keras.utils.set_random_seed(cfg.seed)
     model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(cfg.units, activation="relu"),
                               keras.layers.Dense(10)])
-    model.compile(optimizer=keras.optimizers.SGD(cfg.learning_rate),
-                  loss=keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=cfg.label_smoothing),
-                  metrics=["accuracy"])
+    loss = (keras.losses.CategoricalCrossentropy if cfg.keras_loss else CategoricalCrossentropy)(
+        from_logits=True, label_smoothing=cfg.label_smoothing)
+    model.compile(optimizer=keras.optimizers.SGD(cfg.learning_rate), loss=loss, metrics=["accuracy"])
     return model
 
 
@@ -142,7 +148,7 @@ def train(cfg: Config, *, callbacks=None, model_hook=None, segment=False):
 
 def space(hp, cfg: Config) -> dict:
     out = {"learning_rate": hp.Float("learning_rate", 1e-3, 1.0, sampling="log", default=cfg.learning_rate)}
-    if cfg.tune_label_smoothing:  # a constant of the traced loss: an exploit that changes it traces anew
+    if cfg.tune_label_smoothing:  # with --keras-loss a constant of the traced loss: an exploit changing it traces
         out["label_smoothing"] = hp.Float("label_smoothing", 0.0, 0.2, default=cfg.label_smoothing)
     return out
 
@@ -155,13 +161,13 @@ def hypermodel(cfg: Optional[Config] = None, **overrides):
 
 
 def run_search(kind: str, seed: int, trials: int, epochs: int, root: Path, batch_size: int = 16,
-               ready_interval: int = 1, space_name: str = "lr_smoothing") -> dict:
+               ready_interval: int = 1, space_name: str = "lr_smoothing", keras_loss: bool = False) -> dict:
     """One search; `kind` is "random", "pbt" or "pbt_rebuild" (PBT with a new model per segment)."""
     from trainwell import tuning
 
     t0, c0 = time.perf_counter(), time.process_time()
     hm = hypermodel(Config(epochs=epochs, seed=seed, batch_size=batch_size,
-                           tune_label_smoothing=space_name == "lr_smoothing"))
+                           tune_label_smoothing=space_name == "lr_smoothing", keras_loss=keras_loss))
     # PBT's member 0 would start from the space's defaults; off here, so the initial
     # population is the same random sample (same oracle seed) as random search's trials.
     kw = (dict(population_size=trials, ready_interval=ready_interval, max_epochs=epochs, start_with_defaults=False,
@@ -219,9 +225,12 @@ def main() -> None:
     ap.add_argument("--with-rebuild", action="store_true",
                     help="also PBT with a new model per segment (reuse_models=False), the earlier behaviour")
     ap.add_argument("--space", choices=("lr_smoothing", "lr"), default="lr_smoothing",
-                    help="lr_smoothing: learning rate and label smoothing (an exploit that changes the smoothing, a "
-                         "constant of the traced loss, builds and traces anew); lr: the learning rate alone (a "
-                         "variable: no exploit traces again)")
+                    help="lr_smoothing: learning rate and label smoothing (a variable of trainwell's loss; with "
+                         "--keras-loss a constant of the traced loss: an exploit changing it builds and traces anew); "
+                         "lr: the learning rate alone (an optimizer variable)")
+    ap.add_argument("--keras-loss", action="store_true",
+                    help="Keras's CategoricalCrossentropy (the smoothing a constant of the traced step: an exploit "
+                         "that changes it builds and traces anew) instead of trainwell.losses' (a variable)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
@@ -236,12 +245,12 @@ def main() -> None:
             # otherwise fell on whichever search ran first (random for seed 0, PBT for seed 1).
             for kind in kinds:
                 run_search(kind, 10_000, 2, 2, Path(tmp) / "warmup", batch_size=args.batch_size,
-                           ready_interval=args.ready_interval, space_name=args.space)
+                           ready_interval=args.ready_interval, space_name=args.space, keras_loss=args.keras_loss)
         for i, seed in enumerate(seeds):
             for kind in kinds[i % len(kinds):] + kinds[: i % len(kinds)]:  # the order rotates with the seed
                 per_seed[kind].append(run_search(kind, seed, args.trials, args.epochs, Path(tmp),
                                                  batch_size=args.batch_size, ready_interval=args.ready_interval,
-                                                 space_name=args.space))
+                                                 space_name=args.space, keras_loss=args.keras_loss))
 
     def med(kind, key):
         return rnd(statistics.median(r[key] for r in per_seed[kind]), 4)
@@ -262,6 +271,7 @@ def main() -> None:
         "problem": "MLP 784-128-10 on mnist5k, SGD at a constant LR (no schedule); space: learning_rate (log 1e-3..1)"
                    + (", label_smoothing (0..0.2)" if args.space == "lr_smoothing" else ""),
         "space": args.space,
+        "loss": "keras.losses.CategoricalCrossentropy" if args.keras_loss else "trainwell.losses.CategoricalCrossentropy",
         "trials_or_population": args.trials,
         "epochs_per_trial_or_member": args.epochs,
         "batch_size": args.batch_size,
