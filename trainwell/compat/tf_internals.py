@@ -151,8 +151,8 @@ def kernel_caches_kept():
     it again (TensorFlow's graph optimizer runs again), about 60 ms for a small
     MLP's train step on the 2-core VM, seconds for a ResNet-50. Within the block
     the seed and the operation-seed sequence are set exactly as without it; only
-    the caches stay. Used by PBT's model cache, for a segment that reuses its
-    member's traced model (see `trainwell.tuning.tuners.ModelCache`).
+    the caches stay. Used by PBT's model cache while a segment runs, so the
+    members' kept models stay ready (see `trainwell.tuning.tuners.ModelCache`).
 
     Example:
     >>> with kernel_caches_kept():
@@ -213,14 +213,14 @@ def stateful_random_functions() -> list[str]:
     from tensorflow.python.eager import context  # here: as in kernel_caches_kept
 
     ctx = context.context()
-    out = []
+    known = {}  # only the functions alive now: a long search traces thousands
     for name in ctx.list_function_names():
-        if name not in _RANDOM_OPS_BY_FUNCTION:
-            fdef = ctx.get_function_def(name)
-            _RANDOM_OPS_BY_FUNCTION[name] = any(_stateful_random_op(n.op) for n in fdef.node_def)
-        if _RANDOM_OPS_BY_FUNCTION[name]:
-            out.append(name)
-    return out
+        known[name] = _RANDOM_OPS_BY_FUNCTION.get(name)
+        if known[name] is None:
+            known[name] = any(_stateful_random_op(n.op) for n in ctx.get_function_def(name).node_def)
+    _RANDOM_OPS_BY_FUNCTION.clear()
+    _RANDOM_OPS_BY_FUNCTION.update(known)
+    return [name for name, holds in known.items() if holds]
 
 
 def audit() -> list[str]:
