@@ -181,7 +181,7 @@ def _make_tf_strategy(spec: Any, tf):
     """`make_strategy` on the TensorFlow backend, before the Keras fixes it needs."""
     if isinstance(spec, tf.distribute.Strategy):
         if isinstance(spec, tf.distribute.MultiWorkerMirroredStrategy):
-            _apply_multiworker_fixes()
+            _apply_keras_fixes()  # all of them: the multi-worker fix among them
         return spec
     if not isinstance(spec, str):
         raise ValueError(
@@ -224,10 +224,6 @@ def _apply_keras_fixes(fixes=None) -> None:
     from trainwell.compat import keras_fixes
 
     keras_fixes.apply(fixes)
-
-
-def _apply_multiworker_fixes() -> None:
-    _apply_keras_fixes()
 
 
 # --------------------------------------------------------------------------- the JAX backend
@@ -544,7 +540,7 @@ def collective_timeout_s() -> float | None:
 
 
 def _make_multiworker(tf):
-    _apply_multiworker_fixes()
+    _apply_keras_fixes()  # all of them: the multi-worker fix among them
     timeout = collective_timeout_s()
     if timeout is None:
         return tf.distribute.MultiWorkerMirroredStrategy()

@@ -143,7 +143,8 @@ def _fixed_maybe_symbolic_build(self, iterator=None, data_batch=None):
     if self._distribute_strategy is None:
         return
     if data_batch is None and iterator is not None:
-        if not _nothing_to_build(self):
+        built = _nothing_to_build(self)
+        if not built:
             # The element spec builds most models with no iterator (and no batch drawn).
             from trainwell.compat.backend import build_before_fit  # lazy: it imports Keras, as above
 
@@ -156,7 +157,8 @@ def _fixed_maybe_symbolic_build(self, iterator=None, data_batch=None):
             # specs: Keras draws a batch from it, as before.
             if isinstance(dataset, tf.data.Dataset):
                 build_before_fit(self, dataset)
-        if _nothing_to_build(self):
+                built = _nothing_to_build(self)
+        if built:
             return  # `_symbolic_build` would do nothing (`_post_build` is a no-op on TensorFlow)
     if iterator is not None:
         for _, _, it in iterator:
