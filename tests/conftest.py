@@ -22,6 +22,21 @@ def python_subprocess():
     return run_python
 
 
+@pytest.fixture
+def tf_cache_clears(monkeypatch) -> list:
+    """A list that gets one entry per clear of TensorFlow's kernel caches (what `tf.random.set_seed` does)."""
+    from tensorflow.python import pywrap_tfe  # the private name `trainwell.compat.tf_internals` keeps out
+
+    calls, clear = [], pywrap_tfe.TFE_ContextClearCaches
+
+    def counting(handle):
+        calls.append(handle)
+        return clear(handle)
+
+    monkeypatch.setattr(pywrap_tfe, "TFE_ContextClearCaches", counting)
+    return calls
+
+
 def _save_tiny_bert_preset(path, words, sequence_length: int):
     """Saves a randomly initialised 2-layer BERT text classifier (hidden 16) over `words` as a preset.
 

@@ -28,25 +28,12 @@ def test_host_array_num_workers_and_global_generator():
     assert ti.wait_for_coordination_leader(0.1) is False
 
 
-def _count_cache_clears(monkeypatch) -> list:
-    from tensorflow.python import pywrap_tfe
-
-    calls, clear = [], pywrap_tfe.TFE_ContextClearCaches
-
-    def counting(handle):
-        calls.append(handle)
-        return clear(handle)
-
-    monkeypatch.setattr(pywrap_tfe, "TFE_ContextClearCaches", counting)
-    return calls
-
-
-def test_seeding_clears_the_kernel_caches_except_within_kernel_caches_kept(monkeypatch):
+def test_seeding_clears_the_kernel_caches_except_within_kernel_caches_kept(tf_cache_clears):
     """TensorFlow's reseeding clears the caches (what costs the re-instantiation); the block keeps them
     and seeds exactly as without it (the same operation seeds after it)."""
     from tensorflow.python.eager import context
 
-    clears = _count_cache_clears(monkeypatch)
+    clears = tf_cache_clears
     tf.random.set_seed(7)
     assert len(clears) == 1  # upstream still clears: else kernel_caches_kept has nothing to do
     plain = [context.context()._internal_operation_seed() for _ in range(3)]
