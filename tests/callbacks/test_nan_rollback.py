@@ -1,15 +1,20 @@
 """Tests of `trainwell.callbacks.nan_rollback.NaNRollback`.
 
 Deterministic NaN injection: a `tf.data` pipeline whose batches are numbered
-globally (`enumerate`, across epochs) replaces the inputs of the chosen batches
-by `inf`, `nan` or a huge value. The problem is tiny and linearly separable
-with a margin, so a clean run reaches 100 % training accuracy in 64 steps.
+globally (`enumerate`, across epochs) poisons the chosen batches. The problem is
+tiny and linearly separable with a margin, so a clean run reaches 100 % training
+accuracy in 64 steps.
 
 Whether a NaN in the weights reaches the loss depends on the CPU's ReLU kernel:
 oneDNN's maps NaN to 0 on some x86 CPUs (the loss stays finite), not on others.
-Tests that need NaN weights behind a finite loss build the model with
-`hide_nan=True`, whose activation maps NaN to 0 explicitly, so they hold on any
-CPU; the others assert only what NaNRollback guarantees either way.
+So each test pins the path it tests, never the kernel:
+- the loss path: a non-finite `value` goes into the batch's sample weights
+  (`into="loss"`, the default for `inf`/`nan`), so that step's loss is
+  non-finite by arithmetic alone, on every CPU;
+- the hidden-weights path: `into="inputs"` on a model built with
+  `hide_nan=True`, whose activation maps NaN to 0 explicitly, so the weights
+  turn NaN behind a finite loss on every CPU.
+`make test` runs this file under both `TF_ENABLE_ONEDNN_OPTS=0` and `=1`.
 """
 
 from __future__ import annotations
@@ -55,13 +60,26 @@ def _data():
 X, Y = _data()
 
 
-def poisoned(bad=(), value=np.inf, start=0):
-    """Batches of (X, Y) repeated forever; global batch indices in `bad` get `value` inputs."""
+def poisoned(bad=(), value=np.inf, start=0, into=None):
+    """Batches of (X, Y) repeated forever; the global batch indices in `bad` are poisoned with `value`.
+
+    `into="loss"` (the default for a non-finite `value`): every batch carries sample weights, 1.0
+    except `value` in the poisoned ones, so their loss is `value * loss`, non-finite on any CPU.
+    `into="inputs"` (the default for a finite `value`: a spike, a float16 overflow): the poisoned
+    batches' inputs are `value`.
+    """
+    if into is None:
+        into = "inputs" if np.isfinite(value) else "loss"
+    if into not in ("loss", "inputs"):
+        raise ValueError(f"into must be 'loss' or 'inputs'. Received: into={into!r}")
     bad_t = tf.constant(sorted(bad) or [-1], tf.int64)
 
     def poison(i, batch):
         xb, yb = batch
         hit = tf.reduce_any(tf.equal(i, bad_t))
+        if into == "loss":
+            weights = tf.fill(tf.shape(yb), tf.where(hit, tf.constant(value, tf.float32), 1.0))
+            return xb, yb, weights
         return tf.where(hit, tf.fill(tf.shape(xb), tf.constant(value, tf.float32)), xb), yb
 
     ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(32).repeat()
@@ -101,9 +119,9 @@ def build(policy="float32", steps_per_execution=1, lr=0.1, with_input=True, hide
     return model
 
 
-def fit(model, bad=(), value=np.inf, callbacks=(), epochs=EPOCHS, initial_epoch=0, start=0):
+def fit(model, bad=(), value=np.inf, callbacks=(), epochs=EPOCHS, initial_epoch=0, start=0, into=None):
     return model.fit(
-        poisoned(bad, value, start),
+        poisoned(bad, value, start, into),
         steps_per_epoch=STEPS,
         epochs=epochs,
         initial_epoch=initial_epoch,
@@ -163,8 +181,8 @@ def test_poisoned_batches_roll_back_and_match_clean_run(value, spe):
     assert np.all(np.isfinite(hist.history["loss"]))
     ev = cb.get_state()["events"]
     assert [e["action"] for e in ev] == ["rollback", "rollback"]
-    # The weights are NaN whether or not this CPU's ReLU kept the loss finite.
-    assert all("nonfinite_weights" in e["causes"] for e in ev)
+    # The poisoned loss (sample weight inf/nan) is non-finite on every CPU, and its update made the weights so.
+    assert all(e["causes"] == ["nonfinite_loss", "nonfinite_weights"] for e in ev)
     if spe == 1:  # detected right after batch 5; last snapshot at step 4
         assert (ev[0]["step"], ev[0]["restored_step"], ev[0]["batches_skipped"]) == (6, 4, 2)
         assert (ev[1]["step"], ev[1]["restored_step"]) == (31, 28)
@@ -209,7 +227,7 @@ def test_terminate_on_nan_alone_misses_nan_weights(kernel):
                     "the 'simulated' case covers the hidden NaN here")
     hide_nan = kernel == "simulated"
     model = build(hide_nan=hide_nan)
-    hist = fit(model, bad=[5], callbacks=[keras.callbacks.TerminateOnNaN()])
+    hist = fit(model, bad=[5], into="inputs", callbacks=[keras.callbacks.TerminateOnNaN()])
     # The weights are NaN from batch 5 on, but the loss stays finite: the run
     # goes on to the end and is lost.
     assert not finite(model)
@@ -218,7 +236,7 @@ def test_terminate_on_nan_alone_misses_nan_weights(kernel):
 
     model = build(hide_nan=hide_nan)
     cb = NaNRollback(snapshot_every=4)
-    fit(model, bad=[5], callbacks=[cb], epochs=1)
+    fit(model, bad=[5], into="inputs", callbacks=[cb], epochs=1)
     (ev,) = cb.events
     # Found by the weight check before the snapshot due at step 8; restored to the one before.
     assert ev["causes"] == ["nonfinite_weights"] and (ev["step"], ev["restored_step"]) == (8, 4)
@@ -241,7 +259,7 @@ def test_nan_weights_are_found_by_the_next_check_and_never_reach_an_epoch_end(ev
     model = build(hide_nan=True)  # NaN weights, finite loss from step 3: only a weight check finds them
     cb = NaNRollback(snapshot_every=16, check_weights_every=every)
     seen = _WeightsAtEpochEnd()
-    fit(model, bad=[2], callbacks=[cb, seen], epochs=2)
+    fit(model, bad=[2], into="inputs", callbacks=[cb, seen], epochs=2)
     (ev,) = cb.events
     # By default at the end of the epoch (step 8; the next snapshot is due at 16), before the
     # callbacks listed after NaNRollback see it; every step with 1; at the next even step with 2.
@@ -448,10 +466,9 @@ def test_events_in_logs_state_file_and_stdout(tmp_path, capsys):
         assert {"step", "epoch", "causes", "lr_before", "lr_after", "batches_skipped", "restored_step"} <= set(e)
     assert [e["epoch"] for e in events] == [0, 3]
     out = [line for line in capsys.readouterr().out.splitlines() if line.startswith("NaNRollback:")]
-    # The causes depend on the CPU's ReLU (the NaN may or may not reach the loss).
-    assert len(out) == 2 and "nonfinite_weights" in events[0]["causes"]
+    assert len(out) == 2 and events[0]["causes"] == ["nonfinite_loss", "nonfinite_weights"]
     assert out[0] == (
-        f"NaNRollback: step 6: {', '.join(events[0]['causes'])}; restored step 4 "
+        "NaNRollback: step 6: nonfinite_loss, nonfinite_weights; restored step 4 "
         "(2 batches skipped, iterations 6 -> 4), LR 0.1 -> 0.05."
     )
 
