@@ -1,7 +1,7 @@
 """Subprocess of test_nan_rollback.py: its NaNRollback checks, on whatever
 backend `KERAS_BACKEND` names (the test runs it on JAX), printed as one JSON line.
 
-- `inf`: inf inputs at batches 5 and 30 (NaN weights), `NaNRollback(snapshot_every=4)`;
+- `inf`: an inf loss at batches 5 and 30 (their sample weights; NaN weights follow), `NaNRollback(snapshot_every=4)`;
 - `spike`: batches 3 and 20 scaled to 30.0 (finite, huge losses), spike detection at its defaults.
 """
 
