@@ -11,6 +11,11 @@ The backend is Keras's (`KERAS_BACKEND`). On TensorFlow a strategy is a
 `tf.distribute.Strategy`; on JAX it is a `JaxStrategy` around a
 `keras.distribution.DataParallel` (or none), used the same way: models are built
 under `strategy.scope()` and `num_replicas(strategy)` counts the replicas.
+
+Why one module: everything here is what a process settles before it builds a
+model (devices, strategy, precision, seeds), and the cross-worker helpers
+(`any_across_workers`, `broadcast_from_chief`, `sync_workers`) branch on the kind
+of strategy this module makes; read it top to bottom in that order.
 """
 
 from __future__ import annotations
