@@ -1,14 +1,41 @@
 """trainwell.callbacks: reusable callbacks that work in anyone's `model.fit`.
 
 Names are imported lazily so `import trainwell.callbacks` stays cheap and one
-missing optional piece never breaks the others.
+missing optional piece never breaks the others. The `TYPE_CHECKING` block names
+the same definitions for editors and static analysis (jedi, type checkers),
+which never run `__getattr__`; `tests/test_packaging.py` checks the two agree.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from trainwell.callbacks.base import StatefulCallback, stateful_callbacks
+
+if TYPE_CHECKING:
+    from trainwell.callbacks.checkpoint import (
+        Checkpoint,
+        latest_checkpoint,
+        list_checkpoints,
+        load_checkpoint,
+        read_checkpoint,
+        resume_checkpoint,
+    )
+    from trainwell.callbacks.doctor import TrainingDoctor
+    from trainwell.callbacks.early_stopping import EarlyStopping, StopAtStep
+    from trainwell.callbacks.lr_finder import LRFinder
+    from trainwell.callbacks.nan_rollback import NaNRollback
+    from trainwell.callbacks.schedules import (
+        WarmupCosineDecay,
+        WarmupLinearDecay,
+        WarmupStepDecay,
+        current_lr,
+        scale_learning_rate,
+        scaled_lr,
+    )
+    from trainwell.callbacks.tensorboard import TensorBoard
+    from trainwell.callbacks.warmup_cosine import WarmupCosine
 
 _LAZY = {
     # schedules

@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import importlib
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the same name for editors and static analysis, which never run `__getattr__`
+    from trainwell.callbacks.lr_finder import lr_find
 
 # TensorFlow's C++ INFO lines (oneDNN, CUDA stubs) drown Keras's progress bars; a
 # user who wants them sets TF_CPP_MIN_LOG_LEVEL=0 before importing trainwell.

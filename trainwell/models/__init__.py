@@ -12,6 +12,12 @@ Example:
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the same names for editors and static analysis, which never run `__getattr__`
+    from trainwell.models.layers import FusedBatchNormalization
+    from trainwell.models.resnet import build_resnet, build_resnet_from_name
+    from trainwell.models.specs import RESNET_DEPTHS
 
 _LAZY = {
     "RESNET_DEPTHS": "specs",
