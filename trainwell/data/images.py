@@ -395,7 +395,7 @@ class _Transform:
 @dataclasses.dataclass
 class _Split:
     """Records of one split: a function returning a dataset of (payload, label, key)."""
-    make: Any  # (shard: tuple[int, int] | None) -> tf.data.Dataset of (payload, label, key)
+    make: Any  # (shard: tuple[int, int] | None, ordered: bool = False) -> tf.data.Dataset of (payload, label, key)
     count: int | None
     kind: str  # "path" (folder), "example" (TFRecord), "bytes" (TFDS), "array" (uint8 image)
     num_files: int = 0
@@ -431,7 +431,7 @@ def _embedded_source(name, *, val_fraction, test_fraction, split_seed, seed):
         x = np.asarray(x, np.uint8)
         y = np.asarray(y, np.int64)
 
-        def make(shard):
+        def make(shard, ordered=False):
             xs, ys = (x, y) if shard is None else (x[shard[1] :: shard[0]], y[shard[1] :: shard[0]])
             keys = np.array([f"{name}[{i}]" for i in range(len(ys))])
             return tf.data.Dataset.from_tensor_slices((xs, ys, keys))
@@ -518,7 +518,7 @@ def _folder_source(path, *, val_fraction, test_fraction, split_seed, seed, data_
             return None
         p, y = arrays[split]
 
-        def make(shard):
+        def make(shard, ordered=False):
             ps, ys = (p, y) if shard is None else (p[shard[1] :: shard[0]], y[shard[1] :: shard[0]])
             # File names as the bytes the OS gave (os.fsencode): a name that is not UTF-8
             # is read like any other instead of failing the tensor conversion.
@@ -575,7 +575,7 @@ def _tfrecord_source(pattern, *, val_fraction, test_fraction, split_seed, seed, 
         return keep
 
     def reader(shard_files, keep, shuffle_files):
-        def make(shard):
+        def make(shard, ordered=False):
             fl = list(shard_files)
             record_shard = None
             if shard is not None:
@@ -584,7 +584,7 @@ def _tfrecord_source(pattern, *, val_fraction, test_fraction, split_seed, seed, 
                 else:
                     record_shard = shard
             ds = tf.data.Dataset.from_tensor_slices(fl)
-            if shuffle_files:
+            if shuffle_files and not ordered:
                 ds = ds.shuffle(len(fl), seed=seed, reshuffle_each_iteration=True)
             ds = ds.interleave(
                 lambda f: tf.data.TFRecordDataset(f, buffer_size=8 << 20).map(lambda r: (r, f)),
@@ -707,7 +707,7 @@ def _tfds_source(name, *, val_fraction, test_fraction, split_seed, seed, data_di
             except Exception:  # pragma: no cover - unusual split strings
                 count = None
 
-        def make(shard):
+        def make(shard, ordered=False):
             read_config = tfds.ReadConfig(
                 shuffle_seed=seed,
                 input_context=input_context,
@@ -718,7 +718,7 @@ def _tfds_source(name, *, val_fraction, test_fraction, split_seed, seed, data_di
             try:
                 ds = builder.as_dataset(
                     split=tfds_split,
-                    shuffle_files=(split == "train"),
+                    shuffle_files=(split == "train" and not ordered),
                     decoders={image_key: tfds.decode.SkipDecoding()},
                     read_config=read_config,
                 )
@@ -903,10 +903,17 @@ def build_image_datasets(
     counts = {s: (src.splits[s].count if src.splits[s] is not None else 0) for s in _SPLITS}
     if counts["train"] == 0:
         raise DataError(f"The training split of {source!r} is empty.")
+    steps = _steps(counts, global_batch_size)
+    # This pipeline's batches per global step: its replicas' share (1 without `input_context`).
+    per_step = global_batch_size // (batch_size * num_pipelines)
+
+    def batches(split):
+        return None if steps[split] is None else steps[split] * per_step
+
     return ImageDatasets(
-        train=pipeline.train(src.splits["train"]),
-        val=pipeline.evaluation("val", src.splits["val"]) if src.splits["val"] is not None else None,
-        test=pipeline.evaluation("test", src.splits["test"]) if src.splits["test"] is not None else None,
+        train=pipeline.train(src.splits["train"], batches("train")),
+        val=pipeline.evaluation("val", src.splits["val"], batches("val")) if src.splits["val"] is not None else None,
+        test=pipeline.evaluation("test", src.splits["test"], batches("test")) if src.splits["test"] is not None else None,
         num_classes=src.num_classes,
         class_names=list(src.class_names),
         image_size=image_size,
@@ -916,7 +923,7 @@ def build_image_datasets(
         global_batch_size=global_batch_size,
         batch_size=batch_size,
         counts=counts,
-        steps=_steps(counts, global_batch_size),
+        steps=steps,
         mean=tuple(mean),
         std=tuple(std),
         one_hot=one_hot,
@@ -1048,13 +1055,17 @@ class _Pipeline:
             return parse
         return lambda payload, label: (payload, label)
 
-    def records(self, rec: _Split):
-        return rec.make(self.shard if (self.shard is not None and not self.src.shards_itself) else None)
+    def records(self, rec: _Split, ordered: bool = False):
+        """`rec`'s `(payload, label, key)` records of this pipeline's shard; `ordered`: files unshuffled."""
+        return rec.make(self.shard if (self.shard is not None and not self.src.shards_itself) else None, ordered)
 
-    def checked(self, split, kind, make_image):
-        """Map `(payload, label, key, *extra)` to `(image, label, ok)`; bad records are counted."""
+    def checked(self, split, kind, make_image, record: bool = True):
+        """Map `(payload, label, key, *extra)` to `(image, label, ok)`; bad records are counted (with `record`)."""
         read = self.to_bytes(kind)
         on_error = _skip_recorder(self.skips, split, hashed_key=kind not in ("path", "bytes_path"))
+        if not record:
+            def on_error(key, payload):
+                return tf.constant(False)
         transform = self.transform
 
         def fn(payload, label, key, *extra):
@@ -1067,26 +1078,44 @@ class _Pipeline:
 
         return fn
 
-    def finish(self, ds, split, *, encoded):
-        """Drops flagged records, caches evaluation images, batches, normalises, prefetches."""
+    def drop_flagged(self, ds):
+        """Drops the flagged records; anything the decoders still reject (rare: the structure
+        looked fine) is dropped by ignore_errors and logged."""
+        if self.safety_net:
+            ds = ds.ignore_errors(log_warning=True)
+        return ds.filter(_flag_only).map(_drop_flag)
+
+    def finish(self, ds, split, *, batches=None):
+        """Caches evaluation images, batches, normalises, prefetches.
+
+        With `batches`, the dataset yields exactly that many batches per iteration and says
+        so (its cardinality), so Keras makes a new iterator each epoch: the training stream
+        comes here endless (topped up), evaluation batches are followed by empty ones (after
+        the last real batch only when images were skipped: every example is scored once).
+        """
         train = split == "train"
-        if encoded:
-            # Flagged records are counted and dropped; anything the decoders still reject
-            # (rare: the structure looked fine) is dropped by ignore_errors and logged.
-            if self.safety_net:
-                ds = ds.ignore_errors(log_warning=True)
-            ds = ds.filter(_flag_only).map(_drop_flag)
         if self.cache and not train:  # evaluation output is deterministic: cache the decoded images
             ds = ds.cache("" if self.cache is True else f"{self.cache}_{split}")
         ds = ds.batch(self.batch_size, drop_remainder=train)
+        if batches is not None:
+            if not train:
+                image_spec, label_spec = ds.element_spec
+                empty = tf.data.Dataset.from_tensors((
+                    tf.zeros([0, *image_spec.shape[1:]], image_spec.dtype),
+                    tf.zeros([0, *label_spec.shape[1:]], label_spec.dtype),
+                ))
+                ds = ds.concatenate(empty.repeat())
+            ds = ds.take(batches)  # a known cardinality (a `filter` leaves it unknown)
         return ds.map(self.transform.normalise, num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE).with_options(self.options)
 
-    def train(self, rec: _Split):
-        """The training dataset: (cached,) shuffled, augmented with a per-element seed, batched."""
-        ds = self.records(rec)
+    def augmented(self, rec: _Split, *, top_up: bool = False):
+        """`(image, label, ok)` of the training records: (cached,) shuffled, augmented with a
+        per-element seed. `top_up`: the records in their stored order (no shuffle, no cache,
+        no seed generator drawn from, skips not counted again), augmented with other seeds."""
+        ds = self.records(rec, ordered=top_up)
         encoded = rec.kind != "array"
         kind = rec.kind
-        cache, seed, transform = self.cache, self.seed, self.transform
+        cache, seed, transform = self.cache and not top_up, self.seed, self.transform
         if cache and encoded:
             # Cache the encoded images (files read, records parsed) before shuffling.
             read = self.to_bytes(rec.kind)
@@ -1096,8 +1125,9 @@ class _Pipeline:
             kind = "bytes_path" if rec.kind == "path" else "bytes"
         if cache:
             ds = ds.cache("" if cache is True else f"{cache}_train")
-        buffer = rec.count if rec.kind in ("path", "array") and rec.count else self.shuffle_buffer
-        ds = ds.shuffle(max(1, min(buffer, 1_000_000)), seed=seed, reshuffle_each_iteration=True)
+        if not top_up:
+            buffer = rec.count if rec.kind in ("path", "array") and rec.count else self.shuffle_buffer
+            ds = ds.shuffle(max(1, min(buffer, 1_000_000)), seed=seed, reshuffle_each_iteration=True)
         # Per-element augmentation seed: fixed by position and `seed`; positions get
         # other images each epoch. `[seed, position]` counted by a `scan` has no
         # stateful op (a `tf.random.uniform` in a map drew other numbers on each worker
@@ -1105,31 +1135,60 @@ class _Pipeline:
         # autosharding cannot walk through a `scan` (nor a zipped `Dataset.random`):
         # FILE-sharded pipelines keep the seeded stateful draw, reproducible in one
         # process; pass `input_context` for exactly reproducible multi-worker runs.
+        # The top-up (never FILE-sharded: see `train`) counts its positions down from -1.
         if self.file_sharded:
             ds = ds.map(lambda p, y, k: (p, y, k, tf.random.uniform([2], maxval=tf.int64.max, dtype=tf.int64,
                                                                      seed=seed)))
         else:
             seed_t = tf.constant(int(seed), tf.int64)
-            ds = ds.scan(tf.constant(0, tf.int64), lambda i, e: (i + 1, (*e, tf.stack([seed_t, i]))))
+            step = -1 if top_up else 1
+            ds = ds.scan(tf.constant(step if top_up else 0, tf.int64),
+                         lambda i, e: (i + step, (*e, tf.stack([seed_t, i]))))
         if encoded:
-            fn = self.checked("train", kind, lambda image_bytes, s: transform.train_image(image_bytes, s, encoded=True))
-            ds = ds.map(fn, num_parallel_calls=AUTOTUNE)
-        else:
-            ds = ds.map(lambda p, y, k, s: (transform.train_image(p, s, encoded=False), transform.label(y)),
-                        num_parallel_calls=AUTOTUNE)
-        return self.finish(ds, "train", encoded=encoded)
+            fn = self.checked("train", kind, lambda image_bytes, s: transform.train_image(image_bytes, s, encoded=True),
+                              record=not top_up)
+            return ds.map(fn, num_parallel_calls=AUTOTUNE)
+        return ds.map(lambda p, y, k, s: (transform.train_image(p, s, encoded=False), transform.label(y)),
+                      num_parallel_calls=AUTOTUNE)
 
-    def evaluation(self, split, rec: _Split):
-        """A validation or test dataset: centre crop, no shuffle, every example (the last batch may be short)."""
+    def train(self, rec: _Split, batches: int | None = None):
+        """The training dataset: (cached,) shuffled, augmented with a per-element seed, batched.
+
+        With `batches`, exactly that many full batches per iteration: an epoch short of them
+        (images skipped as corrupt, a smaller shard) is topped up with examples from a pass
+        over the records in their stored order, repeated, so every epoch trains what Keras is
+        told, and the shuffle's seed generator is drawn from once per epoch (exact resume).
+        Under FILE auto-sharding each worker reads files of its own, whose share of the
+        batches is unknown: the stream is endless (reshuffled each pass) and Keras counts the
+        steps of each epoch.
+        """
+        encoded = rec.kind != "array"
+        ds = self.augmented(rec)
+        if encoded:
+            ds = self.drop_flagged(ds)
+        if self.file_sharded:
+            ds, batches = ds.repeat(), None  # a repeat of a pass that yields nothing ends
+        elif batches is not None and encoded:
+            ds = ds.concatenate(self.drop_flagged(self.augmented(rec, top_up=True)).repeat())
+        return self.finish(ds, "train", batches=batches)
+
+    def evaluation(self, split, rec: _Split, batches: int | None = None):
+        """A validation or test dataset: centre crop, no shuffle, every example (the last batch may be short).
+
+        With `batches`, exactly that many (empty batches after the last when images were
+        skipped); not when each pipeline reads whole files of its own (FILE auto-sharding,
+        `input_context` with TFDS or TFRecords): its share is unknown, so is its length.
+        """
         ds = self.records(rec)
         transform = self.transform
         if rec.kind != "array":
             fn = self.checked(split, rec.kind, lambda image_bytes: transform.eval_image(image_bytes, encoded=True))
-            ds = ds.map(fn, num_parallel_calls=AUTOTUNE)
+            ds = self.drop_flagged(ds.map(fn, num_parallel_calls=AUTOTUNE))
         else:
             ds = ds.map(lambda p, y, k: (transform.eval_image(p, encoded=False), transform.label(y)),
                         num_parallel_calls=AUTOTUNE)
-        return self.finish(ds, split, encoded=rec.kind != "array")
+        even_shares = not self.file_sharded and (self.shard is None or rec.kind in ("path", "array"))
+        return self.finish(ds, split, batches=batches if even_shares else None)
 
 
 def _synthetic(source, image_size, global_batch_size, batch_size, seed, num_classes, one_hot, sizes):

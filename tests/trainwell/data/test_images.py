@@ -90,8 +90,9 @@ def test_folder_flat_shapes_counts_and_corrupt_file_skipped(flat_folder):
     assert data.class_names == list(CLASSES) and data.num_classes == 3 and data.channels == 3
     assert data.counts["train"] == 25 and data.steps["train"] == 5  # the broken file is listed, .txt is not
     x, y = _epoch(data.train)
-    assert x.shape == (20, 24, 24, 3) and x.dtype == np.float32  # 24 good images, drop_remainder
-    assert y.shape == (20, 3) and np.allclose(y.sum(axis=1), 1.0)
+    # the 5 batches Keras is told: the 24 good images and one of the top-up for the broken one
+    assert x.shape == (25, 24, 24, 3) and x.dtype == np.float32
+    assert y.shape == (25, 3) and np.allclose(y.sum(axis=1), 1.0)
     assert data.skipped == {"train": 1, "val": 0, "test": 0}
     assert data.skipped_examples["train"] == [str(flat_folder / "bee" / "broken.jpg")]
     _epoch(data.train)  # second epoch: still one distinct skipped image
@@ -197,10 +198,12 @@ def test_tfrecord_pipeline_survives_file_autosharding(tmp_path, monkeypatch):
                                 test_fraction=0.0, one_hot=False)
     assert data.counts["train"] == 12
     assert data.train.options().experimental_distribute.auto_shard_policy == tf.data.experimental.AutoShardPolicy.FILE
+    # Each worker's share is unknown: an endless stream, and Keras counts each epoch's steps.
+    assert data.train.cardinality() == tf.data.INFINITE_CARDINALITY
     seen = []
     for i in range(3):
-        labels = [int(y[0]) for _, y in _AutoShardDataset(data.train, 3, i, num_replicas=1)]
-        assert len(labels) == 4 and len(set(labels)) == 1  # one whole file per worker (DATA would mix)
+        labels = [int(y[0]) for _, y in _AutoShardDataset(data.train, 3, i, num_replicas=1).take(8)]
+        assert len(labels) == 8 and len(set(labels)) == 1  # one whole file per worker (DATA would mix)
         seen.append(labels[0])
     assert sorted(seen) == [0, 1, 2]
 
@@ -416,7 +419,8 @@ def test_undecodable_image_passing_the_check_is_dropped_not_fatal(tmp_path):
     assert data.counts["train"] == 7  # 6 good + garbled; the dangling link is skipped at listing
     assert data.skipped["train"] == 1 and data.skipped_examples["train"] == [str(tmp_path / "b" / "dangling.jpg")]
     x, _ = _epoch(data.train)
-    assert len(x) == 6  # the garbled file is dropped by the ignore_errors safety net
+    # the garbled file is dropped by the ignore_errors safety net, and the epoch topped up to its 7 batches
+    assert len(x) == 7 and len({a.tobytes() for a in x.round(4)}) <= 7
 
 
 def test_datasets_feed_keras_fit():
@@ -473,3 +477,166 @@ def test_crop_padding_sets_the_shift_range():
     assert not np.allclose(np.asarray(next(iter(s.train))[0]), np.asarray(xe))
     with pytest.raises(ValueError, match="Received: crop_padding=-1"):
         build("digits", image_size=8, global_batch_size=32, crop_padding=-1)
+
+
+# ----------------------------------------------------------------------------- batches per epoch
+def _layout(root, rng, corrupt: bool):
+    """train/: 3 classes x 15 JPEGs of 8x8 (+ 4 corrupt: 49 listed, 3 batches of 16, 45 readable);
+    val/ (the test split): 3 x 3 (+ 8 corrupt: 17 listed, 2 batches of 16, 9 readable: one)."""
+    for split, per, bad in (("train", 15, 4), ("val", 3, 8)):
+        for c in CLASSES:
+            for i in range(per):
+                _write(str(root / split / c / f"{i}.jpg"), _jpeg(rng, 8, 8))
+        for i in range(bad if corrupt else 0):
+            _write(str(root / split / CLASSES[i % 3] / f"bad{i}.jpg"), b"\xff\xd8\xff truncated %d" % i)
+    return root
+
+
+def _as_tfrecords(folder, out):
+    """The same images as TFRecords: 2 train and 2 validation files (1-based labels)."""
+    out.mkdir()
+    for split, prefix in (("train", "train"), ("val", "validation")):
+        paths = sorted((folder / split).glob("*/*.jpg"))
+        for s in range(2):
+            with tf.io.TFRecordWriter(str(out / f"{prefix}-{s:05d}-of-00002")) as w:
+                for p in paths[s::2]:
+                    w.write(_example(p.read_bytes(), 1 + CLASSES.index(p.parent.name)))
+    return out
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["clean", "corrupt"])
+def layouts(tmp_path_factory, request):
+    root = tmp_path_factory.mktemp("layout")
+    folder = _layout(root / "folder", np.random.default_rng(7), corrupt=request.param)
+    return {"folder": f"folder:{folder}", "tfrecord": f"tfrecord:{_as_tfrecords(folder, root / 'tfrecords')}",
+            "corrupt": request.param}
+
+
+def _fit_counting(data, epochs=3):
+    """Fits a tiny model as the recipe does (Keras told `steps_per_epoch`); returns the batches each
+    epoch trained and evaluated, and the warnings Keras gave."""
+    import warnings
+
+    import keras
+
+    class Count(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.train, self.eval = [], []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.train.append(0)
+            self.eval.append(0)
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.train[-1] += 1
+
+        def on_test_batch_begin(self, batch, logs=None):
+            self.eval[-1] += 1
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8, 8, data.channels)), keras.layers.Flatten(),
+                              keras.layers.Dense(data.num_classes, activation="softmax")])
+    model.compile(optimizer="sgd", loss="categorical_crossentropy", weighted_metrics=["accuracy"])
+    count = Count()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hist = model.fit(data.train, validation_data=data.test, epochs=epochs, steps_per_epoch=data.steps["train"],
+                         callbacks=[count], verbose=0)
+        test = model.evaluate(data.test, verbose=0, return_dict=True)
+    return count, [str(w.message) for w in caught], hist.history, test
+
+
+@pytest.mark.parametrize("kind", ["folder", "tfrecord"])
+def test_every_epoch_trains_and_evaluates_the_batches_keras_is_told(layouts, kind):
+    # Before: a filtered pipeline (corrupt images dropped) had no known length, so Keras kept one
+    # iterator over the epochs: epoch 2 found it empty ("Your input ran out of data", a loss of 0).
+    data = build_image_datasets(layouts[kind], 8, 16, val_fraction=0.0, num_classes=3, label_offset=1)
+    corrupt = layouts["corrupt"]
+    assert data.counts == {"train": 49 if corrupt else 45, "val": 0, "test": 17 if corrupt else 9}
+    assert data.steps == {"train": 3 if corrupt else 2, "val": 0, "test": 2 if corrupt else 1}
+    for split in ("train", "test"):
+        ds = getattr(data, split)
+        assert ds.cardinality() == data.steps[split]  # Keras knows the length: a new iterator each epoch
+        assert [sum(1 for _ in ds) for _ in range(2)] == [data.steps[split]] * 2
+    # Each real example of the test split is scored once; the batches short of the count are empty.
+    assert [len(y) for _, y in data.test] == ([9, 0] if corrupt else [9])
+    count, caught, history, test = _fit_counting(data)
+    assert count.train == [data.steps["train"]] * 3 and count.eval == [data.steps["test"]] * 3
+    assert not [w for w in caught if "ran out of data" in w], caught
+    assert all(v > 0 for v in history["loss"]) and np.isfinite(test["loss"]) and 0 <= test["accuracy"] <= 1
+    assert data.skipped["train"] == (4 if corrupt else 0)
+
+
+def test_the_top_up_keeps_the_epoch_order_seeded_and_independent_of_read_ahead(layouts):
+    if not layouts["corrupt"]:
+        pytest.skip("the top-up completes epochs short of images")
+    first = build_image_datasets(layouts["folder"], 8, 16, val_fraction=0.0, seed=3)
+    again = build_image_datasets(layouts["folder"], 8, 16, val_fraction=0.0, seed=3)
+    # Epoch k of a fresh pipeline is epoch k of the first: the top-up draws from no seed generator,
+    # so how far the pipeline read ahead into it does not move later epochs.
+    e1 = [_epoch(first.train)[0] for _ in range(3)]
+    e2 = [_epoch(again.train)[0] for _ in range(3)]
+    assert all(a.shape == (48, 8, 8, 3) for a in e1)
+    assert all(np.array_equal(a, b) for a, b in zip(e1, e2)) and not np.array_equal(e1[0], e1[1])
+    skipped = first._skips.events()["train"]
+    assert skipped == 3 * 4  # the top-up's own reads of the corrupt files are not counted again
+
+
+def test_each_input_pipeline_yields_the_same_batches(layouts):
+    # input_context: 2 pipelines x 1 replica; each yields the batches of a global step, whatever its share.
+    full = build_image_datasets(layouts["folder"], 8, 16, val_fraction=0.0)
+    seen = []
+    for i in range(2):
+        ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=i, num_replicas_in_sync=2)
+        d = build_image_datasets(layouts["folder"], 8, 16, val_fraction=0.0, input_context=ctx)
+        assert d.batch_size == 8
+        assert d.train.cardinality() == full.steps["train"] and sum(1 for _ in d.train) == full.steps["train"]
+        assert d.test.cardinality() == full.steps["test"] and sum(1 for _ in d.test) == full.steps["test"]
+        seen.append(_epoch(d.test)[0])
+    both = np.concatenate(seen)
+    assert len(both) == len(_epoch(full.test)[0])  # every readable test image once, over both pipelines
+
+
+def test_embedded_sources_state_their_length():
+    # (TFDS records take the TFRecords' path: `_Split` of kind "bytes", with the count of the split's metadata.)
+    digits = build_image_datasets("digits", 8, 100)
+    for split in ("train", "val", "test"):
+        ds = getattr(digits, split)
+        assert ds.cardinality() == digits.steps[split] and sum(1 for _ in ds) == digits.steps[split]
+
+
+@pytest.mark.slow
+def test_two_replicas_train_every_epoch_of_a_folder_with_corrupt_images(python_subprocess, tmp_path):
+    folder = _layout(tmp_path, np.random.default_rng(8), corrupt=True)
+    result = python_subprocess(
+        f"""
+        import json, warnings, keras
+        from trainwell import runtime
+        strategy = runtime.make_strategy("cpu:2")
+        from trainwell.data.images import build_image_datasets
+        data = build_image_datasets("folder:{folder}", 8, 16, val_fraction=0.0)
+        counts = []
+        class Count(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                counts.append(0)
+            def on_train_batch_begin(self, batch, logs=None):
+                counts[-1] += 1
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Flatten(),
+                                      keras.layers.Dense(3, activation="softmax")])
+            model.compile(optimizer="sgd", loss="categorical_crossentropy", weighted_metrics=["accuracy"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hist = model.fit(data.train, validation_data=data.test, epochs=3, steps_per_epoch=data.steps["train"],
+                             callbacks=[Count()], verbose=0)
+        print(json.dumps({{"steps": data.steps["train"], "counts": counts, "loss": hist.history["loss"],
+                          "val_loss": hist.history["val_loss"], "warnings": [str(w.message) for w in caught]}}))
+        """,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["steps"] == 3 and out["counts"] == [3, 3, 3]
+    assert not [w for w in out["warnings"] if "ran out of data" in w], out["warnings"]
+    assert all(v > 0 for v in out["loss"]) and all(np.isfinite(out["val_loss"]))
