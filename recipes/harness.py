@@ -22,6 +22,7 @@ import numpy as np
 
 from trainwell import rundir, runtime
 from trainwell.config import ConfigError
+from trainwell.data.base import DataError
 from trainwell.io import atomic_write_json, new_figure, remove_stale_temporaries, save_figure
 
 
@@ -451,6 +452,44 @@ def log_learning_rate(model):
     return keras.callbacks.LambdaCallback(on_epoch_end=log)
 
 
+def fail_on_empty_epoch():
+    """A Keras callback that ends `fit` with a one-line `DataError` when an epoch trains no batch.
+
+    Keras ends an epoch whose data ran out at once and still logs it (a loss of 0, a
+    history row, a progress bar at its end) while the learning rate schedule moves on.
+    This callback counts the batches each epoch ends (`on_train_batch_end`: a step whose
+    data ran out has begun, not ended; the count is safe for Keras's asynchronous batch
+    hooks) and raises in `on_epoch_end`; put it first, so that no logger, the progress
+    bar or `History` records the empty epoch.
+
+    Example:
+    >>> callbacks.insert(0, fail_on_empty_epoch())  # doctest: +SKIP
+    """
+    import keras  # lazy: Keras loads when a run starts, not with the harness
+
+    trained = [0]
+    guard = keras.callbacks.LambdaCallback()
+    guard.async_safe = True  # a counter: Keras may call its batch hook in its dispatch thread
+
+    def on_epoch_begin(epoch, logs=None):
+        trained[0] = 0
+
+    def on_train_batch_end(batch, logs=None):
+        trained[0] += 1
+
+    def on_epoch_end(epoch, logs=None):
+        if trained[0] == 0:
+            steps = (guard.params or {}).get("steps")
+            told = f"{steps} batches per epoch" if steps else "no number of batches"
+            raise DataError(
+                f"Epoch {epoch + 1} trained no batch: the training data ran out before it (fit was told {told}); "
+                "the dataset must yield that many batches every epoch (a known length, or endless with `.repeat()`)."
+            )
+
+    guard.on_epoch_begin, guard.on_train_batch_end, guard.on_epoch_end = on_epoch_begin, on_train_batch_end, on_epoch_end
+    return guard
+
+
 def standard_callbacks(
     cfg,
     run_dir: str | os.PathLike,
@@ -471,7 +510,8 @@ def standard_callbacks(
 ) -> list:
     """trainwell's reliability stack plus Keras's loggers, in the order they must run.
 
-    `WarmupCosine` (LR into the epoch logs) first, `NaNRollback` before anything
+    `fail_on_empty_epoch` first (an epoch without a batch is an error, not a logged
+    epoch), then `WarmupCosine` (LR into the epoch logs), `NaNRollback` before anything
     that reads the loss (it repairs the running mean after a rollback), then
     `CSVLogger` (`history.csv`, appended on resume) and `TensorBoard`, and
     `Checkpoint` last: it commits each epoch in its `on_epoch_end`, after the
@@ -513,7 +553,8 @@ def standard_callbacks(
     from trainwell.callbacks.schedules import WarmupCosineDecay
 
     run_dir = Path(run_dir)
-    out: list = quick.run_callbacks()  # TRAINWELL_QUICK: stop every run after a few batches (trainwell.quick)
+    out: list = [fail_on_empty_epoch()]  # first: no other callback sees an epoch without a batch
+    out += quick.run_callbacks()  # TRAINWELL_QUICK: stop every run after a few batches (trainwell.quick)
     if isinstance(schedule, WarmupCosineDecay):
         c = schedule.get_config()
         out.append(

@@ -106,3 +106,35 @@ def test_steps_per_execution_default_follows_the_device(monkeypatch):
     monkeypatch.setattr(harness, "_on_accelerator", lambda: True)
     assert harness.steps_per_execution(None) == harness.ACCELERATOR_STEPS_PER_EXECUTION == 8
     assert harness.steps_per_execution(3) == 3
+
+
+def test_an_epoch_that_trains_no_batch_is_a_one_line_error_before_any_logger_records_it(tmp_path):
+    import keras
+    import tensorflow as tf
+
+    from trainwell.data import DataError
+
+    # A dataset of unknown length (a filter) with `steps_per_epoch`: Keras keeps one iterator over the
+    # epochs, and epoch 2 finds it empty; without the guard it logs a loss of 0 and goes on.
+    x = tf.random.stateless_normal([8, 2], seed=[1, 2])
+    ds = tf.data.Dataset.from_tensor_slices((x, tf.zeros([8]))).filter(lambda a, b: True).batch(4)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    csv_path = tmp_path / "history.csv"
+    callbacks = [recipe.fail_on_empty_epoch(), keras.callbacks.CSVLogger(str(csv_path))]
+    with pytest.warns(UserWarning, match="ran out of data"), pytest.raises(DataError) as info:
+        model.fit(ds, epochs=3, steps_per_epoch=2, callbacks=callbacks, verbose=0)
+    msg = str(info.value)
+    assert "\n" not in msg and "Epoch 2 trained no batch" in msg and "2 batches per epoch" in msg
+    assert [row["epoch"] for row in csv.DictReader(csv_path.open())] == ["0"]  # no row for the empty epoch
+    # Data of the right length trains every epoch through the guard.
+    ok = tf.data.Dataset.from_tensor_slices((x, tf.zeros([8]))).batch(4)
+    hist = model.fit(ok, epochs=3, steps_per_epoch=2, callbacks=[recipe.fail_on_empty_epoch()], verbose=0)
+    assert len(hist.history["loss"]) == 3
+
+
+def test_standard_callbacks_put_the_empty_epoch_guard_first(tmp_path):
+    from trainwell.recipes import resnet_imagenet
+
+    cbs = resnet_imagenet.build_callbacks(resnet_imagenet.Config(), tmp_path)
+    assert cbs[0].on_epoch_end.__qualname__.startswith("fail_on_empty_epoch")

@@ -611,7 +611,10 @@ def _tfrecord_source(pattern, *, val_fraction, test_fraction, split_seed, seed, 
         ds = tf.data.TFRecordDataset(shard_files, num_parallel_reads=min(cycle_length, len(shard_files)))
         if keep is not None:
             ds = ds.filter(lambda r: keep(r, ""))
-        return int(ds.reduce(np.int64(0), lambda c, _: c + 1).numpy())
+        try:
+            return int(ds.reduce(np.int64(0), lambda c, _: c + 1).numpy())
+        except tf.errors.DataLossError:
+            raise _not_a_tfrecord(shard_files, pattern) from None
 
     num_examples = num_examples or {}
     train_keep = record_filter(val_f + test_f, 1.0)
@@ -643,6 +646,17 @@ def _tfrecord_source(pattern, *, val_fraction, test_fraction, split_seed, seed, 
                                 "example", num_files=len(by_split["train"]))
     n_classes = num_classes or 1000
     return _Source(splits, n_classes, [str(i) for i in range(n_classes)], channels=3)
+
+
+def _not_a_tfrecord(files: list[str], pattern: str) -> DataError:
+    """One line naming the first of `files` that TensorFlow cannot read as TFRecords (read one by one)."""
+    for f in files:
+        try:
+            tf.data.TFRecordDataset(f).reduce(np.int64(0), lambda c, _: c + 1)
+        except tf.errors.DataLossError as e:
+            why = str(e.message).split("}}")[-1].strip().split(" (")[0].split(" [Op:")[0]  # "corrupted record at 0"
+            return DataError(f"Not a TFRecord file, or a damaged one: {f!r} ({why}; source 'tfrecord:{pattern}').")
+    return DataError(f"Unreadable TFRecord data among the {len(files)} files of source 'tfrecord:{pattern}'.")
 
 
 def _tfds_source(name, *, val_fraction, test_fraction, split_seed, seed, data_dir, input_context, cycle_length):

@@ -640,3 +640,16 @@ def test_two_replicas_train_every_epoch_of_a_folder_with_corrupt_images(python_s
     assert out["steps"] == 3 and out["counts"] == [3, 3, 3]
     assert not [w for w in out["warnings"] if "ran out of data" in w], out["warnings"]
     assert all(v > 0 for v in out["loss"]) and all(np.isfinite(out["val_loss"]))
+
+
+def test_a_file_that_is_not_tfrecords_is_one_line_naming_it(tmp_path, tfrecord_dir):
+    import shutil
+
+    for f in tfrecord_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "train-00009-of-00009").write_bytes(np.random.default_rng(0).bytes(5000))  # random bytes
+    with pytest.raises(DataError) as info:
+        build_image_datasets(f"tfrecord:{tmp_path}", 8, 4)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("Not a TFRecord file, or a damaged one:")
+    assert repr(str(tmp_path / "train-00009-of-00009")) in msg and "corrupted record at 0" in msg
