@@ -152,9 +152,10 @@ class RecipeHyperModel(keras_tuner.HyperModel):
             `doctor=False`). Defaults to `None`.
         objective: Metric the search optimises. Defaults to `"val_accuracy"`.
         direction: `"max"` or `"min"`. Defaults to `"max"`.
-        static: Hyperparameters PBT must not change within a member's life (they
-            change the shape of the optimizer state or of the data), e.g.
-            `("batch_size", "optimizer")`. Defaults to `()`.
+        static: Hyperparameters PBT never explores (they change the shape of the
+            optimizer state, of the data or of the checkpoint): a member keeps its
+            own while it continues, an exploit takes its donor's with the donor's
+            checkpoint. E.g. `("batch_size", "optimizer")`. Defaults to `()`.
         name: Name of the hypermodel. Defaults to the recipe's name.
 
     Example:

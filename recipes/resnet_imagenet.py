@@ -572,6 +572,66 @@ def _tuning_build(cfg: Config):
     return model
 
 
+def export_model(model, cfg: Config, run_dir=None, path="best_model"):
+    """Saves `model` for serving as `path/model.keras`: raw images in, class probabilities out.
+
+    The recipe's model takes images the input pipeline has resized and normalised
+    (`trainwell.data.images`) and is compiled with a loss on one-hot labels; the
+    export does what the pipeline's evaluation does in the model itself
+    (`keras.layers.Resizing` with a centre crop to a square, the 0.875 centre crop
+    above 64 px, then `Normalization` with the pipeline's mean and std of 0-255
+    pixels), so it takes images as a user has them: `(N, H, W, C)`, uint8 or
+    float pixels in [0, 255], any size. It is saved uncompiled (no optimizer
+    state): `keras.models.load_model` after `import trainwell.models.layers`
+    (its BatchNorm) gives `predict(images) -> (N, num_classes)` probabilities, in
+    the order of the dataset's classes. Above 64 px the pipeline crops, then
+    resizes; the export resizes to `image_size / 0.875`, then crops (the same
+    region, resampled in the other order, as torchvision's evaluation).
+
+    Args:
+        model: The trained model (`build_model`'s).
+        cfg: Its config (`image_size`).
+        run_dir: The trial's run directory (unused; `RecipeHyperModel`'s `export_fn` signature).
+        path: The export's directory. Defaults to `"best_model"`.
+
+    Returns:
+        The path of the saved `model.keras`.
+
+    Example:
+    >>> export_model(run.model, run.config, run.run_dir, "served")  # doctest: +SKIP
+    >>> keras.models.load_model("served/model.keras").predict(load("digits").test[0])  # doctest: +SKIP
+    """
+    import os  # lazy, as the other imports here: Keras and TensorFlow load on first use
+    from pathlib import Path
+
+    import keras
+
+    from trainwell.data.images import (
+        EVAL_CROP_FRACTION, GRAY_MEAN, GRAY_STD, IMAGENET_MEAN, IMAGENET_STD, SMALL_IMAGE_MAX,
+    )
+
+    channels = int(model.input_shape[-1])
+    size = int(cfg.image_size)
+    mean, std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else (GRAY_MEAN, GRAY_STD)
+    crop = EVAL_CROP_FRACTION if size > SMALL_IMAGE_MAX else 1.0
+    clean = keras.models.clone_model(model)  # uncompiled: no optimizer or loss in the export
+    clean.set_weights(model.get_weights())
+    images = keras.Input((None, None, channels), name="images")
+    side = int(round(size / crop))
+    x = keras.layers.Resizing(side, side, crop_to_aspect_ratio=True, name="resize")(images)
+    if side != size:
+        x = keras.layers.CenterCrop(size, size, name="center_crop")(x)
+    x = keras.layers.Normalization(mean=[255.0 * m for m in mean], variance=[(255.0 * d) ** 2 for d in std],
+                                   name="normalise")(x)
+    serving = keras.Model(images, clean(x), name=f"{model.name}_serving")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / ".model.keras.tmp.keras"
+    serving.save(str(tmp))
+    os.replace(tmp, path / "model.keras")
+    return path / "model.keras"
+
+
 def hypermodel(cfg: Config | None = None, **overrides):
     """A `keras_tuner.HyperModel` over this recipe (see `trainwell.tuning`).
 
@@ -583,10 +643,11 @@ def hypermodel(cfg: Config | None = None, **overrides):
     (its `zero_init_residual` at every batch size). A trial runs `train()` in its own run directory with the recipe's
     callbacks (NaN rollback, early stopping when `early_stopping_patience` is set,
     checkpoints), `verbose=0` and no TrainingDoctor unless `doctor` is overridden,
-    and reports `val_accuracy`. PBT keeps `batch_size`, `optimizer` and `dropout` per
-    member: they change the data or the optimizer state, and `dropout=0` builds no
-    `Dropout` layer (its seed generator), so an exploit that moved it off 0 could not
-    load the donor's checkpoint.
+    and reports `val_accuracy`. PBT never explores `batch_size`, `optimizer` and
+    `dropout` (an exploit takes the donor's with its checkpoint): they change the data or
+    the optimizer state, and `dropout=0` builds no `Dropout` layer (its seed generator),
+    so an exploit that moved it off 0 could not load the donor's checkpoint. The best
+    trial's export (`export_model`) takes raw images and returns probabilities.
 
     Example:
     >>> from trainwell import tuning
@@ -601,6 +662,6 @@ def hypermodel(cfg: Config | None = None, **overrides):
     if "doctor" not in overrides:
         trial["doctor"] = False
     return recipe_hypermodel(
-        sys.modules[__name__], cfg, _tuning_space, build_fn=_tuning_build, trial_overrides=trial,
+        sys.modules[__name__], cfg, _tuning_space, build_fn=_tuning_build, export_fn=export_model, trial_overrides=trial,
         objective="val_accuracy", direction="max", static=("batch_size", "optimizer", "dropout"), name=RECIPE,
     )

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 from typing import Any
 
 import numpy as np
@@ -218,21 +219,36 @@ def _check_section(ckpt: str, section: str, expected: dict[str, tuple], saved: d
         )
 
 
+#: A layer in a list is named by its class (`walk_saveables`). trainwell's ResNet built Keras's
+#: `BatchNormalization` on JAX (and with `fused_batchnorm=False`) before it built
+#: `FusedBatchNormalization` everywhere: such a checkpoint's `batch_normalization_N` keys are read as
+#: `fused_batch_normalization_N` when that, and only that, makes them match the model.
+_LEGACY_NAME = re.compile(r"(?<=/)batch_normalization(?=(_\d+)?/)")
+
+
+def _legacy_renamed(saved: dict, expected: dict) -> dict:
+    if all(k in saved for k in expected):
+        return saved
+    renamed = {_LEGACY_NAME.sub("fused_batch_normalization", k): v for k, v in saved.items()}
+    ok = len(renamed) == len(saved) and all(k in renamed for k in expected)
+    return renamed if ok else saved
+
+
 def restore_model_arrays(plan: Plan, arrays: dict, ckpt: str) -> None:
     expected = {k: tuple(_shape(v)) for k, v in plan.model_items()}
-    saved = {k: a for k, a in arrays.items() if k.startswith("model:")}
+    saved = _legacy_renamed({k: a for k, a in arrays.items() if k.startswith("model:")}, expected)
     _check_section(ckpt, "model weights", expected, saved)
     for path, obj, store in plan.layer_stores:
         prefix = f"model:{path}/" if path else "model:"
-        obj.load_own_variables({k: arrays[prefix + str(k)] for k in store})
+        obj.load_own_variables({k: saved[prefix + str(k)] for k in store})
 
 
 def restore_vars(items: list[tuple[str, Any]], arrays: dict, ckpt: str, section: str, prefix: str) -> None:
     expected = {k: tuple(_shape(v)) for k, v in items}
-    saved = {k: a for k, a in arrays.items() if k.startswith(prefix)}
+    saved = _legacy_renamed({k: a for k, a in arrays.items() if k.startswith(prefix)}, expected)
     _check_section(ckpt, section, expected, saved)
     for k, v in items:
-        v.assign(arrays[k])
+        v.assign(saved[k])
 
 
 def _shape(v):

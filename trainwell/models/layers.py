@@ -13,6 +13,11 @@ weight files and numbers (the moving variance uses the biased batch variance, as
 Keras does); only the kernel differs, and only where the fused kernel applies
 (TensorFlow backend, a 4-D input normalised over its last axis, no mask, no
 renormalisation, not synchronized). Everywhere else it is Keras's layer.
+
+The ResNet builds this class on every backend (`fused=False` where the fused
+kernel is not wanted): a checkpoint names a layer by its class
+(`layers/fused_batch_normalization_3/...`, as Keras's own `.weights.h5` does), so
+one class keeps a run's checkpoint loadable when it moves between backends.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ class FusedBatchNormalization(keras.layers.BatchNormalization):
     float16/bfloat16 inputs). Otherwise it calls Keras's implementation unchanged.
 
     Args:
+        fused: Use the fused kernel where it applies. `False` is Keras's layer
+            under this class's name (a checkpoint's names stay the same).
+            Defaults to `True`.
         **kwargs: `keras.layers.BatchNormalization` arguments (`axis`, `momentum`,
             `epsilon`, `center`, `scale`, initializers, ...).
 
@@ -44,8 +52,17 @@ class FusedBatchNormalization(keras.layers.BatchNormalization):
     (8, 4, 4, 3)
     """
 
+    def __init__(self, fused: bool = True, **kwargs):
+        if not isinstance(fused, bool):
+            raise ValueError(f"Invalid value for argument `fused`. Expected a bool. Received: fused={fused!r}")
+        super().__init__(**kwargs)
+        self.fused = fused
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), "fused": self.fused}
+
     def _fused_applies(self, inputs, mask) -> bool:
-        if keras.backend.backend() != "tensorflow" or mask is not None:
+        if not self.fused or keras.backend.backend() != "tensorflow" or mask is not None:
             return False
         if self.renorm or getattr(self, "synchronized", False):
             return False

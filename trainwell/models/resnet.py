@@ -65,11 +65,7 @@ class _Builder:
         # `weight_decay`, Model Garden's `l2_weight_decay`): L2(wd / 2) has that gradient.
         self.regularizer = keras.regularizers.L2(weight_decay / 2.0) if weight_decay else None
         self.zero_init_residual = zero_init_residual
-        if fused_batchnorm:
-
-            self.bn_class = FusedBatchNormalization
-        else:
-            self.bn_class = keras.layers.BatchNormalization
+        self.fused_batchnorm = fused_batchnorm
 
     def conv(self, x, filters, kernel_size, strides, name):
         if strides > 1 and kernel_size > 1:
@@ -89,7 +85,9 @@ class _Builder:
         )(x)
 
     def bn(self, x, name, zero_gamma=False):
-        return self.bn_class(
+        # One class on every backend and setting: a checkpoint names the layer by its class.
+        return FusedBatchNormalization(
+            fused=self.fused_batchnorm,
             axis=-1,
             momentum=BN_MOMENTUM,
             epsilon=BN_EPSILON,
@@ -167,10 +165,13 @@ def build_resnet(
             bottleneck's expansion of 4 applies on top). 64 is the published
             ResNet; smaller widths make CPU-sized models for small data (the
             `make demo` run uses 16). Defaults to `64`.
-        fused_batchnorm: Use `trainwell.models.layers.FusedBatchNormalization`
-            (Keras's BatchNormalization on TensorFlow's fused kernel, as tf.keras
-            and Model Garden; same variables and numbers, faster without XLA).
-            Defaults to `None`: on when the Keras backend is TensorFlow.
+        fused_batchnorm: Run the BatchNorm layers on TensorFlow's fused kernel
+            (`trainwell.models.layers.FusedBatchNormalization`, as tf.keras and
+            Model Garden; same variables and numbers, faster without XLA). The
+            layers are that class either way (`fused=False` is Keras's
+            computation), so a checkpoint's names do not depend on the backend
+            or on this setting. Defaults to `None`: on when the Keras backend is
+            TensorFlow.
 
     Returns:
         A `keras.Model` mapping images to class probabilities (float32 softmax output,

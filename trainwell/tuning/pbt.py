@@ -39,7 +39,8 @@ The algorithm, synchronous by generation:
   log-scaled ones that is a step in log space; a linear one at 0 moves by a
   fraction of its range), integers likewise (by at least 1), clipped to their
   bounds; choices and booleans keep their value unless resampled.
-  `static_hyperparameters` (batch size, optimizer) are inherited unchanged.
+  `static_hyperparameters` (batch size, optimizer) are never explored: an
+  exploit takes the donor's unchanged, with the checkpoint made under them.
 - **Divergence**: a member whose segment fails (`TrainingDivergedError` ->
   `FailedTrialError`) is replaced at once by an exploit of a top member of the
   previous generation (a restart from new random values in generation 0).
@@ -122,8 +123,9 @@ class PBTOracle(keras_tuner.Oracle):
         perturb_factors: Factors of a perturbation. Defaults to `(0.8, 1.2)`.
         resample_probability: Probability of resampling a hyperparameter
             instead of perturbing it. Defaults to `0.25`.
-        static_hyperparameters: Names never explored: a member keeps them for
-            life and an exploit copies them (e.g. `("batch_size", "optimizer")`).
+        static_hyperparameters: Names never explored: a member keeps them while
+            it continues, and an exploit takes the donor's with the donor's
+            checkpoint, which was trained with them (e.g. `("batch_size", "optimizer")`).
             Defaults to `()`.
         start_with_defaults: Member 0 starts from the space's defaults.
             Defaults to `True`.

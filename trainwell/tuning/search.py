@@ -1,7 +1,8 @@
 """`search()`: one call that builds a KerasTuner tuner over a recipe, runs it, summarises and exports.
 
 Rerunning the same call on the same directory continues a killed search; a rerun with
-another config is refused (`check_project_config`).
+another config, another tuner or another `TRAINWELL_QUICK` setting is refused
+(`check_project_config`).
 """
 
 from __future__ import annotations
@@ -78,36 +79,45 @@ class SearchFailedError(RuntimeError):
     """
 
 
-def _search_config(hypermodel) -> dict | None:
+def _search_config(hypermodel, tuner=None) -> dict | None:
+    """What a search records in `SEARCH_CONFIG_FILE`: the hypermodel's config, the tuner, `TRAINWELL_QUICK`."""
     get_config = getattr(hypermodel, "get_config", None)
-    if not callable(get_config):
-        return None
-    out = json.loads(json.dumps(get_config(), default=str))
+    out = json.loads(json.dumps(get_config(), default=str)) if callable(get_config) else {}
     out.pop("recipe", None)  # a module path, which depends on how it was imported; `name` stays
     for k in _CONFIG_FIELDS_NOT_COMPARED:
         (out.get("cfg") or {}).pop(k, None)
-    return out
+    if tuner is not None:
+        out["tuner"] = tuner  # KerasTuner cannot reload one tuner's oracle as another's
+    caps = quick.caps()
+    if caps is not None:
+        out["quick"] = caps.batches  # smoke-test trials are never ranked with real ones
+    return out or None
 
 
-def check_project_config(hypermodel, project_dir, overwrite: bool = False, write: bool = True) -> None:
+def check_project_config(hypermodel, project_dir, overwrite: bool = False, write: bool = True,
+                         tuner: str | None = None) -> None:
     """Refuses to continue a search in `project_dir` that was started with another config.
 
     A rerun of a search continues it (KerasTuner reloads the trials), which only makes
-    sense with the same recipe config: trials of the two would be ranked together
-    and a trial of one would resume another's checkpoint. The first run records the
-    hypermodel's config in `PROJECT/trainwell_search.json`; a rerun with a different
-    one raises a one-line `ConfigError` naming the fields and `--overwrite`.
+    sense with the same recipe config, tuner and `TRAINWELL_QUICK` setting: trials of
+    the two would be ranked together, a trial of one would resume another's
+    checkpoint, and KerasTuner cannot reload one tuner's oracle as another's. The
+    first run records them in `PROJECT/trainwell_search.json` (`"quick": N` marks a
+    `TRAINWELL_QUICK=N` smoke test); a rerun with different ones raises a one-line
+    `ConfigError` naming the fields and `--overwrite`. A record without a tuner
+    (written before it was recorded) is not compared on it.
 
     Args:
-        hypermodel: The search's `RecipeHyperModel` (others are not checked).
+        hypermodel: The search's hypermodel (its config is compared when it has `get_config`).
         project_dir: The search's directory.
         overwrite: The search starts afresh: nothing to compare. Defaults to `False`.
         write: Record the config (once the tuner made the directory). Defaults to `True`.
+        tuner: The tuner's name (`"random"`, ...). Defaults to `None` (not compared).
 
     Example:
-    >>> check_project_config(hm, "tuning/resnet-imagenet-random")  # doctest: +SKIP
+    >>> check_project_config(hm, "tuning/resnet-imagenet-random", tuner="random")  # doctest: +SKIP
     """
-    mine = _search_config(hypermodel)
+    mine = _search_config(hypermodel, tuner)
     if mine is None:
         return
     path = Path(project_dir) / SEARCH_CONFIG_FILE
@@ -116,15 +126,28 @@ def check_project_config(hypermodel, project_dir, overwrite: bool = False, write
             saved = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             saved = None
+        if isinstance(saved, dict) and "tuner" not in saved:
+            mine = {k: v for k, v in mine.items() if k != "tuner"}
         if isinstance(saved, dict) and saved != mine:
+            where = f"The search in {str(project_dir)!r}"
+            hint = "Rerun with --overwrite (overwrite=True) to start it afresh, or give another --project-name."
+            if saved.get("quick") and not mine.get("quick"):
+                raise ConfigError(
+                    f"{where} is a TRAINWELL_QUICK={saved['quick']} smoke test (its trials trained "
+                    f"{saved['quick']} batch(es); their scores mean nothing), not continued by a real search. {hint}"
+                )
+            if mine.get("quick") and not saved.get("quick"):
+                raise ConfigError(
+                    f"{where} is a real search: TRAINWELL_QUICK={mine['quick']} would rank smoke-test trials with "
+                    "its trials. Unset TRAINWELL_QUICK to continue it, or give another --project-name."
+                )
             a, b = saved.get("cfg") or {}, mine.get("cfg") or {}
             diff = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
             diff += [f"{k}: {saved.get(k)!r} -> {mine.get(k)!r}" for k in sorted(set(saved) | set(mine))
                      if k != "cfg" and saved.get(k) != mine.get(k)]
             raise ConfigError(
-                f"The search in {str(project_dir)!r} was started with another config ({'; '.join(diff[:6])}"
-                f"{' ...' if len(diff) > 6 else ''}). Rerun with --overwrite (overwrite=True) to start it afresh, "
-                "or give another --project-name."
+                f"{where} was started with another config ({'; '.join(diff[:6])}"
+                f"{' ...' if len(diff) > 6 else ''}). {hint}"
             )
     if write and (not has_chief_oracle() or is_chief_oracle()):
         atomic_write_json(path, mine)
@@ -178,7 +201,7 @@ def make_tuner(
             hypermodel = copy.copy(hypermodel)
             hypermodel.cfg = hypermodel.cfg.replace(epochs=epochs)
     project_dir = Path(directory) / project_name
-    check_project_config(hypermodel, project_dir, overwrite, write=False)
+    check_project_config(hypermodel, project_dir, overwrite, write=False, tuner=tuner)
     common = dict(
         hypermodel=hypermodel, objective=objective, directory=str(directory), project_name=project_name,
         overwrite=overwrite, seed=seed, hyperparameters=hyperparameters,
@@ -197,7 +220,7 @@ def make_tuner(
         t = RecipeBayesianOptimization(max_trials=max_trials, max_consecutive_failed_trials=mcf, **common)
     else:
         t = RecipeHyperband(max_epochs=epochs, factor=factor, max_consecutive_failed_trials=mcf, **common)
-    check_project_config(hypermodel, project_dir, overwrite=True)  # records it, now the directory exists
+    check_project_config(hypermodel, project_dir, overwrite=True, tuner=tuner)  # records it, now the directory exists
     return t
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from trainwell import io as tw_io
+from trainwell import quick
 from trainwell.io import atomic_write_json, atomic_write_text
 from trainwell.tuning.pbt import plot_lineage
 from trainwell.tuning.tuners import BEST_MODEL_DIR, META_PREFIXES, hp_values
@@ -175,6 +176,8 @@ def summarize(tuner, top_k: int = 10, export: bool = True, print_table: bool = T
         "objective": {"name": objective.name, "direction": objective.direction},
         "tuner": type(tuner).__name__,
         "oracle": type(oracle).__name__,
+        # TRAINWELL_QUICK=N: a smoke test whose scores mean nothing (a real search refuses to continue it)
+        "quick": quick.caps().batches if quick.caps() is not None else None,
         "num_trials": len(rows),
         "num_completed": sum(r["status"] == "COMPLETED" for r in rows),
         "num_failed": sum(r["status"] in ("FAILED", "INVALID") for r in rows),
@@ -217,7 +220,8 @@ def summarize(tuner, top_k: int = 10, export: bool = True, print_table: bool = T
     if print_table:
         print()
         print(f"Search summary: {summary['num_completed']} completed, {summary['num_failed']} failed "
-              f"of {summary['num_trials']} trials ({objective.name}, {objective.direction})")
+              f"of {summary['num_trials']} trials ({objective.name}, {objective.direction})"
+              + (f"; TRAINWELL_QUICK={summary['quick']} smoke test: the scores mean nothing" if summary["quick"] else ""))
         print(format_table(rows, objective.name, top_k))
         for r in rows:
             if r["status"] in ("FAILED", "INVALID") and r["reason"]:

@@ -51,6 +51,9 @@ def test_falls_back_to_keras_where_the_kernel_does_not_apply():
     np.testing.assert_allclose(b(x, training=True), a(x, training=True), atol=1e-6)
     assert not b._fused_applies(tf.zeros((2, 3, 3, 4)), mask=tf.ones((2, 3, 3), bool))
     assert not FusedBatchNormalization(axis=1)._fused_applies(tf.zeros((2, 3, 3, 4)), None)
+    assert not FusedBatchNormalization(fused=False)._fused_applies(tf.zeros((2, 3, 3, 4)), None)
+    with pytest.raises(ValueError, match="Received: fused='no'"):
+        FusedBatchNormalization(fused="no")
 
 
 def test_frozen_layer_uses_moving_statistics():
@@ -66,7 +69,7 @@ def test_frozen_layer_uses_moving_statistics():
 
 def test_config_and_saved_model_round_trip(tmp_path):
     inp = keras.Input((6, 6, 3))
-    out = keras.layers.GlobalAveragePooling2D()(FusedBatchNormalization(momentum=0.8, epsilon=1e-5)(inp))
+    out = keras.layers.GlobalAveragePooling2D()(FusedBatchNormalization(momentum=0.8, epsilon=1e-5, fused=False)(inp))
     model = keras.Model(inp, out)
     model(np.ones((2, 6, 6, 3), "float32"), training=True)
     path = tmp_path / "m.keras"
@@ -74,6 +77,6 @@ def test_config_and_saved_model_round_trip(tmp_path):
     loaded = keras.models.load_model(path)
     layer = loaded.layers[1]
     assert isinstance(layer, FusedBatchNormalization)
-    assert (layer.momentum, layer.epsilon) == (0.8, 1e-5)
+    assert (layer.momentum, layer.epsilon, layer.fused) == (0.8, 1e-5, False)
     x = np.random.default_rng(3).normal(size=(2, 6, 6, 3)).astype("float32")
     np.testing.assert_allclose(loaded(x), model(x), atol=1e-6)

@@ -126,20 +126,53 @@ def test_build_from_name_and_invalid_arguments():
         build_resnet(18, 2, (32, 32))
 
 
-def test_fused_batchnorm_by_default_on_tensorflow_same_weights_either_way():
+def test_fused_batchnorm_by_default_on_tensorflow_same_weights_and_checkpoint_names_either_way():
     import keras
 
+    from trainwell.compat.keras_internals import walk_saveables
     from trainwell.models.layers import FusedBatchNormalization
 
     fused = build_resnet(18, 10, (16, 16, 1), small_stem=True, width=4)
-    plain = build_resnet(18, 10, (16, 16, 1), small_stem=True, width=4, fused_batchnorm=False)
-    bns = [layer for layer in fused.layers if isinstance(layer, keras.layers.BatchNormalization)]
-    assert bns and all(isinstance(layer, FusedBatchNormalization) for layer in bns)
-    assert not any(isinstance(layer, FusedBatchNormalization) for layer in plain.layers)
+    plain = build_resnet(18, 10, (16, 16, 1), small_stem=True, width=4, fused_batchnorm=False)  # as on JAX
+    for model, kernel in ((fused, True), (plain, False)):
+        bns = [layer for layer in model.layers if isinstance(layer, keras.layers.BatchNormalization)]
+        assert bns and all(type(layer) is FusedBatchNormalization and layer.fused is kernel for layer in bns)
     assert [w.path for w in fused.weights] == [w.path for w in plain.weights]
+    # A checkpoint (and Keras's .weights.h5) names a layer by its class: the same on every backend.
+    assert [p for p, _ in walk_saveables(fused, set())] == [p for p, _ in walk_saveables(plain, set())]
     plain.set_weights(fused.get_weights())  # weight files interchange
 
 
 def test_fused_batchnorm_must_be_a_bool():
     with pytest.raises(ValueError, match="Received: fused_batchnorm='yes'"):
         build_resnet(18, 10, (16, 16, 1), fused_batchnorm="yes")
+
+
+def test_a_checkpoint_with_the_old_keras_batchnorm_names_loads_into_the_resnet_layers(tmp_path):
+    """Runs written before the ResNet built `FusedBatchNormalization` on every backend (JAX built
+    Keras's `BatchNormalization`, whose checkpoint keys are `batch_normalization_N`) still resume."""
+    import keras
+
+    from trainwell.callbacks import Checkpoint, load_checkpoint
+    from trainwell.models.layers import FusedBatchNormalization
+
+    def net(bn):
+        x = inp = keras.Input((6, 6, 1))
+        for i in range(2):
+            x = bn(momentum=0.9, name=f"b{i}_bn")(keras.layers.Conv2D(3, 3, padding="same", name=f"b{i}_conv")(x))
+        out = keras.layers.Dense(2, name="logits")(keras.layers.GlobalAveragePooling2D()(x))
+        model = keras.Model(inp, out)
+        model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")
+        return model
+
+    x = np.random.default_rng(0).normal(size=(8, 6, 6, 1)).astype("float32")
+    y = np.ones((8, 2), "float32")
+    old = net(keras.layers.BatchNormalization)
+    old.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[Checkpoint(str(tmp_path / "ckpt"), save_every=2)])
+    new = net(FusedBatchNormalization)
+    new.build((None, 6, 6, 1))
+    load_checkpoint(tmp_path / "ckpt", new, include_optimizer=True)
+    for a, b in zip(old.get_weights(), new.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    slots = lambda m: sorted(float(np.sum(v)) for v in m.optimizer.variables if "momentum" in v.name)  # noqa: E731
+    assert slots(new) == slots(old) and any(slots(old))

@@ -593,6 +593,40 @@ def test_resnet_search_space_fits_the_searchs_epochs_and_the_training_set(tmp_pa
     assert hp.space[[p.name for p in hp.space].index("batch_size")].values == [512, 1024]
 
 
+@pytest.mark.slow
+def test_resnet_search_exports_a_model_that_takes_raw_images_and_returns_probabilities(tmp_path, monkeypatch):
+    """Issue 31.7: `best_model/model.keras` scored chance (0.100) on `load("digits").test`: the normalisation
+    was outside the model, the loss wanted one-hot labels and loading warned of 63 skipped optimizer variables."""
+    import warnings
+
+    import keras
+    import numpy as np
+
+    from trainwell import tuning
+    from trainwell.data import load
+    from trainwell.recipes import resnet_imagenet
+
+    monkeypatch.setenv("TRAINWELL_QUICK", "2")  # two batches: trained weights, not the initial ones
+    hm = resnet_imagenet.hypermodel(dataset="digits", model="resnet18", width=4, epochs=1, doctor=False)
+    result = tuning.search(hm, "random", max_trials=1, directory=tmp_path, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        served = keras.models.load_model(result.files["best_model"])  # FusedBatchNormalization: registered
+    assert not [w for w in caught if "optimizer" in str(w.message)]
+    assert getattr(served, "optimizer", None) is None  # nothing to compile, no loss on one-hot labels
+    x, y = load("digits", seed=0).test  # what the README loads: uint8 (N, 8, 8, 1), integer labels
+    probs = served.predict(x, verbose=0)
+    assert probs.shape == (len(y), 10) and np.allclose(probs.sum(axis=1), 1.0, atol=1e-5)
+    # the same probabilities as the trained model on the recipe's own (resized, normalised) test split
+    best = result.tuner.oracle.get_trial(result.best_trial_id)
+    model = hm.load(best.hyperparameters, result.tuner.trial_run_dir(best.trial_id))
+    data = resnet_imagenet.build_data(hm.config_for(best.hyperparameters))
+    images, labels = (np.concatenate(a) for a in zip(*[(i.numpy(), t.numpy()) for i, t in data.test]))
+    np.testing.assert_array_equal(labels.argmax(axis=1), y)
+    np.testing.assert_allclose(probs, model.predict(images, verbose=0), atol=1e-5)
+    assert np.abs(probs - probs.mean(axis=0)).max() > 1e-3  # not one output for every image
+
+
 def _tiny_bert(root: Path, tiny_bert_preset):
     import csv
 
@@ -663,6 +697,38 @@ def test_cli_tune_runs_a_search_and_rejects_bad_input(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "units: 16 -> 8" in err and "--overwrite" in err and len(err.strip().splitlines()) == 1
     assert cli.main([*rerun, "--set", "epochs=1", "--set", "units=8", "--overwrite"]) == 0
+
+
+def test_cli_tune_keeps_quick_trials_apart_and_refuses_another_tuner_in_one_line(tmp_path, capsys, monkeypatch):
+    from trainwell import cli
+
+    cmd = ["tune", f"{__name__}:tiny_hypermodel", "--max-trials", "1", "--directory", str(tmp_path),
+           "--project-name", "exp", "--set", "epochs=1", "--no-export"]
+    project = tmp_path / "exp"
+    monkeypatch.setenv("TRAINWELL_QUICK", "1")
+    assert cli.main([*cmd, "--tuner", "random"]) == 0
+    assert json.loads((project / "trainwell_search.json").read_text())["quick"] == 1  # the smoke test is marked
+    assert json.loads((project / "summary.json").read_text())["quick"] == 1
+    capsys.readouterr()
+    monkeypatch.delenv("TRAINWELL_QUICK")
+    # the real search does not reload the smoke test's trial (it was ranked with the real ones)
+    assert cli.main([*cmd, "--tuner", "random"]) == 2
+    err = capsys.readouterr().err
+    assert "TRAINWELL_QUICK=1 smoke test" in err and "--overwrite" in err and len(err.strip().splitlines()) == 1
+    assert cli.main([*cmd, "--tuner", "random", "--overwrite"]) == 0
+    summary = json.loads((project / "summary.json").read_text())
+    assert summary["quick"] is None and summary["num_trials"] == 1
+    capsys.readouterr()
+    monkeypatch.setenv("TRAINWELL_QUICK", "1")  # nor does a smoke test join the real search
+    assert cli.main([*cmd, "--tuner", "random"]) == 2
+    err = capsys.readouterr().err
+    assert "is a real search" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.delenv("TRAINWELL_QUICK")
+    # another tuner on the same project: one line naming --overwrite (it was KerasTuner's 14-frame traceback)
+    assert cli.main([*cmd, "--tuner", "bayesian"]) == 2
+    err = capsys.readouterr().err
+    assert "tuner: 'random' -> 'bayesian'" in err and "--overwrite" in err and len(err.strip().splitlines()) == 1
+    assert json.loads((project / "summary.json").read_text())["num_trials"] == 1  # nothing was run or changed
 
 
 def _wait(pred, timeout, proc=None, what=""):
