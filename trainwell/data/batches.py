@@ -50,9 +50,10 @@ def pad_partial_batches(dataset, multiple_of: int):
     batch becomes `(x, y, sample_weight)`, padded with copies of its first example
     weighted 0, the real examples weighted `slots / examples` times their own
     weight, which keeps the loss Keras reports equal to the unpadded one (see the
-    module docstring). A dataset of unknown length (`dataset.cardinality()`: a
-    `filter` or `ignore_errors`, as in image folders and TFRecords) is not read
-    ahead: each short batch is padded as it comes to the batch size read from the
+    module docstring); an empty batch (`trainwell.data.images` ends an evaluation
+    split with some when images were skipped) becomes zeros weighted 0. A dataset
+    of unknown length (`dataset.cardinality()`: a `filter` or `ignore_errors`) is
+    not read ahead: each short batch is padded as it comes to the batch size read from the
     dataset's graph, the real examples weighted 1, so `weighted_metrics` stay
     exact and the reported loss counts the padded slots (lower than the unpadded
     loss; a warning says so; `tf.data.experimental.assert_cardinality` makes it exact).
@@ -92,9 +93,9 @@ def pad_partial_batches(dataset, multiple_of: int):
         return _pad_unknown_length(dataset, multiple_of)
     examples, largest = _count(dataset)
     size = math.ceil(largest / multiple_of) * multiple_of if largest else 0
-    if examples == 0 or (largest == size and examples % size == 0):
+    batches = cardinality  # also the empty batches an image split ends with after skipped images
+    if examples == 0 or examples == batches * size:
         return dataset  # every batch is full and splits evenly
-    batches = math.ceil(examples / largest)
     real_weight = batches * size / examples
     warnings.warn(
         f"trainwell: padded {batches * size - examples} examples of weight 0 onto a dataset of {examples} examples "
@@ -106,8 +107,8 @@ def pad_partial_batches(dataset, multiple_of: int):
 
 
 def _pad_unknown_length(dataset, multiple_of: int):
-    """Pads each short batch of a dataset of unknown length (a `filter`, `ignore_errors`: an image
-    folder or TFRecords) as it comes, to the batch size the dataset was made with: no count, so the
+    """Pads each short batch of a dataset of unknown length (a `filter`, `ignore_errors`; an image
+    split read by workers from files of their own) as it comes, to the batch size the dataset was made with: no count, so the
     real examples weigh 1: `weighted_metrics` stay exact, and the loss Keras reports counts the
     padded slots (it is lower than the unpadded loss). Without a readable batch size it is
     returned as it is."""
@@ -134,10 +135,16 @@ def _padded(dataset, size: int, real_weight: float):
 
     def pad(t):
         # Copies of the batch's first example: real inputs (no all-zero image or fully masked
-        # text whose loss could be NaN, and NaN x 0 is NaN), weighed out below.
+        # text whose loss could be NaN, and NaN x 0 is NaN), weighed out below. An empty batch
+        # (an image split's last ones, after skipped images) has none: zeros, weighted 0.
         t = tf.convert_to_tensor(t)
-        out = tf.concat([t, tf.repeat(t[:1], size - tf.shape(t)[0], axis=0)], axis=0)
-        return tf.ensure_shape(out, [size] + t.shape[1:].as_list())
+        missing = size - tf.shape(t)[0]
+        fill = tf.cond(
+            tf.shape(t)[0] > 0,
+            lambda: tf.repeat(t[:1], missing, axis=0),
+            lambda: tf.zeros(tf.concat([[missing], tf.shape(t)[1:]], 0), t.dtype),
+        )
+        return tf.ensure_shape(tf.concat([t, fill], axis=0), [size] + t.shape[1:].as_list())
 
     def padded(x, y, sample_weight=None):
         n = tf.shape(tf.nest.flatten(x)[0])[0]

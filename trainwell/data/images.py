@@ -45,6 +45,14 @@ not in the count. (A fully exact count needs each record in its own `ignore_erro
 dataset, which cost 0.4-0.6 ms of CPU per image here, about a quarter of decoding.)
 The count grows as the datasets are iterated.
 
+Batches per epoch: each dataset yields exactly `ImageDatasets.steps` batches per iteration
+(times its share of the replicas under `input_context`) and has that cardinality, so Keras,
+told `steps_per_epoch`, makes a new iterator each epoch (what exact resume builds on). A
+training epoch short of full batches (images skipped, a smaller shard) is topped up with
+images of a fixed-order pass over the split; an evaluation split ends with empty batches
+instead (each readable image is scored once). Under FILE auto-sharding the training stream is
+endless (each worker's share of the files is unknown) and Keras counts the steps.
+
 Multi-worker: pass `input_context` (from `strategy.distribute_datasets_from_function`)
 and each input pipeline reads its own share of the files (folders, TFRecords with at
 least as many files as pipelines), records or TFDS shards, and batches per replica.
@@ -171,7 +179,8 @@ class ImageDatasets:
         counts: Examples per split over all workers, before skipping corrupt images
             (`None` if unknown without reading the data).
         steps: Batches per epoch per split over all replicas (`train`: `counts // global`,
-            eval: `ceil(counts / global)`), `None` if the count is unknown.
+            eval: `ceil(counts / global)`), `None` if the count is unknown: what each
+            dataset yields per iteration (see the module docstring).
         mean, std: The normalisation applied (`image = (pixels / 255 - mean) / std`).
         one_hot: Whether labels are one-hot float32 (else int32 class ids).
 

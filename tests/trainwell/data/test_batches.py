@@ -73,3 +73,25 @@ def test_a_dataset_of_unknown_length_is_padded_as_it_comes():
     want, got = (model.evaluate(d, verbose=0, return_dict=True) for d in (plain, padded))
     assert np.isclose(got["accuracy"], want["accuracy"], rtol=1e-6)
     assert 0 < got["loss"] < want["loss"]
+
+
+def test_empty_batches_after_skipped_images_are_padded_with_zero_weight():
+    # An image split whose skipped images left its last batch empty (trainwell.data.images: a known
+    # number of batches, every example once): that batch becomes zeros of weight 0, and the loss and
+    # weighted accuracy still equal those of the real examples alone.
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(5, 3)).astype("float32"), rng.integers(0, 2, 5)
+    real = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    empty = tf.data.Dataset.from_tensors((tf.zeros([0, 3]), tf.zeros([0], tf.int64)))
+    with_empty = real.concatenate(empty.repeat()).take(3)  # batches of 4, 1 and 0
+    assert with_empty.cardinality() == 3
+    with pytest.warns(UserWarning, match="padded 7 examples of weight 0"):
+        padded = pad_partial_batches(with_empty, 2)
+    batches = list(padded)
+    assert [b[0].shape[0] for b in batches] == [4, 4, 4]
+    w = np.concatenate([b[2].numpy() for b in batches])
+    assert np.allclose(w, [12 / 5] * 5 + [0.0] * 7) and np.all(batches[2][0].numpy() == 0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), weighted_metrics=["accuracy"])
+    want, got = (model.evaluate(d, verbose=0, return_dict=True) for d in (real, padded))
+    assert all(np.isclose(got[k], want[k], rtol=1e-6) for k in want), (got, want)
