@@ -50,8 +50,7 @@ def pad_partial_batches(dataset, multiple_of: int):
     batch becomes `(x, y, sample_weight)`, padded with copies of its first example
     weighted 0, the real examples weighted `slots / examples` times their own
     weight, which keeps the loss Keras reports equal to the unpadded one (see the
-    module docstring); an empty batch (`trainwell.data.images` ends an evaluation
-    split with some when images were skipped) becomes zeros weighted 0. A dataset
+    module docstring); an empty batch becomes zeros weighted 0. A dataset
     of unknown length (`dataset.cardinality()`: a `filter` or `ignore_errors`) is
     not read ahead: each short batch is padded as it comes to the batch size read from the
     dataset's graph, the real examples weighted 1, so `weighted_metrics` stay
@@ -93,7 +92,7 @@ def pad_partial_batches(dataset, multiple_of: int):
         return _pad_unknown_length(dataset, multiple_of)
     examples, largest = _count(dataset)
     size = math.ceil(largest / multiple_of) * multiple_of if largest else 0
-    batches = cardinality  # also the empty batches an image split ends with after skipped images
+    batches = cardinality  # empty batches included
     if examples == 0 or examples == batches * size:
         return dataset  # every batch is full and splits evenly
     real_weight = batches * size / examples
@@ -136,7 +135,7 @@ def _padded(dataset, size: int, real_weight: float):
     def pad(t):
         # Copies of the batch's first example: real inputs (no all-zero image or fully masked
         # text whose loss could be NaN, and NaN x 0 is NaN), weighed out below. An empty batch
-        # (an image split's last ones, after skipped images) has none: zeros, weighted 0.
+        # has none: zeros, weighted 0.
         t = tf.convert_to_tensor(t)
         missing = size - tf.shape(t)[0]
         fill = tf.cond(

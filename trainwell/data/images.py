@@ -45,13 +45,14 @@ not in the count. (A fully exact count needs each record in its own `ignore_erro
 dataset, which cost 0.4-0.6 ms of CPU per image here, about a quarter of decoding.)
 The count grows as the datasets are iterated.
 
-Batches per epoch: each dataset yields exactly `ImageDatasets.steps` batches per iteration
+Batches per epoch: the training dataset yields exactly `ImageDatasets.steps` batches per iteration
 (times its share of the replicas under `input_context`) and has that cardinality, so Keras,
 told `steps_per_epoch`, makes a new iterator each epoch (what exact resume builds on). A
 training epoch short of full batches (images skipped, a smaller shard) is topped up with
-images of a fixed-order pass over the split; an evaluation split ends with empty batches
-instead (each readable image is scored once). Under FILE auto-sharding the training stream is
-endless (each worker's share of the files is unknown) and Keras counts the steps.
+images of a fixed-order pass over the split. Under FILE auto-sharding the training stream is
+endless (each worker's share of the files is unknown) and Keras counts the steps. Evaluation
+splits of encoded images score each readable image once and have no known length (see
+`_Pipeline.evaluation`).
 
 Multi-worker: pass `input_context` (from `strategy.distribute_datasets_from_function`)
 and each input pipeline reads its own share of the files (folders, TFRecords with at
@@ -1113,21 +1114,13 @@ class _Pipeline:
 
         With `batches`, the dataset yields exactly that many batches per iteration and says
         so (its cardinality), so Keras makes a new iterator each epoch: the training stream
-        comes here endless (topped up), evaluation batches are followed by empty ones (after
-        the last real batch only when images were skipped: every example is scored once).
+        comes here endless (topped up), an evaluation split of arrays is exact as it is.
         """
         train = split == "train"
         if self.cache and not train:  # evaluation output is deterministic: cache the decoded images
             ds = ds.cache("" if self.cache is True else f"{self.cache}_{split}")
         ds = ds.batch(self.batch_size, drop_remainder=train)
         if batches is not None:
-            if not train:
-                image_spec, label_spec = ds.element_spec
-                empty = tf.data.Dataset.from_tensors((
-                    tf.zeros([0, *image_spec.shape[1:]], image_spec.dtype),
-                    tf.zeros([0, *label_spec.shape[1:]], label_spec.dtype),
-                ))
-                ds = ds.concatenate(empty.repeat())
             ds = ds.take(batches)  # a known cardinality (a `filter` leaves it unknown)
         return ds.map(self.transform.normalise, num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE).with_options(self.options)
 
@@ -1198,9 +1191,10 @@ class _Pipeline:
     def evaluation(self, split, rec: _Split, batches: int | None = None):
         """A validation or test dataset: centre crop, no shuffle, every example (the last batch may be short).
 
-        With `batches`, exactly that many (empty batches after the last when images were
-        skipped); not when each pipeline reads whole files of its own (FILE auto-sharding,
-        `input_context` with TFDS or TFRecords): its share is unknown, so is its length.
+        Arrays: a known length (their batches, at most `batches`). Encoded images: the length is unknown (images skipped as corrupt are
+        not scored, and nothing can stand in for them: an empty batch breaks convolutions on
+        TensorFlow's CPU kernels, a placeholder would be scored), so Keras reads to the end
+        (with its "ran out of data" warning at the end of each evaluation).
         """
         ds = self.records(rec)
         transform = self.transform
@@ -1210,8 +1204,7 @@ class _Pipeline:
         else:
             ds = ds.map(lambda p, y, k: (transform.eval_image(p, encoded=False), transform.label(y)),
                         num_parallel_calls=AUTOTUNE)
-        even_shares = not self.file_sharded and (self.shard is None or rec.kind in ("path", "array"))
-        return self.finish(ds, split, batches=batches if even_shares else None)
+        return self.finish(ds, split, batches=batches if rec.kind == "array" else None)
 
 
 def _synthetic(source, image_size, global_batch_size, batch_size, seed, num_classes, one_hot, sizes):

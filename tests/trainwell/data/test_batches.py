@@ -75,10 +75,10 @@ def test_a_dataset_of_unknown_length_is_padded_as_it_comes():
     assert 0 < got["loss"] < want["loss"]
 
 
-def test_empty_batches_after_skipped_images_are_padded_with_zero_weight():
-    # An image split whose skipped images left its last batch empty (trainwell.data.images: a known
-    # number of batches, every example once): that batch becomes zeros of weight 0, and the loss and
-    # weighted accuracy still equal those of the real examples alone.
+def test_empty_batches_are_padded_with_zero_weight():
+    # A split of known length whose last batch is empty (e.g. padded to a fixed number of batches):
+    # that batch becomes zeros of weight 0, and the loss and weighted accuracy still equal those of
+    # the real examples alone (the real weight counts every batch, the empty one included).
     rng = np.random.default_rng(1)
     x, y = rng.normal(size=(5, 3)).astype("float32"), rng.integers(0, 2, 5)
     real = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
