@@ -203,6 +203,23 @@ class _Probe:
         return tf.stack(vals)
 
 
+class _ReadAndProbe:
+    """A snapshot's read and the full `_Probe`, for one `tf.function` (one dispatch instead of two).
+
+    Returns `(values, probe)`: the state's values as tensors (`read`, the
+    `compat.backend.compiled_read` of the snapshot) and the vector of `probe`
+    (the compiled `_Probe` with the weight check), which says whether the
+    values may become the snapshot. Both are called inside this function's
+    trace, which reuses theirs.
+    """
+
+    def __init__(self, read, probe: _Probe) -> None:
+        self.read, self.probe = read, probe
+
+    def __call__(self):
+        return self.read(), self.probe()
+
+
 class _SnapshotBeforeApply:
     """`optimizer.apply`, preceded by `NaNRollback`'s first snapshot (see `_hook_first_apply`)."""
 
@@ -539,7 +556,8 @@ class NaNRollback(StatefulCallback):
         """The compiled snapshot/restore/probe functions, and a place for the snapshot.
 
         The snapshot is the state's values as tensors (`compiled_read`, one
-        compiled call; copy-on-write keeps them as they were), put back by
+        compiled call together with the weight check that lets them in:
+        `_ReadAndProbe`; copy-on-write keeps them as they were), put back by
         `_Assign`.
         The compiled functions hold only the model's variables, so they are
         kept with the model (`kept_on_model`) while its variables stay the same: a
@@ -562,16 +580,24 @@ class NaNRollback(StatefulCallback):
         opt = model.optimizer
         scale_var = _raw(opt.dynamic_scale) if _is_lso(opt) and getattr(opt, "built", False) else None
         key = tuple(id(v) for v in raws + floats + list(tracker_vars or ()) + [scale_var])
-        fns = kept_on_model(model, _FNS_ATTR, key, lambda: {
-            "read": compiled_read(raws),
-            "assign": tf.function(_Assign(raws), autograph=False),
-            "probe_full": tf.function(_Probe(tracker_vars, floats, scale_var, True), autograph=False),
-            "probe_loss": tf.function(_Probe(tracker_vars, floats, scale_var, False), autograph=False),
-        })
+
+        def make() -> dict:
+            read = compiled_read(raws)
+            probe_full = tf.function(_Probe(tracker_vars, floats, scale_var, True), autograph=False)
+            return {
+                "read": read,
+                "assign": tf.function(_Assign(raws), autograph=False),
+                "probe_full": probe_full,
+                "probe_loss": tf.function(_Probe(tracker_vars, floats, scale_var, False), autograph=False),
+                # Calls the two above inside its own trace: each is traced once, whichever runs first.
+                "read_probe": tf.function(_ReadAndProbe(read, probe_full), autograph=False),
+            }
+
+        fns = kept_on_model(model, _FNS_ATTR, key, make)
         shadow: list = []
 
-        def snapshot() -> None:
-            shadow[:] = fns["read"]()
+        def snapshot(values=None) -> None:
+            shadow[:] = fns["read"]() if values is None else values
 
         def restore() -> None:
             fns["assign"](list(shadow))  # the snapshot stays valid for the next rollback
@@ -582,6 +608,7 @@ class NaNRollback(StatefulCallback):
             "restore": restore,
             "probe_full": fns["probe_full"],
             "probe_loss": fns["probe_loss"],
+            "read_probe": fns["read_probe"],
             "has_tracker": tracker_vars is not None,
         }
 
@@ -621,8 +648,8 @@ class NaNRollback(StatefulCallback):
             fn = compile_function(probe)
             return lambda: fn(probe_reader())
 
-        def snapshot() -> None:
-            shadow[:] = copy_arrays(reader())
+        def snapshot(values=None) -> None:
+            shadow[:] = copy_arrays(reader()) if values is None else values
 
         def restore() -> None:
             sync_variables(model)
@@ -657,10 +684,12 @@ class NaNRollback(StatefulCallback):
         opt = self.model.optimizer
         return None if opt is None else int(keras.ops.convert_to_numpy(opt.iterations))
 
-    def _take_snapshot(self) -> None:
+    def _take_snapshot(self, values=None) -> None:
+        """Takes the snapshot: the state now, or `values` (read with the check that allowed them)."""
         if self._machinery["n_vars"] != len(self._state_variables()):
             self._build_machinery()  # e.g. a layer or optimizer variable added since
-        self._machinery["snapshot"]()
+            values = None  # read for the old list of variables
+        self._machinery["snapshot"](values)
         self.snapshot_step = self.step
         self._losses_at_snapshot = (list(self.recent_losses), self.loss_high)  # the loss history that led to it
 
@@ -697,25 +726,38 @@ class NaNRollback(StatefulCallback):
         # where Keras reduces a step's outputs along axis 0: scalars keep their meaning there.
         return tuple(vals) if runtime.num_workers(getattr(model, "distribute_strategy", None)) > 1 else ops.stack(vals)
 
-    def _probe(self, check_weights: bool) -> np.ndarray:
+    def _probe(self, check_weights: bool, snapshot: bool = False) -> list[float]:
         """`[loss total, loss count, weights finite, loss scale]` of the last step, as `_Probe` gives them.
 
         Read from the train step's own outputs (no call of their own; the host
         read waits for the step Keras's logs wait for); the separate probe when
         the step did not compute them (Checkpoint's replay of a resumed epoch
         trains nothing) or the weights are due and the step left them out.
+        With `snapshot` (one is due), that weight check reads the state too
+        (see `_probe_call`).
         """
+        self._pending = None
+        self._read_state = snapshot
+        try:
+            return self._step_probe(check_weights)
+        finally:
+            self._read_state = False
+
+    def _step_probe(self, check_weights: bool) -> list[float]:
         out = self._out.take() if self._out is not None else None
         if out is None:
-            return self._probe_call(check_weights)
-        vals = np.array(out, dtype=np.float64)
-        # Under tf.distribute the step's outputs are means over the replicas: sums again.
-        vals[:2] *= self._replicas
-        if vals[2] >= 0:
-            vals[2] = 0.0 if vals[2] > 0 else 1.0  # a mean over replicas: any of them non-finite
+            return self._probe_call(check_weights).tolist()
+        # Python floats: cheaper than NumPy scalars for the few operations of a check.
+        total, count, weights, scale = np.asarray(out, dtype=np.float64).tolist()
+        if self._replicas != 1:  # under tf.distribute the step's outputs are means over the replicas: sums again
+            total, count = total * self._replicas, count * self._replicas
+        if weights >= 0:
+            weights = 0.0 if weights > 0 else 1.0  # a mean over replicas: any of them non-finite
+        elif check_weights:
+            weights = float(self._probe_call(True)[2])
         else:
-            vals[2] = self._probe_call(True)[2] if check_weights else 1.0
-        return vals
+            weights = 1.0
+        return [total, count, weights, scale]
 
     # ------------------------------------------------------------------ Keras hooks
     def on_train_begin(self, logs=None) -> None:
@@ -729,6 +771,7 @@ class NaNRollback(StatefulCallback):
         self._prev_mean = None
         self._last_scale = None
         self._weights_checked = None
+        self._pending = None
         self._strategy = getattr(self.model, "distribute_strategy", None)
         self._replicas = runtime.num_replicas(self._strategy) if backend_name() == "tensorflow" else 1
         self._lso = _is_lso(self.model.optimizer)
@@ -767,19 +810,18 @@ class NaNRollback(StatefulCallback):
         if self._machinery is None and not self._ready():
             return
 
-        snapshot_due = self.snapshot_step is None or (
-            self.step // self.snapshot_every > self.snapshot_step // self.snapshot_every
-        )
+        step, snapshot_step = self.step, self.snapshot_step
+        snapshot_due = snapshot_step is None or step // self.snapshot_every > snapshot_step // self.snapshot_every
         every = self.check_weights_every
-        check = snapshot_due or (every is not None and self.step // every > (self.step - n) // every)
-        vals = self._probe(check)
+        check = snapshot_due or (every is not None and step // every > (step - n) // every)
+        vals = self._probe(check, snapshot=snapshot_due)
         loss = self._batch_loss(vals, logs)
         loss_finite = loss is None or math.isfinite(loss)
         if not loss_finite and not check:
             vals = self._probe_call(True)  # a non-finite loss: always look at the weights
         weights_finite = bool(vals[2] > 0.5)
         if check or not loss_finite or every == 1:
-            self._weights_checked = self.step  # the step's own check with `check_weights_every=1`
+            self._weights_checked = step  # the step's own check with `check_weights_every=1`
         scale = float(vals[3]) if vals[3] >= 0 else None
 
         causes = []
@@ -823,7 +865,8 @@ class NaNRollback(StatefulCallback):
             # Never snapshot right after a step the LossScaleOptimizer skipped: a
             # falling loss scale is not a good state. The snapshot waits for a
             # batch with a finite loss.
-            self._take_snapshot()
+            self._take_snapshot(self._pending)
+        self._pending = None  # values not taken: released before the next step (no copy-on-write)
 
     def on_epoch_end(self, epoch, logs=None) -> None:
         # The weights at the end of an epoch are what a Checkpoint listed after this callback saves.
@@ -903,8 +946,19 @@ class NaNRollback(StatefulCallback):
         return not flags[0], [c for c, f in zip(CAUSES, flags[1:]) if f]
 
     def _probe_call(self, check_weights: bool) -> np.ndarray:
-        """The check's values from a compiled call of their own (`_Probe`) and a host read."""
-        fn = self._machinery["probe_full" if check_weights else "probe_loss"]
+        """The check's values from a compiled call of their own (`_Probe`) and a host read.
+
+        When a snapshot is due (`_read_state`, set by `_probe`), the weight
+        check and the read of the state are one compiled call on TensorFlow
+        (`_ReadAndProbe`): the values wait in `_pending` for `_take_snapshot`,
+        which takes them if the check lets it, and are dropped at the end of the
+        batch otherwise.
+        """
+        machinery = self._machinery
+        if check_weights and getattr(self, "_read_state", False) and "read_probe" in machinery:
+            self._pending, vals = machinery["read_probe"]()
+            return np.asarray(vals)
+        fn = machinery["probe_full" if check_weights else "probe_loss"]
         return np.asarray(fn())
 
     def _batch_loss(self, vals: np.ndarray, logs: dict) -> float | None:

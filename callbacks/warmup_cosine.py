@@ -19,12 +19,30 @@ from trainwell.callbacks.schedules import (
     _step_count,
     is_trainwell_schedule,
 )
-from trainwell.compat.backend import strategy_scope
-from trainwell.compat.learning_rate import current_lr, install_schedule, raw_learning_rate
+from trainwell.compat.backend import backend_name, strategy_scope
+from trainwell.compat.learning_rate import current_lr, inner_optimizer, install_schedule, raw_learning_rate
 from trainwell.io import atomic_write_bytes
 from trainwell.validation import invalid_argument, is_number
 
 _DECAYS = ("cosine", "linear")
+
+
+class _ScheduleNow:
+    """`schedule(iterations)`, the value `optimizer.learning_rate` reads; wrapped in one `tf.function`.
+
+    Keras evaluates a schedule eagerly, one dispatch per op (about a dozen for
+    a warmup + cosine: 2-3 ms on a 2-core CPU, per epoch end); compiled, it is
+    one. The variables (`iterations`, the schedule's multiplier) are read when
+    it is called. A callable object rather than a closure, so that TensorFlow's
+    retracing detector (keyed on a function's code) does not warn when another
+    fit makes its own.
+    """
+
+    def __init__(self, schedule, iterations) -> None:
+        self.schedule, self.iterations = schedule, iterations
+
+    def __call__(self):
+        return self.schedule(self.iterations)
 
 
 class WarmupCosine(keras.callbacks.Callback):
@@ -150,6 +168,7 @@ class WarmupCosine(keras.callbacks.Callback):
         self.run_dir = None if run_dir is None else os.fspath(run_dir)
         #: The schedule installed by the last `on_train_begin`.
         self.schedule: WarmupCosineDecay | WarmupLinearDecay | None = None
+        self._lr_now = None  # (schedule, optimizer, compiled `_ScheduleNow`) on TensorFlow
 
     # ---------------------------------------------------------------- config
     def get_config(self) -> dict[str, Any]:
@@ -253,7 +272,21 @@ class WarmupCosine(keras.callbacks.Callback):
         # Keras's own name (`ReduceLROnPlateau`, `LearningRateScheduler` and
         # `TensorBoard` write `learning_rate`; `fit` itself writes none).
         if logs is not None:
-            logs["learning_rate"] = current_lr(self.model.optimizer)
+            logs["learning_rate"] = self._current_lr()
+
+    def _current_lr(self) -> float:
+        """`current_lr(optimizer)`; one compiled call on TensorFlow while our schedule is in place."""
+        optimizer = self.model.optimizer
+        schedule = self.schedule
+        if backend_name() != "tensorflow" or schedule is None or raw_learning_rate(optimizer) is not schedule:
+            return current_lr(optimizer)  # someone else's LR, or JAX (whose jit would freeze the variables)
+        cached = self._lr_now
+        if cached is None or cached[0] is not schedule or cached[1] is not optimizer:
+            import tensorflow as tf  # here: TensorFlow only (checked above)
+
+            fn = tf.function(_ScheduleNow(schedule, inner_optimizer(optimizer).iterations), autograph=False)
+            self._lr_now = cached = (schedule, optimizer, fn)
+        return float(cached[2]())
 
     # ---------------------------------------------------------------- plot
     def plot(self, path: str | os.PathLike) -> Path:

@@ -503,6 +503,29 @@ def test_a_later_fit_of_the_same_model_keeps_the_compiled_functions():
     assert len(cb.events) == 1 and finite(model)
 
 
+def test_a_due_snapshot_is_read_with_its_weight_check_in_one_compiled_call():
+    """Each snapshot due every `snapshot_every` steps: one dispatch (the weight check that lets it in and
+    the read of the state), not two; a snapshot due at a diverged step is not taken."""
+    model = build()
+    fit(model, callbacks=[NaNRollback(snapshot_every=4)], epochs=1)  # makes and keeps the compiled functions
+    _, fns = vars(model)["_trainwell_nan_rollback_fns"]
+    counts = dict.fromkeys(fns, 0)
+    for name, fn in list(fns.items()):
+        fns[name] = lambda *args, _fn=fn, _name=name: counts.__setitem__(_name, counts[_name] + 1) or _fn(*args)
+    cb = NaNRollback(snapshot_every=4)
+    fit(model, callbacks=[cb], epochs=2)
+    # The first snapshot (train begin) is a read alone; the 4 due at steps 4, 8, 12, 16 come with their
+    # check (the epoch ends fall on snapshots: their weights are checked already).
+    assert counts == {"read": 1, "read_probe": 4, "probe_full": 0, "probe_loss": 2, "assign": 0}, counts
+    assert cb.snapshot_step == 16 and finite(model)
+
+    counts.update(dict.fromkeys(counts, 0))
+    cb = NaNRollback(snapshot_every=4)
+    fit(model, bad=[3, 11], callbacks=[cb], epochs=2)  # poisoned batches at steps 4 and 12, where snapshots are due
+    assert [(e["step"], e["restored_step"]) for e in cb.events] == [(4, 0), (12, 8)]
+    assert counts["read_probe"] == 4 and counts["assign"] == 2 and finite(model)
+
+
 def test_crash_and_compare():
     """Two fits joined by get_state/set_state on a fresh callback == one fit."""
     cfg = dict(snapshot_every=4, spike_factor=10.0, spike_window=8)
