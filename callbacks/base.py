@@ -73,6 +73,13 @@ class StatefulCallback(keras.callbacks.Callback):
         """Restores the state from `get_state()`'s output. Subclasses call super."""
         self._state_restored = True
 
+    def continue_after_stop(self) -> None:
+        """Called by `Checkpoint` after `set_state` when a run that stopped early is trained longer.
+
+        The restored state is the one the run stopped with; a callback that stops
+        runs clears here what made it stop (early stopping restarts its patience).
+        """
+
     def get_config(self) -> dict[str, Any]:
         """Returns the constructor arguments."""
         return {}

@@ -208,6 +208,16 @@ class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
         self.stop_reason = state.get("stop_reason")
         self.best_weights = None
 
+    def continue_after_stop(self) -> None:
+        """A stopped run trained longer (`fit` again with more epochs): patience starts again.
+
+        The best value and epoch are kept: `restore_best_weights` still restores
+        the best epoch of the whole run.
+        """
+        self.wait = 0
+        self.stopped_epoch = 0
+        self.stop_reason = None
+
     # ------------------------------------------------------------ hooks
     def on_train_begin(self, logs=None) -> None:
         # Not Keras's on_train_begin: it would reset a restored state.

@@ -3,7 +3,7 @@
 The package holds one job per module: `files` (the on-disk format, index and
 checksums, and reading them back), `state` (a model's arrays in and out),
 `writer` (snapshot to committed files, in the background if asked), `resume`
-(restore and replay to the exact batch), `preemption` (SIGTERM -> checkpoint ->
+(restore, and the resumed epoch's start at the exact batch), `preemption` (SIGTERM -> checkpoint ->
 exit) and `callback` (the `Checkpoint` callback that decides when). What a user
 or a tool needs is importable from here: the callback, the reader
 (`read_checkpoint`, `list_checkpoints`, `latest_checkpoint`,

@@ -2,7 +2,7 @@
 
 The jobs it delegates are the package's other modules: `files` (the format,
 index and checksums), `state` (arrays in and out of a model), `writer`
-(snapshot to committed files, async), `resume` (restore and replay) and
+(snapshot to committed files, async), `resume` (restore, and the resumed epoch's start) and
 `preemption` (SIGTERM). What stays here is the part that follows `fit`: its
 hooks, the thin wrapper around `model.train_function` that finds step
 boundaries, and the callback's own config and state. It stays one class of about
@@ -28,7 +28,7 @@ from trainwell.callbacks.checkpoint.files import (
     list_checkpoints,
 )
 from trainwell.callbacks.checkpoint.preemption import PreemptionGuard
-from trainwell.callbacks.checkpoint.resume import ResumeMixin
+from trainwell.callbacks.checkpoint.resume import ResumeMixin, order_rng_capture
 from trainwell.callbacks.checkpoint.state import config_to_dict, load_checkpoint
 from trainwell.callbacks.checkpoint.writer import CheckpointWriter
 from trainwell.compat.backend import wrap_train_function
@@ -86,6 +86,10 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
     >>> # after a crash or preemption the same call resumes at the next step
     >>> load_checkpoint(ckpt.directory, inference_model)  # doctest: +SKIP
     """
+
+    #: Config fields a resume is meant to change (`trainwell resume RUN --set epochs=N`): not
+    #: compared with the checkpoint's config.
+    RESUME_FIELDS = ("epochs", "run_dir", "verbose")
 
     def __init__(
         self,
@@ -192,9 +196,11 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
         self.epoch = 0
         self.step_in_epoch = 0
         self.last_save_step = -1
+        self.batch_hooks = 0  # on_train_batch_begin calls of the run (Keras's TensorBoard numbers batches by them)
         self._entries: list[dict] = []
         self._warmup: dict | None = None
         self._iterator_continues: bool | None = None  # learned at the first epoch boundary
+        self._order_rng: dict | None = None  # global RNG states at the current data iterator's first batch
 
 
     def get_state(self) -> dict[str, Any]:
@@ -205,10 +211,12 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
             "epoch": int(self.epoch),
             "step_in_epoch": int(self.step_in_epoch),
             "last_save_step": int(self.last_save_step),
+            "batch_hooks": int(self.batch_hooks),
             "checkpoints": [{k: v for k, v in e.items() if k != "path"} for e in entries],
             "best": [e["name"] for e in self._best_entries(entries)],
             "warmup": dict(self._warmup) if self._warmup else None,
             "iterator_continues": self._iterator_continues,
+            "order_rng": self._order_rng,
         }
 
 
@@ -218,10 +226,12 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
         self.epoch = int(state.get("epoch", 0))
         self.step_in_epoch = int(state.get("step_in_epoch", 0))
         self.last_save_step = int(state.get("last_save_step", -1))
+        self.batch_hooks = int(state.get("batch_hooks", self.global_step))
         with self._lock:
             self._entries = [dict(e) for e in state.get("checkpoints", [])]
         self._warmup = dict(state["warmup"]) if state.get("warmup") else None
         self._iterator_continues = state.get("iterator_continues")
+        self._order_rng = state.get("order_rng")
 
 
     @property
@@ -322,8 +332,9 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
         self._data_exhausted = False
         self._deferred: tuple | None = None
         self._pending_metrics: dict | None = None
-        self._replay: dict | None = None
+        self._muting = False
         self._muted: list = []
+        self._resumed_epoch_iterator = None
         self._watched: list = []
         self._epoch_commit: dict | None = None
         self._last_written: tuple | None = None
@@ -367,7 +378,7 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
     def _abort_fit(self) -> None:
         """Cleanup when fit dies without on_train_end (an error in a step or in the restore)."""
         self._in_fit = False
-        self._end_replay()
+        self._end_resume()
         self._unwatch_late_epoch_ends()
         self._unwrap_train_function()
         self._uninstall_sigterm()
@@ -387,6 +398,7 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
 
     def on_train_batch_begin(self, batch, logs=None) -> None:
         self._batch_begin = int(batch)
+        self.batch_hooks += 1
         self._ensure_wrapped()
 
 
@@ -516,8 +528,7 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
 
     def on_train_end(self, logs=None) -> None:
         try:
-            if self._replay is not None:
-                self._end_replay()
+            self._end_resume()
             self._amend_epoch_commit()  # e.g. `stop_training` set by a later (non-trainwell) callback
             if self._pending_epoch is not None:
                 self._save_pending_epoch()
@@ -583,7 +594,7 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
             and self._epoch_commit is None
             and self._deferred is None
             and self._pending_metrics is None
-            and self._replay is None
+            and not self._muting
             and self._pending_epoch is None
             and not self._warmup
             and self._sync_strategy is None
@@ -600,6 +611,7 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
         if iterator is not self._last_iterator:
             self._last_iterator = iterator  # keeps it alive, so identity is reliable
             self._consumed = 0
+            self._order_rng = order_rng_capture()  # what its first batch may draw its order from
         if self._deferred is not None:
             self._apply_deferred(iterator)
         if self._pending_metrics is not None:
@@ -607,31 +619,9 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
         # Under multi-worker, act only on the flag every worker agreed on at this step: a
         # SIGTERM landing after the all-reduce is acted on at the next step, by all.
         preempt = self._agree_on_preemption() if self._sync_strategy is not None else self._preempt_requested
+        if self._muting:  # every callback's hooks of the resumed step have run
+            self._end_resume()
         spe = self._spe()
-        replay = self._replay
-        if replay is not None:
-            if preempt:  # nothing new to save: the restored checkpoint is current
-                self._preempt_save_and_exit()
-            skip = replay.pop("fast_forward", 0)
-            for _ in range(skip):
-                next(iterator)
-                self._consumed += 1
-            if self._batch_begin < replay["until"]:
-                if not replay.get("announced"):
-                    replay["announced"] = True
-                    self._say(
-                        f"skipping {replay['until']} batches already trained in epoch {self.epoch + 1} "
-                        "(resumed mid-epoch; they are read, not trained again)"
-                    )
-                for _ in range(spe):
-                    next(iterator)
-                    self._consumed += 1
-                self.step_in_epoch = self._batch_begin + spe
-                # No logs: nothing was trained. Keras's progress bar cannot start an epoch
-                # at step K, so it still counts these steps, but without metric values
-                # (the restored running means would look like training at constant loss).
-                return {}
-            self._end_replay()
         self.step_in_epoch = self._batch_begin
         self._maybe_save()
         if preempt:

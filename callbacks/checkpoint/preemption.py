@@ -135,7 +135,7 @@ class PreemptionGuard:
         self._stop_worker()
         self._in_fit = False
         self._unwrap_train_function()
-        self._end_replay()
+        self._end_resume()
         if self.model is not None:
             set_initial_epoch(self.model, self._prev_initial_epoch)
         self._exit_preempted()

@@ -4,31 +4,73 @@
 the first steps of a resumed run: it loads the newest checkpoint that verifies
 (`files.resume_checkpoint`), sets the epoch `fit` starts at, restores the model
 and optimizer arrays (deferred to the first step when the model is built only
-then), the other callbacks' states and the LR multiplier, and replays the
-batches the interrupted epoch had already trained (read from the data, not
-trained again, with the other `StatefulCallback`s' batch hooks muted). After a
+then), the other callbacks' states and the LR multiplier, and makes the resumed
+epoch start at the checkpoint's step: the batches the interrupted run had
+already read are taken from the data before `fit`'s loop yields a step, so no
+callback sees them (`_start_resumed_epoch`). After a
 weights-only checkpoint it re-warms the learning rate over
 `warm_start_warmup_steps`.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import random
 import warnings
 
 import keras
+import numpy as np
 
 from trainwell.callbacks.base import StatefulCallback, stateful_callbacks
 from trainwell.callbacks.checkpoint.files import CheckpointMismatchError, read_checkpoint, resume_checkpoint
-from trainwell.callbacks.checkpoint.state import Plan, dedup, restore_model_arrays, restore_vars, rng_restore, to_numpy
+from trainwell.callbacks.checkpoint.state import (
+    Plan,
+    dedup,
+    restore_model_arrays,
+    restore_vars,
+    rng_restore,
+    to_numpy,
+)
 from trainwell.compat.backend import sync_variables
 from trainwell.compat.keras_internals import (
+    adapter_shuffle,
+    cancel_next_epoch_start,
     compiled_metrics_unbuilt,
+    continue_tensorboard_steps,
+    fit_callbacks,
+    fit_epoch_iterator,
     model_fully_built,
     set_initial_epoch,
+    start_next_epoch_at,
     symbolic_build,
 )
 from trainwell.compat.learning_rate import get_lr_multiplier, raw_learning_rate, set_lr_multiplier
+from trainwell.compat.versions import upstream_changed
+
+logger = logging.getLogger("trainwell.checkpoint")
+
+
+def order_rng_capture() -> dict:
+    """The Python and NumPy global RNG states (JSON), from which a data iterator may draw its order.
+
+    Keras draws a shuffled `PyDataset`'s order from Python's `random`, and on
+    JAX a shuffled NumPy input's from NumPy's, at the iterator's first batch.
+    """
+    version, internal, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": [np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)],
+    }
+
+
+def order_rng_restore(state: dict) -> None:
+    """Sets the global RNG states `order_rng_capture` returned."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state(("MT19937", np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 class ResumeMixin:
@@ -46,8 +88,7 @@ class ResumeMixin:
         model = self.model
         pos = meta["position"]
         weights_only = bool(meta.get("weights_only"))
-        if self.config is not None and meta.get("config") not in (None, self.config):
-            warnings.warn(f"Resuming from {path!r}, which was written with a different run config.")
+        self._compare_config(meta.get("config"), path)
         own = meta.get("checkpoint")
         with self._lock:
             entries = self._entries
@@ -71,10 +112,16 @@ class ResumeMixin:
         start_epoch = int(pos["epoch"])
         epochs = (self.params or {}).get("epochs")
         stopped = bool(entry.get("stopped"))
-        if stopped and epochs is not None:
+        # A stop (early stopping, `stop_training`) ends the fit that stopped, not the run: the same
+        # fit again trains nothing, one with more epochs than that fit had trains on from the stop.
+        stopped_fit_epochs = pos.get("epochs")  # None in checkpoints written before it was recorded
+        train_longer = (
+            stopped and epochs is not None and stopped_fit_epochs is not None and int(epochs) > int(stopped_fit_epochs)
+        )
+        if stopped and epochs is not None and not train_longer:
             start_epoch = max(start_epoch, int(epochs))
         set_initial_epoch(model, start_epoch)
-        self._announce_resume(path, pos, epochs, start_epoch, stopped)
+        self._announce_resume(path, pos, epochs, start_epoch, stopped, train_longer)
         include_metrics = pos["step_in_epoch"] > 0
         if model_fully_built(model):
             self._apply_arrays(arrays, meta, path)
@@ -87,37 +134,146 @@ class ResumeMixin:
             for key, state in (meta.get("callbacks") or {}).items():
                 cb = registry.get(key)
                 if cb is None or cb is self:
-                    warnings.warn(f"Checkpoint {path!r} holds state for callback {key!r}, which is not in this fit.")
+                    logger.warning(
+                        "Checkpoint: %s holds the state of callback %r, which is not in this fit.", path, key
+                    )
                     continue
                 cb.set_state(state)
+                if train_longer:
+                    cb.continue_after_stop()
             if "lr_multiplier" in meta:
                 try:
                     set_lr_multiplier(model.optimizer, float(meta["lr_multiplier"]))
                 except Exception as e:
                     if float(meta["lr_multiplier"]) != 1.0:
                         warnings.warn(f"Could not restore the LR multiplier from {path!r}: {e}")
-        until = int(pos["step_in_epoch"]) if pos.get("hooks_done") else 0
-        fast_forward = max(0, int(pos.get("data_position", 0)) - until)
-        if pos.get("hooks_done") or fast_forward:
-            self._replay = {"until": until, "fast_forward": fast_forward}
-            if pos.get("hooks_done"):
-                self._mute_stateful_hooks()
+        if epochs is None or start_epoch < int(epochs):
+            self._start_resumed_epoch(pos)
 
 
-    def _announce_resume(self, path: str, pos: dict, epochs, start_epoch: int, stopped: bool) -> None:
+    def _start_resumed_epoch(self, pos: dict) -> None:
+        """Makes the resumed epoch start where the checkpoint stopped, before any batch hook sees it.
+
+        The batches the interrupted run had taken from its iterator (`data_position`:
+        those of this epoch, and of earlier epochs when one iterator spans epochs) are
+        taken from the new iterator before `fit`'s loop yields its first step, so every
+        callback (progress bar, loggers, TensorBoard) sees only the steps trained now,
+        numbered from the resumed step. A mid-epoch checkpoint was taken after every
+        callback's hooks of its step had run (`hooks_done`): the other
+        `StatefulCallback`s' `on_epoch_begin` and first `on_train_batch_begin` are
+        muted, their restored state already reflects them.
+        """
+        hooks_done = bool(pos.get("hooks_done"))
+        until = int(pos["step_in_epoch"]) if hooks_done else 0
+        skip = max(until, int(pos.get("data_position", 0)))
+        epoch_iterator = fit_epoch_iterator(self.model)
+        if epoch_iterator is None:
+            raise upstream_changed(
+                "fit's local `epoch_iterator`", detail="Checkpoint cannot position the resumed epoch's data"
+            )
+        callbacks = fit_callbacks(self.model) or []
+        if hooks_done:
+            self.batch_hooks -= 1  # the checkpointed step's on_train_batch_begin runs again
+        # Keras's TensorBoard numbers batch summaries by its count of batch-begin calls in this fit.
+        hook_calls = int(self.batch_hooks)
+
+        def on_start(data_iterator):
+            continue_tensorboard_steps(callbacks, hook_calls)
+            if until:
+                self._say(
+                    f"skipping {until} batches already trained in epoch {self.epoch + 1} "
+                    "(resumed mid-epoch: they are read, not trained again, and no callback sees them)"
+                )
+                shuffle = adapter_shuffle(epoch_iterator.data_adapter)
+                if shuffle in ("arrays", "pydataset_workers"):
+                    what = "NumPy inputs" if shuffle == "arrays" else "a PyDataset read by workers"
+                    logger.warning(
+                        "Checkpoint: the rest of epoch %d is not in the interrupted run's order: Keras reshuffles "
+                        "%s with shuffle=True in a way a checkpoint cannot replay (docs/checkpoint.md).",
+                        self.epoch + 1, what,
+                    )
+            if skip and self._order_rng:
+                # The interrupted run's iterator drew its order (a shuffled PyDataset's) at its first
+                # batch from the global RNGs as they were then; this one draws it from the same states.
+                now = order_rng_capture()
+                order_rng_restore(self._order_rng)
+                try:
+                    taken = self._skip_batches(data_iterator, skip)
+                finally:
+                    order_rng_restore(now)
+            else:
+                taken = self._skip_batches(data_iterator, skip)
+            self._last_iterator, self._consumed = data_iterator, taken
+            if taken < skip:
+                self._alert(
+                    f"the data ran out after {taken} of the {skip} batches the checkpoint had read: "
+                    f"epoch {self.epoch + 1} trains nothing (is it the same data?)"
+                )
+                return None
+            return skip - until
+
+        start_next_epoch_at(epoch_iterator, until, on_start)
+        self._resumed_epoch_iterator = epoch_iterator
+        if hooks_done:
+            self._mute_stateful_hooks()
+
+
+    @staticmethod
+    def _skip_batches(iterator, n: int) -> int:
+        """Takes `n` batches from `iterator` without training on them; returns how many it got."""
+        for i in range(n):
+            try:
+                next(iterator)
+            except StopIteration:
+                return i
+        return n
+
+
+    def _announce_resume(self, path: str, pos: dict, epochs, start_epoch: int, stopped: bool, train_longer: bool) -> None:
         epoch, step, done = int(pos["epoch"]), int(pos["step_in_epoch"]), int(pos["global_step"])
+        stopped_fit_epochs = pos.get("epochs")
         if epochs is not None and start_epoch >= int(epochs):
-            how = f"it stopped early after epoch {epoch}" if stopped else f"{min(epoch, int(epochs))} of {epochs} epochs trained"
+            if stopped:
+                of = f" of {stopped_fit_epochs}" if stopped_fit_epochs is not None else ""
+                how, longer = f"it stopped early after epoch {epoch}{of}", stopped_fit_epochs or epochs
+            else:
+                how, longer = f"{min(epoch, int(epochs))} of {epochs} epochs trained", max(int(epochs), epoch)
             more = self._resume_command()
             more = f"{more} --set epochs=N" if more.startswith("trainwell") else more.replace("fit()", "fit(epochs=N)")
             self._say(
                 f"the run is already complete ({how}, {done} steps; {path}): nothing to train. "
-                f"To train longer: {more} with N > {epochs}."
+                f"To train longer: {more} with N > {longer}."
             )
             return
         total = f"/{epochs}" if epochs is not None else ""
         where = f"at step {step} of epoch {epoch + 1}{total}" if step else f"at the start of epoch {epoch + 1}{total}"
-        self._say(f"resuming from {path} {where} ({done} steps trained)")
+        why = (
+            f"; it had stopped early after epoch {epoch} of {stopped_fit_epochs}: training on to epoch {epochs}"
+            if train_longer
+            else ""
+        )
+        self._say(f"resuming from {path} {where} ({done} steps trained{why})")
+
+
+    def _compare_config(self, saved, path: str) -> None:
+        """One line when the checkpoint was written under another run config than this run's.
+
+        Fields a resume is meant to change (`RESUME_FIELDS`: the length of the run,
+        where it runs, how much it prints) are not compared.
+        """
+        if self.config is None or not isinstance(saved, dict) or saved == self.config:
+            return
+        def show(config, key):
+            return repr(config[key]) if key in config else "(unset)"
+
+        diffs = [
+            f"{k}: {show(saved, k)} -> {show(self.config, k)}"
+            for k in sorted(set(saved) | set(self.config), key=str)
+            if k not in self.RESUME_FIELDS and show(saved, k) != show(self.config, k)
+        ]
+        if diffs:
+            shown = "; ".join(diffs[:5]) + (f"; and {len(diffs) - 5} more" if len(diffs) > 5 else "")
+            logger.warning("Checkpoint: resuming from %s, written under another run config (%s).", path, shown)
 
 
     def _apply_arrays(self, arrays: dict, meta: dict, path: str) -> None:
@@ -179,17 +335,19 @@ class ResumeMixin:
 
 
     def _mute_stateful_hooks(self) -> None:
+        """Mutes the other StatefulCallbacks' hooks that ran before the checkpoint, until the first step."""
         ckpt = self
+        self._muting = True
         for cb in stateful_callbacks(self.model).values():
             if cb is self:
                 continue
-            for name in ("on_epoch_begin", "on_train_batch_begin", "on_train_batch_end"):
+            for name in ("on_epoch_begin", "on_train_batch_begin"):
                 if name in vars(cb):
                     continue
                 orig = getattr(cb, name)
 
                 def muted(*args, _orig=orig, **kwargs):
-                    if ckpt._replay is not None:
+                    if ckpt._muting:
                         return None
                     return _orig(*args, **kwargs)
 
@@ -197,11 +355,14 @@ class ResumeMixin:
                 self._muted.append((cb, name))
 
 
-    def _end_replay(self) -> None:
-        self._replay = None
+    def _end_resume(self) -> None:
+        """Unmutes the hooks `_mute_stateful_hooks` muted; drops a resumed epoch start that did not come."""
+        self._muting = False
         for cb, name in self._muted:
             vars(cb).pop(name, None)
         self._muted = []
+        cancel_next_epoch_start(self._resumed_epoch_iterator)
+        self._resumed_epoch_iterator = None
 
 
     def _apply_warmup(self, spe: int) -> None:

@@ -124,6 +124,7 @@ class CheckpointWriter:
                 "global_step": step,
                 "data_position": int(data_position),
                 "hooks_done": bool(hooks_done),
+                "epochs": (self.params or {}).get("epochs"),  # of this fit: a stop ends this fit, not the run
             },
             "config": self.config,
             "keras_version": keras.__version__,

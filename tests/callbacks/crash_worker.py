@@ -2,8 +2,8 @@
 
 Trains a small dropout MLP on (features, example id) pairs from a seeded
 `shuffle(seed).repeat()` stream with `Checkpoint(save_every=N)`, and appends
-`<global step> <ids...>` to `--ids` after every trained step (replayed steps of a
-resumed epoch are not trained and not logged). Ways to die:
+`<global step> <ids...>` to `--ids` after every trained step (a resumed epoch's
+batches trained before the kill reach no callback: a batch end without ids fails). Ways to die:
 
 - `--kill-at-step K`: SIGKILL itself right after step K is logged (with
   `--spe N`, batch callbacks, and so the log, come every N steps).
@@ -99,9 +99,7 @@ def main(argv=None) -> int:
             self.f = open(args.ids, "a", buffering=1)
 
         def on_train_batch_end(self, batch, logs=None):
-            ids = (logs or {}).get("ids")
-            if ids is None:
-                return  # a replayed (skipped) step of a resumed epoch
+            ids = logs["ids"]  # every batch end is a trained step's
             step = int(np.asarray(StateReader(self.model, [self.model.optimizer.iterations])()[0]))
             self.f.write(f"{step} " + " ".join(str(int(i)) for i in np.asarray(ids).ravel()) + "\n")
             self.f.flush()

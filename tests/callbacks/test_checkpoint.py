@@ -6,6 +6,7 @@ import dataclasses
 import errno
 import importlib.util
 import json
+import logging
 import os
 import random
 import signal
@@ -342,10 +343,11 @@ class BatchLogs(keras.callbacks.Callback):
 
     def __init__(self):
         super().__init__()
-        self.logs = []
+        self.logs, self.batches = [], []
 
     def on_train_batch_end(self, batch, logs=None):
         self.logs.append(dict(logs or {}))
+        self.batches.append(batch)
 
 
 @pytest.mark.parametrize("built", [True, False])
@@ -365,16 +367,152 @@ def test_mid_epoch_resume_with_steps_per_execution(tmp_path, reference_spe2, bui
     capsys.readouterr()
     hist = _fit(m2, [counter, Checkpoint(d, save_every=3), batch_logs], epochs=3, validate=True)
     assert int(m2.optimizer.iterations.numpy()) == 30
-    # The 2 batches of epoch 2 trained before the crash are skipped, said once, with no (constant) metrics.
+    # The 2 batches of epoch 2 trained before the crash are skipped, said once, and no callback sees
+    # them: the batch hooks start at the resumed step (end steps 3..9 of epoch 2 by 2, then 1..9).
     out = capsys.readouterr().out
     assert "Checkpoint: skipping 2 batches already trained in epoch 2" in out and out.count("skipping") == 1
-    assert batch_logs.logs[0] == {} and "loss" in batch_logs.logs[1]
+    assert batch_logs.batches == [3, 5, 7, 9, 1, 3, 5, 7, 9]
+    assert all("loss" in logs for logs in batch_logs.logs)
     assert _weights_close(m2, ref_model)
     # Epoch 1 resumed at its 3rd step: its logged loss (running mean) matches the reference.
     assert np.allclose(hist.history["loss"], ref_hist["loss"][1:], rtol=1e-5)
     assert np.allclose(hist.history["val_loss"], ref_hist["val_loss"][1:], rtol=1e-5)
     # The other stateful callback resumed from its saved state and saw each batch once.
     assert (counter.batches, counter.epoch_begins) == (ref_counter.batches, ref_counter.epoch_begins) == (15, 3)
+
+
+class SigtermAtBatchEnd(keras.callbacks.Callback):
+    """Sends this process SIGTERM at the n-th train batch end (the checkpoint saves at the next step, exits)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n, self.seen = n, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.n:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class SeenProgbar(keras.callbacks.ProgbarLogger):
+    """Keras's progress bar, recording the position it shows after each batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.shown = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, logs)
+        self.shown.append(self.seen)
+
+
+def _keras_loggers(root):
+    """Keras's own loggers, and a user callback that reads `logs["loss"]` (KeyError if absent)."""
+    seen = []
+    return seen, [
+        keras.callbacks.TensorBoard(str(root / "tb"), update_freq=1),
+        keras.callbacks.CSVLogger(str(root / "log.csv"), append=True),
+        SeenProgbar(),
+        keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append((batch, logs["loss"]))),
+    ]
+
+
+def _tensorboard_scalars(log_dir):
+    """`{(tag, step): [values]}` of every scalar in the event files under `log_dir`."""
+    out: dict = {}
+    for path in sorted(Path(log_dir).rglob("events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for v in event.summary.value:
+                if v.tag.startswith(("batch_", "epoch_")) and "steps_per_second" not in v.tag:
+                    out.setdefault((f"{path.parent.name}/{v.tag}", event.step), []).append(
+                        float(tf.make_ndarray(v.tensor))
+                    )
+    return out
+
+
+def _csv_rows(path):
+    lines = Path(path).read_text().splitlines()
+    return lines[0], [[float(x) for x in line.split(",")] for line in lines[1:]]
+
+
+def test_a_mid_epoch_resume_is_invisible_to_keras_callbacks(tmp_path):
+    # The reference: one uninterrupted fit with Keras's TensorBoard (a summary per batch), CSVLogger,
+    # progress bar, History and a callback that reads logs["loss"] at every batch end.
+    ref_seen, ref_cbs = _keras_loggers(tmp_path / "ref")
+    ref_hist = _fit(_model(), ref_cbs, epochs=3, validate=True)
+    # The same fit preempted after step 14 (epoch 2, step 4: SIGTERM, checkpoint, exit), then run again
+    # with new callbacks writing to the same places, as a restarted process does.
+    d, run = tmp_path / "ck", tmp_path / "run"
+    seen1, cbs1 = _keras_loggers(run)
+    with pytest.raises(SystemExit):
+        _fit(_model(), [*cbs1, Checkpoint(d, save_every=100), SigtermAtBatchEnd(14)], epochs=3, validate=True)
+    assert [e["global_step"] for e in list_checkpoints(d)] == [14]
+    cbs1[0].on_train_end()  # the dead process's TensorBoard files, closed as its exit closes them
+    seen2, cbs2 = _keras_loggers(run)
+    hist = _fit(_model(seed=7), [*cbs2, Checkpoint(d, save_every=100)], epochs=3, validate=True)
+
+    # The resumed process's callbacks saw steps 5..10 of epoch 2 and epoch 3, never a batch it did
+    # not train: the user's callback got a loss at every batch end, equal to the reference's.
+    assert [b for b, _ in seen2] == list(range(4, 10)) + list(range(10))
+    assert [b for b, _ in seen1 + seen2] == [b for b, _ in ref_seen]
+    assert np.allclose([v for _, v in seen1 + seen2], [v for _, v in ref_seen], rtol=1e-5)
+    assert cbs2[2].shown == list(range(5, 11)) + list(range(1, 11))  # the bar starts at the resumed step
+    assert cbs1[2].shown + cbs2[2].shown == ref_cbs[2].shown
+    for key in ("loss", "val_loss"):
+        assert hist.history[key] == pytest.approx(ref_hist.history[key][1:], rel=1e-5)
+    # CSVLogger: the rows of the two processes are the reference's rows, none missing or doubled.
+    (ref_header, ref_rows), (header, rows) = _csv_rows(tmp_path / "ref" / "log.csv"), _csv_rows(run / "log.csv")
+    assert header == ref_header and np.allclose(rows, ref_rows, rtol=1e-5)
+    # TensorBoard: every batch step 1..30 and epoch 0..2 once, with the reference's values.
+    ref_tb, tb = _tensorboard_scalars(tmp_path / "ref" / "tb"), _tensorboard_scalars(run / "tb")
+    assert sorted(step for tag, step in tb if tag == "train/batch_loss") == list(range(1, 31))
+    assert sorted(tb) == sorted(ref_tb) and all(len(v) == 1 for v in tb.values())
+    for key, values in ref_tb.items():
+        assert tb[key] == pytest.approx(values, rel=1e-5), key
+
+
+class Batches(keras.utils.PyDataset):
+    """`X, Y` in batches of 2 (20 batches), as a `keras.utils.PyDataset`."""
+
+    def __init__(self):
+        super().__init__()
+
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        return X[2 * i : 2 * i + 2], Y[2 * i : 2 * i + 2]
+
+
+def test_a_shuffled_py_dataset_resumes_mid_epoch_exactly(tmp_path, crash_at):
+    # Keras draws a shuffled PyDataset's order from Python's `random` at each epoch's first batch;
+    # the resumed epoch draws it from the state the interrupted epoch drew it from.
+    def fit(model, callbacks):
+        model.fit(Batches(), epochs=3, shuffle=True, verbose=0, callbacks=callbacks)
+
+    ref = _model()
+    fit(ref, [])
+    d = tmp_path / "ck"
+    with pytest.raises(crash_at.error):
+        fit(_model(), [Checkpoint(d, save_every=7), crash_at(31)])  # epoch 2, after ckpt-28
+    assert list_checkpoints(d)[-1]["global_step"] == 28
+    m2 = _model(seed=99)
+    fit(m2, [Checkpoint(d, save_every=7)])
+    assert int(m2.optimizer.iterations.numpy()) == 60
+    assert _weights_close(m2, ref)
+
+
+def test_a_resume_says_when_keras_reshuffles_numpy_inputs_in_a_way_it_cannot_replay(tmp_path, crash_at, caplog):
+    d = tmp_path / "ck"
+    with pytest.raises(crash_at.error):
+        _model().fit(X, Y, batch_size=4, epochs=2, shuffle=True, verbose=0,
+                     callbacks=[Checkpoint(d, save_every=3), crash_at(5)])
+    with caplog.at_level(logging.WARNING, logger="trainwell.checkpoint"):
+        _model().fit(X, Y, batch_size=4, epochs=2, shuffle=True, verbose=0, callbacks=[Checkpoint(d, save_every=3)])
+    assert [r.getMessage() for r in caplog.records] == [
+        "Checkpoint: the rest of epoch 1 is not in the interrupted run's order: Keras reshuffles NumPy inputs "
+        "with shuffle=True in a way a checkpoint cannot replay (docs/checkpoint.md)."
+    ]
 
 
 class Remake(keras.callbacks.Callback):
@@ -507,7 +645,7 @@ def test_stop_by_a_later_callback_is_committed_and_a_rerun_says_complete(tmp_pat
     capsys.readouterr()
     _fit(m2, [Checkpoint(d)], epochs=4, batch_size=8)
     assert int(m2.optimizer.iterations.numpy()) == 10  # restored; nothing trained
-    assert "already complete (it stopped early after epoch 2, 10 steps; " in capsys.readouterr().out
+    assert "already complete (it stopped early after epoch 2 of 4, 10 steps; " in capsys.readouterr().out
 
 
 def test_epoch_commit_keeps_the_position_of_an_iterator_that_spans_epochs(tmp_path, crash_at):
@@ -797,6 +935,23 @@ def test_callback_states_config_and_lr_multiplier_saved(tmp_path):
     assert (c2.batches, c2.epoch_begins) == (20, 2)
 
 
+def test_a_changed_run_length_resumes_silently_another_config_in_one_line(tmp_path, caplog, recwarn):
+    # `trainwell resume RUN --set epochs=N` is how a run is trained longer: not worth a warning.
+    d = tmp_path / "ck"
+    _fit(_model(), [Checkpoint(d, config={"lr": 0.05, "epochs": 1, "run_dir": "runs/a"})], epochs=1)
+    with caplog.at_level(logging.WARNING, logger="trainwell.checkpoint"):
+        _fit(_model(), [Checkpoint(d, config={"lr": 0.05, "epochs": 2, "run_dir": "/abs/runs/a"})], epochs=2)
+        assert caplog.records == []
+        # A field that changes the training itself: one line naming it, not a Python warning.
+        _fit(_model(), [Checkpoint(d, config={"lr": 0.1, "epochs": 3, "momentum": 0.9})], epochs=3)
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        f"Checkpoint: resuming from {d / 'ckpt-20'}, written under another run config "
+        "(lr: 0.05 -> 0.1; momentum: (unset) -> 0.9)."
+    )
+    assert [str(w.message) for w in recwarn if "config" in str(w.message)] == []
+
+
 def test_rng_states_round_trip():
     import tensorflow as tf
     from keras.src.random.seed_generator import global_seed_generator
@@ -924,7 +1079,8 @@ def test_get_config_and_state_round_trip(tmp_path):
     assert Checkpoint.from_config(cfg).get_config() == cfg
     state = {"global_step": 12, "epoch": 1, "step_in_epoch": 2, "last_save_step": 10,
              "checkpoints": [{"name": "ckpt-10", "seq": 1, "global_step": 10, "value": 0.5, "monitor": "loss"}],
-             "best": ["ckpt-10"], "warmup": None, "iterator_continues": True}
+             "best": ["ckpt-10"], "warmup": None, "iterator_continues": True, "batch_hooks": 12,
+             "order_rng": {"python": [3, [1, 2], None], "numpy": [[5, 6], 2, 0, 0.0]}}
     cb2 = Checkpoint(tmp_path, monitor="loss")
     cb2.set_state(state)
     assert cb2.get_state() == state

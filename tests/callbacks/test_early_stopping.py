@@ -335,3 +335,28 @@ def test_stop_at_step_validates(bad):
 
     with pytest.raises(ValueError, match=f"Received: max_steps={bad!r}"):
         StopAtStep(bad)
+
+
+def test_an_early_stopped_run_trains_longer_with_more_epochs(tmp_path, capsys):
+    # fit(epochs=10) stops early at epoch 7 (index 6). The same fit again trains nothing and says how to
+    # train longer; that way (more epochs than the stopped fit had) trains on from the stop, patience
+    # starting again, and the stop it reaches ends that fit in turn.
+    scores = PLATEAU + [2.2 + i / 10 for i in range(40)]
+    d = tmp_path / "ck"
+    _fit(_model(), [Score(scores), _ckpt(d), _es()], epochs=10)
+    capsys.readouterr()
+    model = _model(seed=3)
+    assert _fit(model, [Score(scores), _ckpt(d), _es()], epochs=10).history == {}
+    out = capsys.readouterr().out
+    assert "already complete (it stopped early after epoch 7 of 10, 14 steps; " in out
+    assert "To train longer: run the same fit(epochs=N) again with Checkpoint(" in out and "with N > 10." in out
+    es = _es()
+    hist = _fit(model, [Score(scores), _ckpt(d), es], epochs=20)
+    assert "it had stopped early after epoch 7 of 10: training on to epoch 20" in capsys.readouterr().out
+    # Epochs 8-10 (indices 7-9): none beats epoch 4's 1.5, so patience (3, counted afresh) stops at 10.
+    assert hist.epoch == [7, 8, 9] and int(model.optimizer.iterations.numpy()) == 20
+    assert (es.stopped_epoch, es.stop_reason, es.best, es.best_epoch) == (9, "patience", 1.5, 3)
+    assert _fit(_model(), [Score(scores), _ckpt(d), _es()], epochs=20).history == {}
+    assert "stopped early after epoch 10 of 20" in capsys.readouterr().out
+    hist = _fit(_model(), [Score(scores), _ckpt(d), _es()], epochs=50)
+    assert hist.epoch == [10, 11, 12]

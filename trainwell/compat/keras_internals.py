@@ -48,7 +48,12 @@ __all__ = [
     "call_has_training_arg",
     "compute_loss",
     "fit_epoch_iterator",
+    "fit_callbacks",
+    "start_next_epoch_at",
+    "cancel_next_epoch_start",
+    "continue_tensorboard_steps",
     "adapter_sample_source",
+    "adapter_shuffle",
     "OwnWeightDecay",
     "uses_weight_decay",
     "variable_index",
@@ -272,6 +277,19 @@ def compute_loss(model, x=None, y=None, y_pred=None, sample_weight=None, trainin
     return fn(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
 
 
+def _fit_local(model, name: str, max_depth: int):
+    """The local `name` of the frame of `fit` on `model` up the stack (at most `max_depth` frames), or None."""
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        loc = frame.f_locals
+        if frame.f_code.co_name == "fit" and loc.get("self") is model and name in loc:
+            return loc[name]
+        frame = frame.f_back
+    return None
+
+
 def fit_epoch_iterator(model, max_depth: int = 25):
     """The `EpochIterator` of the `fit` call now running on `model`, or None.
 
@@ -289,15 +307,98 @@ def fit_epoch_iterator(model, max_depth: int = 25):
     True
     """
     gate("fit's local `epoch_iterator`")
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        loc = frame.f_locals
-        if frame.f_code.co_name == "fit" and loc.get("self") is model and "epoch_iterator" in loc:
-            return loc["epoch_iterator"]
-        frame = frame.f_back
-    return None
+    return _fit_local(model, "epoch_iterator", max_depth)
+
+
+def fit_callbacks(model, max_depth: int = 25) -> list | None:
+    """The callbacks of the `fit` call now running on `model` (its `CallbackList`'s), or None.
+
+    Looked up like `fit_epoch_iterator`: `fit`'s local `callbacks`.
+
+    Example:
+    >>> fit_callbacks(keras.Sequential()) is None  # not inside fit
+    True
+    """
+    gate("fit's local `callbacks`")
+    found = _fit_local(model, "callbacks", max_depth)
+    return list(getattr(found, "callbacks", None) or []) if found is not None else None
+
+
+def start_next_epoch_at(epoch_iterator, step: int, on_start: Callable[[Any], Any]) -> None:
+    """Makes the next epoch of `fit`'s `epoch_iterator` begin at step `step`, no batch hook seeing the steps before.
+
+    Keras's `EpochIterator._enumerate_iterator` is the generator `fit` loops over:
+    it yields `(begin_step, end_step, data_iterator)` per step, and the train
+    function takes the batches from `data_iterator`. For the next epoch only,
+    this calls `on_start(data_iterator)` at the epoch's first step (after every
+    callback's `on_epoch_begin`, before any `on_train_batch_begin`), then drops
+    the yields of the steps before `step` (they take no data: `on_start` takes
+    what those steps would have taken). `on_start` returns the number of
+    batches it took beyond those steps' (`EpochIterator._steps_seen` counts
+    them too), or `None` when the data ran out (the epoch then has no step).
+
+    Args:
+        epoch_iterator: `fit_epoch_iterator(model)`. Required.
+        step: The first step the epoch's batch hooks and progress bar see (>= 0).
+        on_start: `on_start(data_iterator) -> int | None`. Required.
+
+    Example:
+    >>> import numpy as np
+    >>> class FirstBatch(keras.callbacks.Callback):
+    ...     def on_train_begin(self, logs=None):
+    ...         start_next_epoch_at(fit_epoch_iterator(self.model), 2, lambda it: [next(it), next(it)] and 0)
+    ...     def on_train_batch_begin(self, batch, logs=None):
+    ...         self.first = getattr(self, "first", batch)
+    >>> m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]); m.compile("sgd", "mse")
+    >>> cb = FirstBatch(); _ = m.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=2, verbose=0, callbacks=[cb])
+    >>> cb.first, int(m.optimizer.iterations)
+    (2, 2)
+    """
+    gate("EpochIterator._enumerate_iterator")
+    enumerate_epoch = _required(epoch_iterator, "_enumerate_iterator", "EpochIterator._enumerate_iterator")
+
+    def enumerate_once():
+        vars(epoch_iterator).pop("_enumerate_iterator", None)  # this epoch only
+        started = False
+        for begin, end, data in enumerate_epoch():
+            if not started:
+                started = True
+                extra = on_start(data)
+                if extra is None:
+                    return
+                epoch_iterator._steps_seen += int(extra)
+            if begin >= step:
+                yield begin, end, data
+
+    epoch_iterator._enumerate_iterator = enumerate_once
+
+
+def cancel_next_epoch_start(epoch_iterator) -> None:
+    """Undoes a `start_next_epoch_at` whose epoch did not come (a run that ended first).
+
+    Example:
+    >>> cancel_next_epoch_start(None)  # nothing to undo
+    """
+    if "_enumerate_iterator" in getattr(epoch_iterator, "__dict__", {}):
+        vars(epoch_iterator).pop("_enumerate_iterator")
+
+
+def continue_tensorboard_steps(callbacks, step: int) -> None:
+    """Makes each Keras `TensorBoard` among `callbacks` number its batch summaries on from `step`.
+
+    Keras's `TensorBoard` counts batches from 0 in each `fit`
+    (`TensorBoard._global_train_batch`, set in `on_train_begin`); a resumed run
+    continues the interrupted one's steps. Call it after every callback's
+    `on_train_begin`, before the first `on_train_batch_begin`.
+
+    Example:
+    >>> tb = keras.callbacks.TensorBoard(); continue_tensorboard_steps([tb], 7); tb._global_train_batch
+    7
+    """
+    for cb in callbacks or ():
+        if isinstance(cb, keras.callbacks.TensorBoard):
+            gate("TensorBoard._global_train_batch")
+            cb._global_train_batch = int(step)
 
 
 def adapter_sample_source(adapter) -> tuple[str, Any]:
@@ -330,6 +431,28 @@ def adapter_sample_source(adapter) -> tuple[str, Any]:
     if kind == "PyDatasetAdapter":
         return "pydataset", adapter.py_dataset
     return "none", None
+
+
+def adapter_shuffle(adapter) -> str | None:
+    """How a data adapter of `fit` reorders its batches each epoch, or None when it does not.
+
+    `"arrays"`: NumPy or tensor inputs with `shuffle=True` (`ArrayDataAdapter._shuffle`;
+    on TensorFlow a `tf.random.shuffle` inside the pipeline); `"pydataset"`: a
+    `PyDataset` with `shuffle=True` read in the main thread (its order drawn from
+    Python's `random` at the iterator's first batch); `"pydataset_workers"`: the
+    same read by its enqueuer's workers (the order drawn in a worker thread).
+
+    Example:
+    >>> adapter_shuffle(object()) is None
+    True
+    """
+    kind = type(adapter).__name__
+    if kind == "ArrayDataAdapter":
+        gate("ArrayDataAdapter._shuffle")
+        return "arrays" if getattr(adapter, "_shuffle", False) else None
+    if kind == "PyDatasetAdapter" and getattr(adapter, "shuffle", False):
+        return "pydataset_workers" if getattr(adapter, "enqueuer", None) is not None else "pydataset"
+    return None
 
 
 # --------------------------------------------------------------------------- optimizers
@@ -419,6 +542,7 @@ _CHECKS: tuple[tuple[str, Callable[[], bool]], ...] = (
     ("Layer._flatten_layers", _has_class_attr("keras", "Layer", "_flatten_layers")),
     ("Model._symbolic_build", _has_class_attr("keras", "Model", "_symbolic_build")),
     ("Model._compute_loss", _has_class_attr("keras", "Model", "_compute_loss")),
+    ("EpochIterator._enumerate_iterator", _has_class_attr("keras.src.trainers.epoch_iterator", "EpochIterator", "_enumerate_iterator")),
     ("ArrayDataAdapter", _has_module_attr("keras.src.trainers.data_adapters.array_data_adapter", "ArrayDataAdapter")),
     ("TFDatasetAdapter", _has_module_attr("keras.src.trainers.data_adapters.tf_dataset_adapter", "TFDatasetAdapter")),
     ("BaseOptimizer._apply_weight_decay", _has_class_attr("keras.optimizers", "Optimizer", "_apply_weight_decay")),

@@ -10,10 +10,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import logging
 import math
 import os
 import time
-import warnings
 from pathlib import Path
 
 import keras
@@ -224,6 +224,21 @@ def adopt_state(model, fresh) -> None:
             setattr(dst, key, getattr(src, key))
     model.reset_metrics()
 
+
+
+@contextlib.contextmanager
+def _donor_config_expected():
+    """Silences `Checkpoint`'s line about another run config: a copied checkpoint was written under the donor's."""
+
+    def keep(record):
+        return "written under another run config" not in record.getMessage()
+
+    log = logging.getLogger("trainwell.checkpoint")
+    log.addFilter(keep)
+    try:
+        yield
+    finally:
+        log.removeFilter(keep)
 
 class ModelCache:
     """The compiled model of each PBT member, kept between the member's segments.
@@ -455,9 +470,7 @@ class RecipeTunerMixin:
         else:
             serving = self.model_cache.serving(int(member), resumes=has_checkpoint(run_dir))
         try:
-            with warnings.catch_warnings(), serving as model_hook:
-                # A copied checkpoint was written under the donor's config.
-                warnings.filterwarnings("ignore", message=r"Resuming from .*different run config")
+            with _donor_config_expected(), serving as model_hook:
                 run = self.hypermodel.run(
                     hp, run_dir, callbacks=callbacks, epochs=self.schedule_epochs,
                     stop_at_epoch=stop_at, early_stopping=self.trial_early_stopping, model_hook=model_hook,
