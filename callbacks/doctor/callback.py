@@ -34,6 +34,7 @@ from trainwell.callbacks.doctor.step_rules import (
     check_dead_units,
     check_gradients,
     check_input_bound,
+    explain_dead_units,
     run_queue_delays,
 )
 from trainwell.compat.backend import backend_name
@@ -153,13 +154,16 @@ class TrainingDoctor(StatefulCallback):
       finite loss), or a loss that rose `diverge_factor` x above its best, above
       its initial value, to a new high.
     - `oscillation`: large repeated swings of the loss (5-step medians), each
-      well beyond the minibatch noise.
+      well beyond the minibatch noise, or swings that stand above where the loss
+      started and above the null-model loss again and again (the steps make the
+      model worse than predicting the mean).
     - `slow_convergence`: the loss barely moved after `window` steps (with the
       update-to-weight ratio telling a too-low LR from a plateau), or stalled.
     - `vanishing_gradients` / `exploding_gradients`: from the probe's per-layer
       gradients (first vs last layer; gradient vs weight norm; growth).
     - `dead_units`: ReLU layers whose units are zero for the whole probe batch
-      (after an oscillation, named as its consequence).
+      (with an oscillation, named as its consequence and listed after it, also
+      when a probe saw them first).
     - `amp_instability`: under `mixed_float16`, the loss scale backing off again
       and again (the overflow rate), and the first layer whose forward or
       backward pass produced NaN/Inf, with the fix of keeping it in float32.
@@ -360,7 +364,7 @@ class TrainingDoctor(StatefulCallback):
 
     @property
     def codes(self) -> list[str]:
-        """Codes of the findings so far, in the order found."""
+        """Codes of the findings so far, in the order found (a cause found after its consequence goes before it)."""
         return [f.code for f in self.findings]
 
     def _report(self, finding: Finding | None) -> None:
@@ -369,6 +373,14 @@ class TrainingDoctor(StatefulCallback):
         if finding.code in _CONSEQUENCES_OF_DIVERGENCE and "divergence" in self.codes:
             return  # after a divergence these describe the wreck, not the cause
         self.findings.append(finding)
+        if finding.code in ("oscillation", "divergence"):
+            # Units its large steps killed may have been seen first (a probe every few steps
+            # sees them before the loss has swung often enough): the cause goes before them.
+            dead = [f for f in self.findings if f.code == "dead_units"]
+            if dead:
+                self.findings = [f for f in self.findings if f.code != "dead_units"] + [
+                    explain_dead_units(f, finding.code) for f in dead
+                ]
         if self.verbose:
             print(f"\nTrainingDoctor: {finding.line()}", flush=True)
         self._write_json()
@@ -389,6 +401,7 @@ class TrainingDoctor(StatefulCallback):
         self._t_begin = None
         self._begin_batch = 0
         self._last_check = None
+        self._epoch_begin_step = self.step
         self._run_queue: deque[tuple[int, dict]] = deque(maxlen=16)  # (step, run_queue_delays()) at checks
         self._probe = None
         self._probe_error = None
@@ -436,6 +449,7 @@ class TrainingDoctor(StatefulCallback):
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
         self.tracker.new_epoch()
+        self._epoch_begin_step = self.step
 
     def _probe_due(self, after: int) -> bool:
         return after // self.every_n_steps > self.step // self.every_n_steps or self.step == 0
@@ -668,6 +682,8 @@ class TrainingDoctor(StatefulCallback):
         logs = logs if logs is not None else {}
         if self._is_lso() and self._last_scale is not None:
             logs["loss_scale"] = float(self._last_scale)
+        if self.step == self._epoch_begin_step:
+            return  # no batch trained (the data ran out): Keras logs a loss of 0.0, which is no epoch
         loss, val = logs.get("loss"), logs.get("val_loss")
         if loss is not None:
             self.epoch_losses.append(float(loss))

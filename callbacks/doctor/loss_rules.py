@@ -181,9 +181,9 @@ def check_oscillation(
     reference: float | None = None,
     thresholds: dict | None = None,
 ) -> Finding | None:
-    """Oscillation: the loss (5-step medians) swings up and down by large amounts.
+    """Oscillation: the loss (5-step medians) swings up and down by large amounts, or above where it started.
 
-    A swing counts when it moves the 5-step median of the loss by
+    Two signs of a step too large for the curvature, either one enough. Swings: a swing counts when it moves the 5-step median of the loss by
     `oscillation_swing` x the loss scale, by a factor `oscillation_ratio`, and by
     `oscillation_noise_z` x the minibatch noise of a 5-step median (`chunk_noise`);
     `oscillation_peaks` peaks (a large rise then a large fall) within the tracker's
@@ -191,6 +191,15 @@ def check_oscillation(
     `reference` (the probe's `null_loss`): a model that starts already trained (a
     second `fit`, fine-tuning) has an initial loss so low that its ordinary SGD noise
     would otherwise look like large swings.
+
+    Above the start: `oscillation_above` 5-step medians of the window stand above
+    the reference (the larger of the initial loss and `reference`, the loss of
+    predicting the batch mean) by `oscillation_rise` of it and by `oscillation_rise_z`
+    x the noise of a 5-step median. Steps small enough for the curvature lower the
+    loss; a model that is worse than where it started and than the mean prediction,
+    again and again, is thrown around by its steps (with few classes its swings go
+    up from about the null loss, less than `oscillation_swing` x it; the hidden
+    layers they kill are the `dead_units` finding, a consequence).
 
     `probe_losses`, the losses on the fixed probe batch at the probes within the
     window (no minibatch sampling noise), confirm it where they can see it: when the
@@ -200,7 +209,8 @@ def check_oscillation(
     waits. Probes further apart sample an oscillation at random phases (the
     doctor's default, a probe every 100 steps, against the 15-50-step periods of
     heavy momentum), so they neither confirm nor refute it; the noise bound on
-    every swing stands in for them. `None` (no probe) skips the confirmation.
+    every swing stands in for them. `None` (no probe) skips the confirmation. The
+    loss above the start needs none: a level, not a period, and its noise bound.
 
     Example:
     >>> t = LossTracker(window=100)
@@ -218,22 +228,28 @@ def check_oscillation(
     swing = max(th["oscillation_swing"] * scale, th["oscillation_noise_z"] * noise)
     pts = zigzag(chunks, swing=swing, ratio=th["oscillation_ratio"])
     peaks = [p for p in pts if p[2] == "peak"]
-    if len(peaks) < int(th["oscillation_peaks"]):
-        return None
     period = (
         tracker.chunk * statistics.mean(b[0] - a[0] for a, b in zip(peaks, peaks[1:])) if len(peaks) > 1 else math.nan
     )
+    swings = len(peaks) >= int(th["oscillation_peaks"])
     rise = None
     resolved = probe_every is None or (math.isfinite(period) and 2 * probe_every <= period)
-    if probe_losses is not None and resolved:
+    if swings and probe_losses is not None and resolved:
         pl = [x for x in probe_losses if math.isfinite(x)]
         if len(pl) < 3:
-            return None
-        rise = max(b / max(a, 1e-12) for a, b in zip(pl, pl[1:]))
-        if rise < th["oscillation_probe_rise"]:
-            return None
+            swings = False
+        else:
+            rise = max(b / max(a, 1e-12) for a, b in zip(pl, pl[1:]))
+            swings = rise >= th["oscillation_probe_rise"]
+    bar = scale + max(th["oscillation_rise"] * scale, th["oscillation_rise_z"] * noise)
+    above = [c for c in chunks if c > bar] if initial > 0 else []
+    if not swings and len(above) < int(th["oscillation_above"]):
+        return None
     troughs = [p for p in pts if p[2] == "trough"]
-    amp = statistics.mean(p[1] for p in peaks) - (statistics.mean(p[1] for p in troughs) if troughs else min(chunks))
+    if peaks:
+        amp = statistics.mean(p[1] for p in peaks) - (statistics.mean(p[1] for p in troughs) if troughs else min(chunks))
+    else:
+        amp = max(chunks) - min(chunks)
     ev: dict[str, Any] = {
         "peaks": len(peaks),
         "swing": amp,
@@ -242,10 +258,12 @@ def check_oscillation(
         "swing_over_noise": amp / noise if noise > 0 else math.inf,
         "period_steps": period,
         "window_steps": tracker.chunk * len(chunks),
+        "medians_above_start": len(above),
+        "max_over_start": max(chunks) / scale,
     }
     if rise is not None:
         ev["probe_loss_rise"] = rise
-    elif probe_losses is not None:
+    elif swings and probe_losses is not None:
         ev["probe_every_steps"] = probe_every  # too far apart to confirm (see above)
     fixes = []
     causes = []
@@ -271,7 +289,11 @@ def check_oscillation(
         step,
         causes,
         f"the loss swings up and down: {len(peaks)} peaks of {fmt(amp)} "
-        f"({fmt(100 * amp / abs(initial))}% of the initial loss) in the last {ev['window_steps']} steps.",
+        f"({fmt(100 * amp / abs(initial))}% of the initial loss) in the last {ev['window_steps']} steps."
+        if swings
+        else f"the loss swings above where it started: {len(above)} of the last {len(chunks)} "
+        f"{tracker.chunk}-step medians above {fmt(scale)} (the larger of the initial and the null-model loss), "
+        f"up to {fmt(max(chunks))} (+{fmt(100 * (max(chunks) / scale - 1))}%): the steps make the model worse.",
     )
 
 

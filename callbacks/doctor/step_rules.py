@@ -345,11 +345,7 @@ def check_dead_units(
         "use He initialisation with zero biases; add BatchNormalization before the activation",
     ]
     causes = ["learning rate too high", "large negative biases", "poor initialisation"]
-    if explained_by:
-        ev["explained_by"] = ", ".join(explained_by)
-        fixes.insert(0, f"fix the {explained_by[0]} finding first (see its fixes), then train again from scratch")
-        causes.insert(0, f"{explained_by[0]}: its large steps pushed the units' inputs below zero for every example")
-    return Finding(
+    f = Finding(
         "dead_units",
         "warning",
         ev,
@@ -358,9 +354,30 @@ def check_dead_units(
         causes,
         f'{fmt(100 * bad[worst])}% of the units of layer "{worst}" output zero for every example'
         + (f" ({len(bad)} layers affected)" if len(bad) > 1 else "")
-        + (f", after the {explained_by[0]}" if explained_by else "")
         + ".",
     )
+    return explain_dead_units(f, explained_by[0]) if explained_by else f
+
+
+def explain_dead_units(finding: Finding, cause: str) -> Finding:
+    """`finding` (a `dead_units` one) named as the consequence of the `cause` finding.
+
+    Its causes and first fix point to the cause, and its summary says so. For a
+    dead-units finding made before its cause was seen (`TrainingDoctor` then lists
+    the cause first).
+
+    Example:
+    >>> f = check_dead_units({"d": 1.0}, {"d": 1.0}, 40)
+    >>> explain_dead_units(f, "oscillation").fixes[0]
+    'fix the oscillation finding first (see its fixes), then train again from scratch'
+    """
+    if "explained_by" in finding.evidence:
+        return finding
+    finding.evidence["explained_by"] = cause
+    finding.fixes.insert(0, f"fix the {cause} finding first (see its fixes), then train again from scratch")
+    finding.causes.insert(0, f"{cause}: its large steps pushed the units' inputs below zero for every example")
+    finding.summary = finding.summary.removesuffix(".") + f", after the {cause}."
+    return finding
 
 
 def run_queue_delays() -> dict[int, float] | None:

@@ -46,6 +46,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from typing import Any, Callable
 
@@ -272,7 +273,10 @@ def compile_function(fn: Callable) -> Callable:
     if backend_name() == "tensorflow":
         import tensorflow as tf  # here: only the TensorFlow backend compiles with it
 
-        return tf.function(fn, autograph=False)
+        # TensorFlow counts traces per Python code object to warn of "triggered tf.function
+        # retracing": the functions compiled from one method for several models (one each,
+        # traced once) would add up to that warning. A partial is counted as itself.
+        return tf.function(functools.partial(fn), autograph=False)
     return fn
 
 

@@ -124,10 +124,13 @@ def test_oscillation_versus_noise():
     assert f.evidence["peaks"] >= 3 and np.isclose(f.evidence["period_steps"], 40, atol=5)
     assert f.fixes[0].startswith("lower the momentum from 0.99")
     assert dx.check_oscillation(osc, 200, lr=0.1, momentum=0.9).fixes[0].startswith("lower the learning rate 3x")
-    # Confirmed by the fixed probe batch only when its loss rises too; waits for 3 probes.
-    assert dx.check_oscillation(osc, 200, probe_losses=[1.0, 0.9, 0.8]) is None
-    assert dx.check_oscillation(osc, 200, probe_losses=[0.5, 1.2]) is None
-    assert np.isclose(dx.check_oscillation(osc, 200, probe_losses=[0.5, 1.2, 0.6]).evidence["probe_loss_rise"], 2.4)
+    # Confirmed by the fixed probe batch only when its loss rises too; waits for 3 probes. (A
+    # probe also measures the null-model loss: about the initial one, 2.0, for a fresh model.
+    # Without it the swings back above the start, 1.79, are the other sign: see below.)
+    assert dx.check_oscillation(osc, 200, probe_losses=[1.0, 0.9, 0.8], reference=2.0) is None
+    assert dx.check_oscillation(osc, 200, probe_losses=[0.5, 1.2], reference=2.0) is None
+    f = dx.check_oscillation(osc, 200, probe_losses=[0.5, 1.2, 0.6], reference=2.0)
+    assert np.isclose(f.evidence["probe_loss_rise"], 2.4) and f.evidence["medians_above_start"] == 0
     # Swings that are small against the null-model loss (a model trained already) are not.
     assert dx.check_oscillation(osc, 200, reference=10.0) is None
 
@@ -151,11 +154,40 @@ def test_oscillation_probe_confirmation_only_where_the_probes_resolve_the_period
     for i in range(200):  # period 40 steps
         osc.add(0.3 + 1.7 * (0.5 + 0.5 * math.cos(2 * math.pi * i / 40)))
     flat = [1.0, 0.9, 0.8]  # probe losses that never rise
-    assert dx.check_oscillation(osc, 200, probe_losses=flat, probe_every=20) is None  # 2 probes per period: refuted
-    assert dx.check_oscillation(osc, 200, probe_losses=flat[:2], probe_every=20) is None  # waits for a third
+    null = 2.0  # the null-model loss a probe measures: the swings do not go above it
+    assert dx.check_oscillation(osc, 200, probe_losses=flat, probe_every=20, reference=null) is None  # 2 probes per period: refuted
+    assert dx.check_oscillation(osc, 200, probe_losses=flat[:2], probe_every=20, reference=null) is None  # waits for a third
     # A probe every 100 steps samples a 40-step oscillation at random phases: it cannot refute it.
-    f = dx.check_oscillation(osc, 200, probe_losses=flat[:2], probe_every=100)
+    f = dx.check_oscillation(osc, 200, probe_losses=flat[:2], probe_every=100, reference=null)
     assert f.evidence["probe_every_steps"] == 100 and "probe_loss_rise" not in f.evidence
+
+
+def test_oscillation_above_the_start_without_large_peaks():
+    """A step too large for the curvature (5 classes, SGD(0.3, momentum=0.995)): from about
+    the null loss the loss goes up, swinging, and stays above where it started; its swings
+    are less than 0.4 x the initial loss, so no peak counts. A model that learns stays below."""
+    rng = np.random.default_rng(0)
+    swing = LossTracker(window=200)
+    for i in range(100):
+        level = 1.5 if i < 15 else 1.85 + 0.25 * math.sin(2 * math.pi * i / 20)
+        swing.add(level * float(rng.lognormal(0, 0.15)))
+    f = dx.check_oscillation(swing, 100, lr=0.3, momentum=0.995, probe_losses=[1.6, 1.8], probe_every=100, reference=1.61)
+    assert f.code == "oscillation" and f.evidence["peaks"] < 3
+    assert f.evidence["medians_above_start"] >= 3 and f.evidence["max_over_start"] > 1.2
+    assert f.summary.startswith("the loss swings above where it started")
+    assert f.fixes[0].startswith("lower the momentum from 0.995 to 0.9")
+    # The same noise around a falling loss, or around the null loss (a dead network's
+    # constant prediction), is no oscillation; nor is the swing below a higher null loss.
+    for level in (lambda i: 1.5 * 0.99**i, lambda i: 1.61):
+        t = LossTracker(window=200)
+        for i in range(100):
+            t.add(level(i) * float(rng.lognormal(0, 0.15)))
+        assert dx.check_oscillation(t, 100, reference=1.61) is None
+    assert dx.check_oscillation(swing, 100, reference=2.5) is None
+    # Each threshold is needed: the rise, its noise bound and the count.
+    assert dx.check_oscillation(swing, 100, reference=1.61, thresholds={"oscillation_rise": 0.5}) is None
+    assert dx.check_oscillation(swing, 100, reference=1.61, thresholds={"oscillation_rise_z": 50.0}) is None
+    assert dx.check_oscillation(swing, 100, reference=1.61, thresholds={"oscillation_above": 21}) is None
 
 
 def test_dead_units_and_slow_convergence_name_what_explains_them():
