@@ -574,6 +574,7 @@ def standard_callbacks(
             EarlyStopping(
                 monitor=monitor, mode=mode, patience=early_stopping_patience,
                 warmup_epochs=warmup_epochs, restore_best_weights=True,
+                verbose=int(chief and _verbose(cfg)),  # the stop and the restored epoch, on the console
             )
         )
     if chief:

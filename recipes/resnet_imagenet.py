@@ -22,6 +22,7 @@ from typing import Literal, Optional
 from trainwell.config import (
     BaseConfig,
     check_choice,
+    check_dir_path,
     check_positive,
     check_range,
     check_reliability_fields,
@@ -45,6 +46,10 @@ STEP_FRACTIONS = (30 / 90, 60 / 90, 80 / 90)
 EMBEDDED_IMAGES = {"mnist5k": (28, 5000), "digits": (8, 1797)}
 #: The held-out test share `build_image_datasets` carves from a source without a test split.
 TEST_FRACTION = 0.2
+#: The network's total stride (its input side per pixel of the last stage) with the small-image stem
+#: (3x3 stride-1 conv; three stride-2 stages) and with ImageNet's (stride-2 conv and max-pool too): the
+#: smallest `image_size` each can use.
+SMALL_STEM_STRIDE, IMAGENET_STEM_STRIDE = 8, 32
 #: Fields derived when left `None` (see `Config`).
 DERIVED_FIELDS = ("image_size", "batch_size", "zero_init_residual", "warmup_epochs", "step_boundaries")
 
@@ -165,6 +170,12 @@ class Config(BaseConfig):
         names = [f"resnet{d}" for d in RESNET_DEPTHS]
         check_choice(self, "model", names)
         check_positive(self, "image_size")
+        stride = SMALL_STEM_STRIDE if self.use_small_stem else IMAGENET_STEM_STRIDE
+        if self.image_size < stride:
+            stem = "the small-image stem" if self.use_small_stem else "ImageNet's stem (small_stem=false)"
+            raise_invalid("image_size", self.image_size,
+                          f"at least {stride} px, the network's total stride with {stem} (a smaller image is "
+                          "down to 1 px before the last stage)")
         check_positive(self, "width")
         check_range(self, "dropout", 0.0, 1.0, hi_open=True)
         check_positive(self, "base_lr")
@@ -191,6 +202,7 @@ class Config(BaseConfig):
         check_reliability_fields(self)
         if self.augment is not None:
             check_choice(self, "augment", AUGMENTATIONS)
+        check_dir_path(self.data_dir, "data_dir")  # a file, or a directory this process cannot read
         check_image_source(self.dataset, self.data_dir)  # names, paths, the folder's classes
         self._check_batch_fits()
 

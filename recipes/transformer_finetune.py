@@ -52,7 +52,15 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from trainwell.config import BaseConfig, check_choice, check_positive, check_range, check_reliability_fields, raise_invalid
+from trainwell.config import (
+    BaseConfig,
+    check_choice,
+    check_dir_path,
+    check_positive,
+    check_range,
+    check_reliability_fields,
+    raise_invalid,
+)
 from trainwell.data import text
 from trainwell.data.embedded import minilm_preset_dir
 from trainwell.data.sources import check_preset, check_text_source
@@ -169,6 +177,7 @@ class Config(BaseConfig):
         check_choice(self, "verbose", ("auto", "0", "1", "2"))
 
         check_preset(self.preset)
+        check_dir_path(self.data_dir, "data_dir")  # a file, or a directory this process cannot read
         check_text_source(self.dataset, self.data_dir, self.text_field, self.label_field)  # CSV/JSONL: parsed
 
 
@@ -409,6 +418,21 @@ def compile_model(cfg: Config, model, steps_per_epoch: int) -> None:
         jit_compile="auto" if cfg.jit_compile is None else cfg.jit_compile,
         steps_per_execution=steps_per_execution(cfg.steps_per_execution),
     )
+
+
+def lr_find_setup(cfg: Config):
+    """A compiled model and the training data, for `trainwell lr-find`.
+
+    The model is compiled as `train` compiles it (AdamW, its per-variable LR factors,
+    clipping); the LR finder replaces the learning rate schedule while it runs.
+
+    Example:
+    >>> model, data = lr_find_setup(Config(preset="minilm", sequence_length=64))  # doctest: +SKIP
+    """
+    data_ = build_data(cfg, build_preprocessor(cfg))
+    model = build_model(cfg, data_.num_classes)
+    compile_model(cfg, model, data_.steps_per_epoch or 1)
+    return model, data_.train
 
 
 class _EffectiveSchedule:

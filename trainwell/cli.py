@@ -12,10 +12,13 @@ the command line reads in one place; the work itself is in the recipes, `trainwe
 
 Exit status: 0 success; 1 the run failed (the error is printed); 2 bad input: a
 command-line argument, a config key, value or file, a data source or preset, a
-damaged run directory (one line, no traceback, and no run directory made); 143 the
-run was preempted by SIGTERM after writing a checkpoint (resume it with
-`trainwell resume RUN_DIR`). `lr-find` exits 1 when it found no reliable learning
-rate (the probes did not learn); it then writes nothing.
+damaged run directory, a directory that cannot be made or written (one line, no
+traceback, and no run directory made); 3 training diverged past NaN rollback's
+`max_rollbacks` (`TrainingDivergedError`: its message, then the run's last
+checkpoint and the `trainwell resume` that continues it at a lower LR; no
+traceback); 143 the run was preempted by SIGTERM after writing a checkpoint (resume
+it with `trainwell resume RUN_DIR`). `lr-find` exits 1 when it found no reliable
+learning rate (the probes did not learn); it then writes nothing into the config.
 
 Everything that can be checked without training is checked before anything runs,
 so `--dry-run` catches it too: the config (`Config.validate()`: names with "did you
@@ -53,14 +56,22 @@ from pathlib import Path
 from typing import Any
 
 from trainwell import launch, recipes, rundir, runtime
-from trainwell.config import MAX_SEED, ConfigError, did_you_mean, parse_overrides, read_config_file
+from trainwell.config import (
+    MAX_SEED,
+    ConfigError,
+    check_dir_path,
+    did_you_mean,
+    os_error_reason,
+    parse_overrides,
+    read_config_file,
+)
 from trainwell.data import embedded
 from trainwell.data.base import DataError
 from trainwell.data.sources import check_data_ready
 from trainwell.io import atomic_write_json, atomic_write_text
 from trainwell.recipes import RECIPES
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIVERGED = 0, 1, 2, 3
 
 #: Environment variable: `1` shows TensorFlow's C++ start-up lines on a CPU-only machine.
 TF_LOGS_ENV = "TRAINWELL_TF_LOGS"
@@ -187,6 +198,46 @@ def _finish(run) -> int:
     return EXIT_OK
 
 
+def _train(module, cfg) -> int:
+    """Runs `module.train(cfg)`; a run that diverged past NaN rollback's limit ends in its message, exit 3.
+
+    `NaNRollback` raises `TrainingDivergedError` when rolling back no longer helps; its
+    message says what happened, the last good state and what to change. The command
+    prints it (no traceback), then where the run's last checkpoint is and the LR field
+    to lower, and exits with `EXIT_DIVERGED`.
+    """
+    try:
+        run = module.train(cfg)
+    except RuntimeError as e:
+        # lazy: the error class lives with Keras's callbacks, loaded by now (a run started)
+        from trainwell.callbacks.nan_rollback import TrainingDivergedError
+
+        if not isinstance(e, TrainingDivergedError):
+            raise
+        print(f"trainwell: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"trainwell: {_after_divergence(module, cfg)}", file=sys.stderr)
+        return EXIT_DIVERGED
+    return _finish(run)
+
+
+def _after_divergence(module, cfg) -> str:
+    """Where a diverged run's last checkpoint is, and the LR to try (a tenth), in one line."""
+    from trainwell.callbacks.checkpoint import CheckpointCorruptError, resume_checkpoint  # lazy, as in `_train`
+
+    run_dir = getattr(cfg, "run_dir", None)
+    try:
+        chosen = resume_checkpoint(Path(run_dir) / "checkpoints") if run_dir else None
+    except CheckpointCorruptError:
+        chosen = None
+    field = _lr_field(module, cfg)
+    lower = f"--set {field}={_setting(getattr(cfg, field) / 10)}" if field else "a lower learning rate"
+    if chosen is None:
+        return f"no checkpoint was written; start again with {lower}."
+    epoch = int(chosen["position"].get("epoch", 0))
+    return (f"the run directory {run_dir} keeps its last checkpoint ({chosen['name']}, after epoch {epoch}): "
+            f"`trainwell resume {run_dir} {lower}` continues from it with a tenth of the learning rate.")
+
+
 def _int_arg(lo: int, hi: int | None = None):
     """An argparse type: an integer in [lo, hi], else a one-line usage error (exit 2)."""
     def parse(value: str) -> int:
@@ -233,16 +284,20 @@ def cmd_train(args) -> int:
         argv = ["train", args.recipe] + (["--config", args.config] if args.config else [])
         args.set = list(args.set) + [f"run_dir={run_dir}"]
         return _launch_workers(args, argv)
-    return _finish(module.train(cfg))
+    return _train(module, cfg)
 
 
 def _read_manifest(run_dir: Path) -> dict:
     """The manifest of a run directory; anything damaged is a one-line `ConfigError`."""
     path = run_dir / "manifest.json"
-    if not path.is_file():
-        raise ConfigError(f"Not a trainwell run directory (no manifest.json): {str(run_dir)!r}")
+    if os.path.lexists(run_dir) and not run_dir.is_dir():
+        raise ConfigError(f"Not a trainwell run directory: {str(run_dir)!r} is a file; expected the run's directory.")
     try:
+        if not path.is_file():
+            raise ConfigError(f"Not a trainwell run directory (no manifest.json): {str(run_dir)!r}")
         manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise ConfigError(f"Cannot read {str(path)!r}: {os_error_reason(e)}.") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"Damaged {str(path)!r}: not UTF-8 text (byte offset {e.start}).") from None
     except json.JSONDecodeError as e:
@@ -277,7 +332,7 @@ def cmd_resume(args) -> int:
         return EXIT_OK
     if getattr(args, "workers", None):
         return _launch_workers(args, ["resume", str(run_dir)])
-    return _finish(module.train(cfg))
+    return _train(module, cfg)
 
 
 def _child_argv(args) -> list[str]:
@@ -313,8 +368,11 @@ def cmd_tune(args) -> int:
     workers = int(getattr(args, "workers", 0) or 0)
     if workers < 0:
         raise ConfigError(f"Invalid value for `--workers`: expected an integer >= 0. Received: workers={workers}")
+    check_dir_path(directory, "--directory", write=True)  # a file, read-only, permission denied: one line
     hm = _hypermodel_from_args(args)
     check_data_ready(hm.cfg.dataset, getattr(hm.cfg, "data_dir", None))  # e.g. a TFDS set not prepared: one line
+    if not getattr(args, "dry_run", False):
+        rundir.make_writable_dir(directory, "--directory", what="search directory")  # what only trying tells (/proc)
     if getattr(args, "dry_run", False):
         hp = keras_tuner.HyperParameters()
         hm.declare_hyperparameters(hp)
@@ -351,6 +409,10 @@ def cmd_tune(args) -> int:
         return 1
     if has_chief_oracle() and not is_chief_oracle():
         return 0
+    if getattr(result, "best_config", None) is not None and hasattr(hm.cfg, "to_dict"):
+        changed = {k: v for k, v in result.best_config.to_dict().items() if hm.cfg.to_dict().get(k) != v}
+        print(f"The best trial's config: {' '.join(f'--set {k}={_setting(v)}' for k, v in changed.items())}"
+              if changed else "The best trial's config is the base config.")
     return 0 if result.best_trial_id is not None else 1
 
 
@@ -529,9 +591,11 @@ def lr_find_main(recipe_module, cfg, args) -> int:
     The suggestion goes into the config field `recipe_module.LR_FIELD`, else the
     first of `peak_lr`, `learning_rate`, `lr`, `base_lr` the config has; a recipe
     whose field is not the peak LR itself (e.g. a base LR scaled by the batch
-    size) defines `lr_to_config(cfg, peak_lr) -> {field: value}`. The curve is
+    size) defines `lr_to_config(cfg, peak_lr) -> {field: value}`; the command
+    prints those fields as `--set` options (`lr_config_updates`). The curve is
     written to `RUN_DIR/lr_find.png` and `lr_find.json` (`cfg.run_dir`, else a new
-    `runs/lr-find-...` directory).
+    `runs/lr-find-...` directory); the directory is made (and checked) before the
+    test runs, and one made here is removed again if the test fails.
 
     Args:
         recipe_module: The recipe module. Required.
@@ -553,7 +617,8 @@ def lr_find_main(recipe_module, cfg, args) -> int:
 
     Example:
     >>> lr_find_main(resnet_imagenet, cfg, args)  # doctest: +SKIP
-    Suggested peak learning rate (probe): 0.158
+    Suggested peak learning rate (probe): 0.158   [...]
+    To train with it: --set base_lr=0.0395  (a peak LR of 0.158 at batch_size=1024)
     """
 
     write = bool(getattr(args, "write", False))
@@ -573,15 +638,80 @@ def lr_find_main(recipe_module, cfg, args) -> int:
             f"Cannot write the suggestion: the recipe's config has none of the fields {', '.join(LR_FIELDS)} "
             "and the recipe defines no `LR_FIELD` or `lr_to_config`."
         )
+    if write and not os.access(Path(config_path).parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"`--write` cannot rewrite {config_path!r}: its directory {str(Path(config_path).parent)!r} "
+                          "is not writable (the file is replaced through a temporary file beside it).")
     if getattr(args, "dry_run", False):
         print(f"lr-find on {getattr(recipe_module, '__name__', 'recipe')}: config {cfg}")
-        print(f"would write the suggestion into {config_path}:{field}" if write else "would print the suggestion")
+        fields = ", ".join(lr_config_updates(recipe_module, cfg, 1.0)) or field
+        print(f"would write the suggestion into {config_path}:{fields}" if write else "would print the suggestion")
         return 0
 
     # lazy: the LR finder imports Keras and TensorFlow; a dry run or a config error never loads them
     from trainwell.callbacks import lr_finder
 
     strategy = runtime.make_strategy(getattr(cfg, "strategy", "auto"))
+    # The output directory first: one that cannot be made or written is a one-line error
+    # before the range test runs, not after it; one made here is removed again if the run fails.
+    given = getattr(cfg, "run_dir", None)
+    made = given is None or not os.path.lexists(given)
+    run_dir = rundir.make_run_dir(given, prefix="lr-find")
+    try:
+        result = _run_lr_find(recipe_module, cfg, args, strategy, method, probe_steps, lr_finder)
+    except BaseException:
+        if made and run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()
+        raise
+    if result is None or result.suggestion is None:
+        if made and not any(run_dir.iterdir()):
+            run_dir.rmdir()
+        print("The LR range test recorded no usable loss (the loss was non-finite from the start).")
+        return 1
+    s = result.suggestions
+    others = ", ".join(f"{k}: {v:.3g}" for k, v in s.items() if k != result.method)
+    probed = ""
+    if result.probes:
+        probed = (f"; then {len(result.probes)} probe runs of {result.probe_steps} steps ({result.probe_schedule}): "
+                  + ", ".join(f"{lr:.3g} -> {'diverged' if not math.isfinite(v) else f'{v:.4g}'}"
+                              for lr, v in sorted(result.probes.items())))
+    details = f"[{others}; range test {len(result.lrs)} steps, stopped: {result.stopped}{probed}]"
+    if result.reliable:
+        print(f"Suggested peak learning rate ({result.method}): {result.suggestion:.3g}   {details}")
+    else:
+        print(f"No reliable learning rate: {result.reason}.   {details}")
+    if runtime.is_chief(strategy):
+
+        result.plot(run_dir / "lr_find.png")
+        atomic_write_json(run_dir / "lr_find.json", result.to_dict())
+        print(f"Curve: {run_dir / 'lr_find.png'}")
+    if not result.reliable:
+        longer = f"--probe-steps {4 * (result.probe_steps or len(result.lrs))}"
+        tries = (f"longer probes ({longer})" if result.method == "probe" or result.probes
+                 else "--method probe (short runs at candidate LRs)")
+        print(f"Try {tries}, or check the data and labels (the model must be able to fit them); "
+              + (f"nothing was written to {config_path}." if write else "nothing to write."))
+        return 1
+    value = float(f"{result.suggestion:.3g}")
+    updates = lr_config_updates(recipe_module, cfg, value)
+    if updates:
+        print("To train with it: " + " ".join(f"--set {k}={_setting(v)}" for k, v in updates.items())
+              + _lr_note(recipe_module, cfg, updates, value))
+    if write:
+        try:
+            for k, v in updates.items():
+                was = getattr(cfg, k, None)
+                note = f"peak LR {value:.3g} from trainwell lr-find ({result.method})" + (f"; was {was}" if was is not None else "")
+                write_config_value(config_path, k, v, comment=note)
+        except OSError as e:
+            print(f"trainwell: error: cannot write {config_path!r}: {os_error_reason(e)}; set the value with the "
+                  "--set above instead.", file=sys.stderr)
+            return EXIT_FAILED
+        print(f"Wrote {', '.join(f'{k}: {v}' for k, v in updates.items())} into {config_path}")
+    return 0
+
+
+def _run_lr_find(recipe_module, cfg, args, strategy, method, probe_steps, lr_finder):
+    """The range test (and probes) on the recipe's compiled model and training data."""
     runtime.set_precision(getattr(cfg, "precision", "auto"))
     runtime.seed_everything(int(getattr(cfg, "seed", 0)))
     with strategy.scope():
@@ -602,46 +732,49 @@ def lr_find_main(recipe_module, cfg, args) -> int:
                 recipe_module.compile_model(cfg, model)
     with runtime.fit_scope(strategy), warnings.catch_warnings():  # the reason is printed below, with the CLI's advice
         warnings.filterwarnings("ignore", message="No reliable learning rate")
-        result = lr_finder.lr_find(model, train, batch_size=getattr(cfg, "batch_size", None), method=method,
-                                   probe_steps=probe_steps, probe_schedule=CLI_PROBE_SCHEDULE,
-                                   verbose=getattr(args, "verbose", 1))
-    if result is None or result.suggestion is None:
-        print("The LR range test recorded no usable loss (the loss was non-finite from the start).")
-        return 1
-    s = result.suggestions
-    others = ", ".join(f"{k}: {v:.3g}" for k, v in s.items() if k != result.method)
-    probed = ""
-    if result.probes:
-        probed = (f"; then {len(result.probes)} probe runs of {result.probe_steps} steps ({result.probe_schedule}): "
-                  + ", ".join(f"{lr:.3g} -> {'diverged' if not math.isfinite(v) else f'{v:.4g}'}"
-                              for lr, v in sorted(result.probes.items())))
-    details = f"[{others}; range test {len(result.lrs)} steps, stopped: {result.stopped}{probed}]"
-    if result.reliable:
-        print(f"Suggested peak learning rate ({result.method}): {result.suggestion:.3g}   {details}")
-    else:
-        print(f"No reliable learning rate: {result.reason}.   {details}")
-    run_dir = rundir.make_run_dir(getattr(cfg, "run_dir", None), prefix="lr-find")
-    if runtime.is_chief(strategy):
+        return lr_finder.lr_find(model, train, batch_size=getattr(cfg, "batch_size", None), method=method,
+                                 probe_steps=probe_steps, probe_schedule=CLI_PROBE_SCHEDULE,
+                                 verbose=getattr(args, "verbose", 1))
 
-        result.plot(run_dir / "lr_find.png")
-        atomic_write_json(run_dir / "lr_find.json", result.to_dict())
-        print(f"Curve: {run_dir / 'lr_find.png'}")
-    if not result.reliable:
-        longer = f"--probe-steps {4 * (result.probe_steps or len(result.lrs))}"
-        tries = (f"longer probes ({longer})" if result.method == "probe" or result.probes
-                 else "--method probe (short runs at candidate LRs)")
-        print(f"Try {tries}, or check the data and labels (the model must be able to fit them); "
-              + (f"nothing was written to {config_path}." if write else "nothing to write."))
-        return 1
-    if write:
-        value = float(f"{result.suggestion:.3g}")
-        updates = recipe_module.lr_to_config(cfg, value) if hasattr(recipe_module, "lr_to_config") else {field: value}
-        for k, v in updates.items():
-            was = getattr(cfg, k, None)
-            note = f"peak LR {value:.3g} from trainwell lr-find ({result.method})" + (f"; was {was}" if was is not None else "")
-            write_config_value(config_path, k, v, comment=note)
-        print(f"Wrote {', '.join(f'{k}: {v}' for k, v in updates.items())} into {config_path}")
-    return 0
+
+def lr_config_updates(recipe_module, cfg, peak_lr: float) -> dict[str, float]:
+    """The config fields to set (name -> value) for a peak learning rate of `peak_lr`.
+
+    The recipe's `lr_to_config(cfg, peak_lr)` where it has one (e.g. the ResNet
+    recipe's `base_lr`, per `lr_base_batch` images), else `{field: peak_lr}` for its
+    LR field (`LR_FIELD`, else the first of `LR_FIELDS` its config has), else `{}`.
+
+    Args:
+        recipe_module: The recipe module. Required.
+        cfg: Its resolved `Config`. Required.
+        peak_lr: The peak learning rate. Required.
+
+    Example:
+    >>> from trainwell.recipes import resnet_imagenet
+    >>> lr_config_updates(resnet_imagenet, resnet_imagenet.Config(dataset="digits", batch_size=512), 0.2)
+    {'base_lr': 0.1}
+    """
+    if hasattr(recipe_module, "lr_to_config"):
+        return dict(recipe_module.lr_to_config(cfg, peak_lr))
+    field = _lr_field(recipe_module, cfg)
+    return {field: peak_lr} if field else {}
+
+
+def _setting(v) -> str:
+    """A config value as `--set` takes it: 4 significant digits for a float, `[a,b]` for a list, `null`, `true`."""
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_setting(x) for x in v) + "]"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return json.dumps(v) if v is None or isinstance(v, bool) else str(v)
+
+
+def _lr_note(recipe_module, cfg, updates: dict, peak_lr: float) -> str:
+    """What the values give, when the field set is not the peak LR itself (e.g. a base LR per 256 images)."""
+    if updates == {_lr_field(recipe_module, cfg): peak_lr}:
+        return ""
+    batch = getattr(cfg, "batch_size", None)
+    return f"  (a peak LR of {peak_lr:.3g}" + (f" at batch_size={batch})" if batch else ")")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,6 +16,8 @@ import difflib
 import json
 import math
 import os
+import re
+import stat
 import types
 import typing
 from pathlib import Path
@@ -427,9 +429,14 @@ def check_seed(cfg: Any, name: str = "seed") -> None:
 
 
 def check_run_dir(run_dir: str | os.PathLike | None, name: str = "run_dir") -> None:
-    """Raises `ConfigError` when `run_dir` cannot be a directory (it, or a parent, is a file).
+    """Raises `ConfigError` when `run_dir` cannot be a directory this process writes.
 
-    Nothing is created; an existing directory is fine (that is how a run resumes).
+    It cannot when it, or a parent, is a file, or when the nearest part of it that
+    exists is a directory this process may not write (permission denied, a
+    read-only file system). Nothing is created; an existing directory is fine (that
+    is how a run resumes). What only trying tells (e.g. `/proc`, which refuses new
+    entries even to root) is reported when the directory is made
+    (`trainwell.rundir.make_run_dir`), in the same one line.
 
     Args:
         run_dir: The directory, or `None` (a fresh one is named at run time).
@@ -438,19 +445,82 @@ def check_run_dir(run_dir: str | os.PathLike | None, name: str = "run_dir") -> N
     Example:
     >>> check_run_dir("runs/new-run")
     """
-    if run_dir is None:
+    check_dir_path(run_dir, name, write=True)
+
+
+def check_dir_path(path: str | os.PathLike | None, name: str, write: bool = False) -> None:
+    """Raises `ConfigError` unless `path` is (or, with `write`, can become) a usable directory.
+
+    - any part of it that exists is a file: "is a file; expected a directory";
+    - a part cannot be looked at (permission denied): "cannot be read";
+    - `write=False` (data to read): an existing `path` must be a directory this
+      process may list and read; a missing one is left to the reader (its own
+      message says what it looked for);
+    - `write=True` (a directory to write): the nearest part that exists must be a
+      directory this process may write into (not on a read-only file system).
+
+    Nothing is created. Each message is one line naming the field, the path and why.
+
+    Args:
+        path: The directory, or `None` (nothing to check).
+        name: The field (or option) named in the message.
+        write: Whether the directory is written (made if missing). Defaults to `False`.
+
+    Example:
+    >>> check_dir_path("/", "data_dir")
+    >>> check_dir_path("/etc/hostname/x", "data_dir")  # doctest: +SKIP
+    Traceback (most recent call last):
+    ...
+    trainwell.config.ConfigError: Invalid value for `data_dir`: '/etc/hostname/x' is inside '/etc/hostname', which is a file; expected a directory. Received: data_dir='/etc/hostname/x'
+    """
+    if path is None:
         return
-    path = Path(run_dir).expanduser()
-    if not str(run_dir).strip():
-        raise_invalid(name, run_dir, "null or a directory path")
-    for p in (path, *path.parents):
-        if p.exists():
-            if not p.is_dir():
-                what = "is a file" if p == path else f"is inside {str(p)!r}, which is a file"
-                raise ConfigError(
-                    f"Invalid value for `{name}`: {str(path)!r} {what}; expected a directory. Received: {name}={str(run_dir)!r}"
-                )
-            return
+    if not str(path).strip():
+        raise_invalid(name, path, "null or a directory path")
+    given = Path(path).expanduser()
+
+    def refuse(why: str) -> typing.NoReturn:
+        raise ConfigError(f"Invalid value for `{name}`: {str(given)!r} {why}. Received: {name}={str(path)!r}")
+
+    for p in (given, *given.parents):
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            if not write and p == given:
+                return  # a missing data directory: the reader says what it looked for
+            continue
+        except NotADirectoryError:
+            continue  # a parent is a file: found further up
+        except OSError as e:
+            refuse(f"cannot be reached: {os_error_reason(e)}")
+        if not stat.S_ISDIR(st.st_mode):
+            refuse(("is a file" if p == given else f"is inside {str(p)!r}, which is a file") + "; expected a directory")
+        if write:
+            if not os.access(p, os.W_OK | os.X_OK):
+                where = "" if p == given else f" (its nearest existing parent {str(p)!r})"
+                refuse(f"cannot be written{where}: {_not_writable_reason(p)}")
+        elif not os.access(p, os.R_OK | os.X_OK):
+            refuse("cannot be read: permission denied")
+        return
+
+
+def os_error_reason(e: OSError) -> str:
+    """An `OSError` in a few lowercase words for a one-line message: `"permission denied"`, ...
+
+    Example:
+    >>> os_error_reason(PermissionError(13, "Permission denied", "/x"))
+    'permission denied'
+    """
+    return (e.strerror or str(e) or type(e).__name__).strip().lower()
+
+
+def _not_writable_reason(path: Path) -> str:
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return "read-only file system"
+    except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)
+        pass
+    return "permission denied"
 
 
 def check_range(cfg: Any, name: str, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) -> None:
@@ -499,7 +569,23 @@ def check_reliability_fields(cfg: Any) -> None:
 
 
 def _unknown_key_message(cls, key: str) -> str:
+    """The one line for a key that is no field: "did you mean" the closest field.
+
+    A key that names a property of the config (a value derived from fields, e.g. the
+    ResNet recipe's `peak_lr` = `base_lr x batch_size / lr_base_batch`) is not
+    settable: the line quotes the property's first docstring line and suggests the
+    first field that line names.
+    """
     names = cls.field_names()
+    derived = getattr(cls, str(key), None) if str(key).isidentifier() and not str(key).startswith("_") else None
+    if isinstance(derived, property):
+        doc = ((derived.__doc__ or "").strip().splitlines() or [""])[0].rstrip(".")
+        words = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", doc)
+        source = next((w for w in words if w in names), None)
+        what = f" ({doc})" if doc else ""
+        hint = f" Did you mean `{source}`?" if source else ""
+        return (f"Config key `{key}` of {cls.__qualname__} is derived from other fields{what}, not set.{hint} "
+                f"Expected one of: {', '.join(names)}.")
     close = difflib.get_close_matches(str(key), names, n=1)
     hint = f" Did you mean `{close[0]}`?" if close else ""
     return f"Unknown config key `{key}` for {cls.__qualname__}.{hint} Expected one of: {', '.join(names)}."
@@ -568,12 +654,23 @@ def read_config_file(path: str | os.PathLike) -> dict:
     ConfigError: Config file not found: missing.yaml
     """
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"Config file not found: {str(p)!r}")
+    try:
+        mode = os.stat(p).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise ConfigError(f"Config file not found: {str(p)!r}") from None
+    except OSError as e:
+        raise ConfigError(f"Cannot read config file {str(p)!r}: {os_error_reason(e)}.") from None
+    if stat.S_ISDIR(mode):
+        raise ConfigError(f"Config file {str(p)!r} is a directory; expected a .yaml, .yml or .json file.")
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"Config file {str(p)!r} is not a regular file; expected a .yaml, .yml or .json file.")
     suffix = p.suffix.lower()
     if suffix not in (".json", ".yaml", ".yml"):
         raise ConfigError(f"Unsupported config file type {p.suffix!r}: expected .yaml, .yml or .json. Received: {str(p)!r}")
-    raw = p.read_bytes()
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"Cannot read config file {str(p)!r}: {os_error_reason(e)}.") from None
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:

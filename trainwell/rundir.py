@@ -26,13 +26,14 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from trainwell.config import ConfigError
+from trainwell.config import ConfigError, os_error_reason
 from trainwell.io import atomic_write_json, atomic_write_text
 from trainwell.runtime import broadcast_from_chief, is_chief, num_replicas, num_workers
 
@@ -139,10 +140,72 @@ def make_run_dir(run_dir: str | os.PathLike | None, prefix: str = "run", root: s
             i += 1
     else:
         path = Path(run_dir)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"Invalid value for `run_dir`: not a directory. Received: run_dir={str(path)!r}")
-    path.mkdir(parents=True, exist_ok=True)
+    return make_writable_dir(path, "run_dir" if run_dir is not None else None, what="run directory")
+
+
+def make_writable_dir(path: str | os.PathLike, name: str | None = None, what: str = "directory") -> Path:
+    """Makes `path` (and its missing parents) and checks that a file can be written in it.
+
+    A directory that cannot be made or written (a read-only file system, permission
+    denied, a file where a directory is expected, a location such as `/proc` that
+    refuses new entries even to root) is a one-line `ConfigError` naming the path
+    and why; the parents it made are removed again, so nothing is left behind. The
+    write check creates and deletes one empty file.
+
+    Args:
+        path: The directory. Required.
+        name: The config field or option that gave it (named with "Received:"), or
+            `None` for a default. Defaults to `None`.
+        what: What the directory is, for the message. Defaults to `"directory"`.
+
+    Returns:
+        The path.
+
+    Raises:
+        trainwell.config.ConfigError: It cannot be made or written.
+
+    Example:
+    >>> import tempfile
+    >>> make_writable_dir(Path(tempfile.mkdtemp()) / "a" / "b").is_dir()
+    True
+    """
+    path = Path(path)
+    missing = []  # deepest first: what this call makes, and removes again when it fails
+    for p in (path, *path.parents):
+        if os.path.lexists(p):
+            break
+        missing.append(p)
+    try:
+        if os.path.lexists(path) and not path.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".trainwell-write-check-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        for p in missing:
+            try:
+                p.rmdir()
+            except OSError:
+                pass
+        raise _unusable_dir(path, name, what, e, missing) from None
     return path
+
+
+def _unusable_dir(path: Path, name: str | None, what: str, e: OSError, missing: list[Path]) -> ConfigError:
+    existing = next((p for p in path.parents if os.path.lexists(p)), None) if missing else path
+    if e.errno == errno.ENOENT and existing is not None and existing.is_dir():
+        reason = f"{str(existing)!r} does not accept new entries"  # e.g. /proc, even for root
+    elif e.errno in (errno.ENOTDIR, errno.EEXIST):
+        bad = next((p for p in (path, *path.parents) if os.path.lexists(p) and not p.is_dir()), path)
+        reason = ("it is" if bad == path else f"{str(bad)!r} is") + " a file, not a directory"
+    else:
+        reason = os_error_reason(e) + (f" ({e.filename!r})" if e.filename and Path(e.filename) != path else "")
+    body = f"cannot use {str(path)!r} as the {what}: {reason}."
+    if name is None:
+        hint = " Set `run_dir` to a directory you can write." if what == "run directory" else ""
+        return ConfigError(body[0].upper() + body[1:] + hint)
+    return ConfigError(f"Invalid value for `{name}`: {body} Received: {name}={str(path)!r}")
 
 
 def shared_run_dir(

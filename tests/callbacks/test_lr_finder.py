@@ -612,3 +612,48 @@ def test_write_config_value_keeps_comments_and_handles_json(tmp_path):
     j.write_text('{"lr": 1}')
     write_config_value(j, "lr", 0.5)
     assert yaml.safe_load(j.read_text()) == {"lr": 0.5}
+
+
+def _canned(suggestion: float) -> LRFindResult:
+    return LRFindResult([1e-3, 1e-2], [2.3, 2.0], [2.3, 2.0], suggestion, {"peak": 0.1, "probe": suggestion}, "steps",
+                        method="probe", probes={suggestion: 1.0}, probe_noise={suggestion: 0.01}, probe_steps=10,
+                        probe_schedule="warmup_cosine", start_loss=2.3, start_noise=0.001, reliable=True)
+
+
+def test_cli_main_prints_the_value_to_set_under_the_name_a_user_sets(tmp_path, capsys, monkeypatch):
+    # The ResNet recipe's peak LR is derived (base_lr x batch_size / lr_base_batch): "Suggested peak
+    # learning rate (probe): 0.205" mapped onto nothing a user can set, and `--set peak_lr=0.205` failed.
+    from trainwell.recipes import resnet_imagenet
+
+    monkeypatch.setattr(lr_finder, "lr_find", lambda *a, **k: _canned(0.205))
+    recipe = types.SimpleNamespace(__name__="resnet", Config=resnet_imagenet.Config,
+                                   lr_to_config=resnet_imagenet.lr_to_config,
+                                   lr_find_setup=lambda cfg: (regression(), None))  # the range test is canned
+    cfg = resnet_imagenet.Config(dataset="digits", batch_size=512, run_dir=str(tmp_path / "run"), strategy="one_device")
+    assert cli_main(recipe, cfg, types.SimpleNamespace(write=False, config=None, dry_run=False)) == 0
+    out = capsys.readouterr().out
+    assert "To train with it: --set base_lr=0.1025  (a peak LR of 0.205 at batch_size=512)\n" in out, out
+    assert resnet_imagenet.Config.load(overrides=["dataset=digits", "batch_size=512", "base_lr=0.1025"]).peak_lr == (
+        pytest.approx(0.205))
+    # A recipe whose field is the peak LR itself: the field and the value.
+    cfg = TinyConfig(run_dir=str(tmp_path / "run2"), strategy="one_device", precision="float32")
+    assert cli_main(tiny_recipe(), cfg, types.SimpleNamespace(write=False, config=None, dry_run=False)) == 0
+    assert "To train with it: --set lr=0.205\n" in capsys.readouterr().out
+
+
+def test_cli_main_removes_the_output_directory_it_made_when_the_run_fails(tmp_path):
+    def lr_find_setup(cfg):
+        raise RuntimeError("out of memory")
+
+    for run_dir in (tmp_path / "new", tmp_path / "a" / "b"):
+        cfg = TinyConfig(run_dir=str(run_dir), strategy="one_device", precision="float32")
+        with pytest.raises(RuntimeError, match="out of memory"):
+            cli_main(tiny_recipe(lr_find_setup=lr_find_setup), cfg,
+                     types.SimpleNamespace(write=False, config=None, dry_run=False))
+        assert not run_dir.exists()
+    (tmp_path / "mine").mkdir()
+    cfg = TinyConfig(run_dir=str(tmp_path / "mine"), strategy="one_device", precision="float32")
+    with pytest.raises(RuntimeError):
+        cli_main(tiny_recipe(lr_find_setup=lr_find_setup), cfg, types.SimpleNamespace(write=False, config=None,
+                                                                                          dry_run=False))
+    assert (tmp_path / "mine").is_dir()  # the user's directory stays

@@ -138,3 +138,16 @@ def test_standard_callbacks_put_the_empty_epoch_guard_first(tmp_path):
 
     cbs = resnet_imagenet.build_callbacks(resnet_imagenet.Config(), tmp_path)
     assert cbs[0].on_epoch_end.__qualname__.startswith("fail_on_empty_epoch")
+
+
+def test_both_recipes_announce_their_early_stop_on_the_console(tmp_path):
+    # The transformer recipe's early stop was never announced (EarlyStopping(verbose=0)); both recipes'
+    # come from `standard_callbacks`, which now prints the stop and the restored epoch unless verbose is 0.
+    from trainwell.callbacks import EarlyStopping
+    from trainwell.recipes import resnet_imagenet, transformer_finetune
+
+    for module, quiet in ((resnet_imagenet, 0), (transformer_finetune, "0")):
+        for verbose, expected in (("auto" if module is resnet_imagenet else "1", 1), (quiet, 0)):
+            cfg = module.Config(early_stopping_patience=2, verbose=verbose)
+            es = [c for c in module.build_callbacks(cfg, tmp_path) if isinstance(c, EarlyStopping)]
+            assert [c.verbose for c in es] == [expected], (module.__name__, verbose)

@@ -89,6 +89,14 @@ CASES = [
     ("run_dir is a file", _train(R, "dataset=digits", "run_dir={a_file}"), "is a file; expected a directory"),
     ("run_dir under a file", _train(R, "dataset=digits", "run_dir={a_file}/run"), "which is a file"),
     ("missing config file", ["train", R, "--config", "/nonexistent.yaml"], "Config file not found"),
+    ("config is a directory", ["train", R, "--config", "{empty_folder}"], "is a directory; expected a .yaml"),
+    ("data_dir is a file", _train(R, "dataset=tfds:mnist", "data_dir={a_file}"), "is a file; expected a directory"),
+    ("text data_dir is a file", _train(T, "data_dir={a_file}"), "is a file; expected a directory"),
+    ("resume a file", ["resume", "{a_file}", "--dry-run"], "is a file; expected the run's directory"),
+    ("tune directory is a file", ["tune", R, "--directory", "{a_file}", "--dry-run", "--set", "dataset=digits"],
+     "Invalid value for `--directory`: '{a_file}' is a file; expected a directory"),
+    ("tune directory under a file", ["tune", R, "--directory", "{a_file}/d", "--dry-run", "--set", "dataset=digits"],
+     "which is a file"),
     # -- data that cannot be trained on
     ("empty CSV", _train(T, "dataset=csv:{empty_csv}"), "Empty file"),
     ("header-only CSV", _train(T, "dataset=csv:{header_only_csv}"), "has no rows"),
@@ -109,6 +117,12 @@ CASES = [
     ("min_lr above peak", _train(R, "dataset=digits", "batch_size=256", "min_lr=0.5"), "at most the peak LR 0.1"),
     ("warmup = the run", _train(R, "dataset=digits", "epochs=1", "warmup_epochs=1"), "fewer than epochs=1"),
     ("transformer NaN LR", _train(T, "peak_lr=nan"), "Received: peak_lr='nan'"),
+    ("image_size below the stride", _train(R, "dataset=digits", "image_size=1"),
+     "expected at least 8 px, the network's total stride with the small-image stem"),
+    ("image_size below ImageNet's stride", _train(R, "dataset=digits", "small_stem=false", "image_size=16"),
+     "expected at least 32 px"),
+    ("derived peak_lr", _train(R, "dataset=digits", "peak_lr=0.2"), "is derived from other fields (Peak LR after "
+     "warmup: base_lr x batch_size / lr_base_batch [Goyal]), not set. Did you mean `base_lr`?"),
     # -- config files
     ("Latin-1 config", ["train", R, "--config", "{latin1_yaml}"], "is not UTF-8 text (byte 0xe9 at offset 12)"),
     ("3000-deep YAML", ["train", R, "--config", "{deep_yaml}"], "exceeded maximum nesting depth (line 1, column 1008)"),
@@ -126,7 +140,7 @@ def test_bad_input_is_one_line_exit_2_and_no_run_directory(argv, says, bad, tmp_
     assert cli.main(_fill(argv, bad)) == 2
     out, err = capsys.readouterr()
     assert err.startswith("trainwell: error: ") and err.count("\n") == 1, err
-    assert says in err, err
+    assert says.format(**bad) in err, err
     assert out == "" and list(tmp_path.iterdir()) == []  # nothing printed, nothing made
 
 
@@ -164,3 +178,120 @@ def test_a_config_is_checked_and_its_derived_values_computed_without_loading_ker
     assert "REFUSED" in r.stdout and "Did you mean 'mnist5k'?" in r.stdout
     assert "PEAK 0.2" in r.stdout  # the linear scaling rule: 0.1 x 512 / 256
     assert "LOADED []" in r.stdout, r.stdout
+
+
+# -- paths that fail for root too: /proc refuses new entries; a read-only file system and an
+#    unreadable file are simulated (tests run as root, whom permission bits do not stop).
+
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+
+
+def _one_line(err: str, says: str) -> None:
+    assert err.startswith("trainwell: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert says in err, err
+
+
+@needs_proc
+def test_a_run_dir_that_cannot_be_made_is_one_line_exit_2_and_nothing_left(tmp_path, monkeypatch, capsys):
+    # `--set run_dir=/proc/...`: a 31-line FileNotFoundError traceback and exit 1 before.
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", R, "--set", "dataset=digits", "--set", "model=resnet18", "--set", "width=4",
+            "--set", "run_dir=/proc/trainwell-run/a"]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    _one_line(err, "Invalid value for `run_dir`: cannot use '/proc/trainwell-run/a' as the run directory: "
+                   "'/proc' does not accept new entries. Received: run_dir='/proc/trainwell-run/a'")
+    assert list(tmp_path.iterdir()) == [] and not os.path.exists("/proc/trainwell-run")
+
+
+@needs_proc
+def test_lr_find_checks_its_output_directory_before_it_runs(tmp_path, monkeypatch, capsys):
+    from trainwell.recipes import resnet_imagenet
+
+    def never(cfg):  # the range test must not start
+        raise AssertionError("lr_find_setup ran")
+
+    monkeypatch.setattr(resnet_imagenet, "lr_find_setup", never)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["lr-find", R, "--set", "dataset=digits", "--set", "run_dir=/proc/trainwell-lr"]) == 2
+    _one_line(capsys.readouterr().err, "cannot use '/proc/trainwell-lr' as the run directory")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_read_only_location_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    # What `os.access` says on a read-only mount (even for root), and `statvfs`'s read-only flag.
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real_access, real_statvfs = os.access, os.statvfs
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if str(p).startswith(str(ro)) and mode & os.W_OK
+                        else real_access(p, mode, **k))
+
+    class _Flags:
+        def __init__(self, st):
+            self.f_flag = st.f_flag | (os.ST_RDONLY if self._ro else 0)
+
+    def statvfs(p):
+        _Flags._ro = str(p).startswith(str(ro))
+        return _Flags(real_statvfs(p))
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    cases = [
+        (_train(R, "dataset=digits", f"run_dir={ro}/run"),
+         f"Invalid value for `run_dir`: '{ro}/run' cannot be written (its nearest existing parent '{ro}'): "
+         "read-only file system."),
+        (_train(R, "dataset=digits", f"run_dir={ro}"), f"'{ro}' cannot be written: read-only file system."),
+        (["tune", R, "--directory", str(ro / "search"), "--dry-run", "--set", "dataset=digits"],
+         "Invalid value for `--directory`"),
+    ]
+    (ro / "c.yaml").write_text("epochs: 2\n")
+    cases.append((["lr-find", R, "--config", str(ro / "c.yaml"), "--write", "--set", "dataset=digits"],
+                  f"`--write` cannot rewrite '{ro}/c.yaml': its directory '{ro}' is not writable"))
+    for argv, says in cases:
+        assert cli.main(argv) == 2
+        _one_line(capsys.readouterr().err, says)
+    assert sorted(p.name for p in ro.iterdir()) == ["c.yaml"] and list(work.iterdir()) == []
+
+
+def test_make_run_dir_removes_the_parents_it_made_when_the_directory_cannot_be_written(tmp_path, monkeypatch):
+    import tempfile
+
+    from trainwell import rundir
+    from trainwell.config import ConfigError
+
+    def read_only(*a, **k):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    with pytest.raises(ConfigError, match=r"^Invalid value for `run_dir`: cannot use '.*/a/b/run' as the run "
+                                          r"directory: read-only file system\. Received: run_dir="):
+        rundir.make_run_dir(tmp_path / "a" / "b" / "run")
+    assert list(tmp_path.iterdir()) == []  # a, a/b and a/b/run were made, then removed
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(ConfigError, match="read-only file system"):
+        rundir.make_run_dir(tmp_path / "kept")
+    assert (tmp_path / "kept").is_dir()  # it existed before: left as it was
+
+
+def test_unreadable_config_file_and_manifest_are_one_line(tmp_path, monkeypatch, capsys):
+    from pathlib import Path
+
+    config = tmp_path / "c.yaml"
+    config.write_text("epochs: 2\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "manifest.json").write_text('{"recipe": "resnet-imagenet"}')
+    real = Path.read_bytes
+
+    def read_bytes(self):
+        if self in (config, run / "manifest.json"):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    assert cli.main(["train", R, "--config", str(config), "--dry-run"]) == 2
+    _one_line(capsys.readouterr().err, f"Cannot read config file '{config}': permission denied.")
+    assert cli.main(["resume", str(run), "--dry-run"]) == 2
+    _one_line(capsys.readouterr().err, f"Cannot read '{run / 'manifest.json'}': permission denied.")

@@ -183,3 +183,81 @@ def test_lr_find_takes_verbose_for_its_progress():
     assert parser.parse_args(["lr-find", "resnet-imagenet", "--verbose", "2"]).verbose == 2
     with pytest.raises(SystemExit):
         parser.parse_args(["lr-find", "resnet-imagenet", "--verbose", "5"])
+
+
+def test_lr_find_runs_on_the_transformer_recipe(tmp_path, tiny_bert_preset, monkeypatch, capsys):
+    # `trainwell lr-find transformer-finetune` ended in "TypeError: build_data() missing 1 required
+    # positional argument: 'preprocessor'": the recipe now has `lr_find_setup`.
+    import csv
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRAINWELL_QUICK", "1")  # 10 range-test steps, 10 per probe
+    pos, neg, fill = ["good", "great", "fun"], ["bad", "dull", "weak"], ["the", "film", "was", "a"]
+    preset = tiny_bert_preset(tmp_path / "preset", pos + neg + fill, 16)
+    with open(tmp_path / "data.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "label"])
+        w.writerows([f"the film was {word}", "pos" if word in pos else "neg"] for word in (pos + neg) * 8)
+    run = tmp_path / "lr"
+    rc = cli.main(["lr-find", "transformer-finetune", "--verbose", "0", "--set", f"preset={preset}",
+                   "--set", f"dataset=csv:{tmp_path / 'data.csv'}", "--set", "sequence_length=16",
+                   "--set", "batch_size=8", "--set", f"run_dir={run}"])
+    out = capsys.readouterr().out
+    assert rc in (0, 1), out  # 1: ten steps may not tell a learning rate from noise; it ran either way
+    assert json.loads((run / "lr_find.json").read_text())["lrs"], out
+    assert ("Suggested peak learning rate" in out and "To train with it: --set peak_lr=" in out) or (
+        "No reliable learning rate" in out), out
+
+
+@pytest.mark.parametrize("checkpoint", [None, {"name": "ckpt-9", "path": "x", "position": {"epoch": 1}}],
+                         ids=["no checkpoint", "checkpoint"])
+def test_a_run_that_diverges_ends_in_its_message_and_exit_3(checkpoint, tmp_path, monkeypatch, capsys):
+    # It was a Python traceback and exit 1 (`--set image_size=1` diverged past max_rollbacks).
+    from trainwell.callbacks import checkpoint as ckpt
+    from trainwell.callbacks.nan_rollback import TrainingDivergedError
+    from trainwell.recipes import resnet_imagenet
+
+    message = ("Training diverged at step 16 (loss_spike) and 3 rollback(s) within the whole run already reached "
+               "max_rollbacks=3. The model holds the last good state (step 12, LR 0.05). Lower the learning rate, "
+               "or check the input data.")
+
+    def train(cfg):
+        raise TrainingDivergedError(message)
+
+    monkeypatch.setattr(resnet_imagenet, "train", train)
+    monkeypatch.setattr(ckpt, "resume_checkpoint", lambda d: checkpoint)
+    run = tmp_path / "run"
+    assert cli.main(["train", "resnet-imagenet", "--set", "dataset=digits", "--set", "base_lr=0.2",
+                     "--set", f"run_dir={run}"]) == cli.EXIT_DIVERGED == 3
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert lines[0] == f"trainwell: error: {message}" and len(lines) == 2 and "Traceback" not in err, err
+    if checkpoint is None:
+        assert lines[1] == "trainwell: no checkpoint was written; start again with --set base_lr=0.02."
+    else:
+        assert lines[1] == (f"trainwell: the run directory {run} keeps its last checkpoint (ckpt-9, after epoch 1): "
+                            f"`trainwell resume {run} --set base_lr=0.02` continues from it with a tenth of the "
+                            "learning rate.")
+    # Any other error of the run is still the run's failure, with its traceback (exit 1 via the exception).
+    monkeypatch.setattr(resnet_imagenet, "train", lambda cfg: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        cli.main(["train", "resnet-imagenet", "--set", "dataset=digits"])
+
+
+def test_tune_prints_the_best_config_under_the_names_a_user_sets(tmp_path, monkeypatch, capsys):
+    # The search's names (`peak_lr`, `warmup_fraction`) are not the ResNet config's fields: the best
+    # trial's config (`SearchResult.best_config`, tested in tests/trainwell/tuning) is printed as `--set`s.
+    from trainwell import tuning
+    from trainwell.recipes import resnet_imagenet
+
+    base = ["dataset=digits", "model=resnet18", "width=4", "epochs=6", "batch_size=128"]
+    best = resnet_imagenet.Config.load(overrides=base + ["base_lr=0.0125", "warmup_epochs=0.5", "batch_size=256"])
+    monkeypatch.setattr(tuning, "search", lambda *a, **k: tuning.SearchResult(
+        None, {"peak_lr": 0.00625}, "00", 0.5, [], tmp_path, {}, best_config=best))
+    argv = ["tune", "resnet-imagenet", "--max-trials", "1", "--directory", str(tmp_path)]
+    assert cli.main(argv + [a for s in base for a in ("--set", s)]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line == ("The best trial's config: --set batch_size=256 --set zero_init_residual=true --set base_lr=0.0125 "
+                    "--set warmup_epochs=0.5"), line
+    sets = line[len("The best trial's config: "):].split()[1::2]
+    assert resnet_imagenet.Config.load(overrides=base + sets) == best  # what it prints gives that config back

@@ -37,6 +37,11 @@ class SearchResult:
         rows: One dict per trial, best first (what `summary.json` holds).
         project_dir: The search's directory.
         files: Paths written: `summary_json`, `summary_csv`, `plot`, `lineage_plot`, `best_model`.
+        best_config: The best trial's recipe config: the base config with the search
+            space's values mapped onto the recipe's fields (`best_hyperparameters` are the
+            space's names, e.g. the ResNet recipe's `peak_lr` and `warmup_fraction`; its
+            config sets `base_lr` per 256 images and `warmup_epochs`). `recipe.train(result.best_config)`
+            trains it. `None` when no trial completed or the hypermodel has no `space`.
 
     Example:
     >>> r = SearchResult(None, {"peak_lr": 0.1}, "03", 0.97, [], Path("."), {})
@@ -51,6 +56,7 @@ class SearchResult:
     rows: list
     project_dir: Path
     files: dict
+    best_config: Any = None
 
 
 def trial_rows(oracle) -> list[dict]:
@@ -229,6 +235,11 @@ def summarize(tuner, top_k: int = 10, export: bool = True, print_table: bool = T
         if best is None:
             print("No trial completed: no best score, no best model.")
         print("files: " + ", ".join(f"{k}={v}" for k, v in files.items()))
+    best_config = None
+    hm = getattr(tuner, "hypermodel", None)
+    if best is not None and callable(getattr(hm, "space", None)) and hasattr(getattr(hm, "cfg", None), "replace"):
+        # the space's values as the recipe's fields, without the trials' own settings (verbose=0, ...)
+        best_config = hm.cfg.replace(**hm.space(oracle.get_trial(best["trial_id"]).hyperparameters.copy(), hm.cfg))
     return SearchResult(
         tuner=tuner,
         best_hyperparameters=dict(best["hyperparameters"]) if best else {},
@@ -237,4 +248,5 @@ def summarize(tuner, top_k: int = 10, export: bool = True, print_table: bool = T
         rows=rows,
         project_dir=project_dir,
         files=files,
+        best_config=best_config,
     )

@@ -1030,3 +1030,25 @@ def test_random_search_and_pbt_run_on_keras_jax_backend(tmp_path):
     assert sorted(e for _, e in out["pbt"]["events"]) == ["built", "built", "built", "reused"]
     manifests = [json.loads(p.read_text()) for p in tmp_path.glob("*/trial_*/run/manifest.json")]
     assert len(manifests) == 6 and {m["backend"] for m in manifests} == {"jax"}
+
+
+def test_the_best_config_maps_the_search_space_onto_the_recipes_fields(tmp_path):
+    # `resnet_imagenet.Config(**result.best_hyperparameters)` failed on `peak_lr`: the space's names are
+    # not the config's fields. `best_config` is the best trial's config (no trial trains here).
+    from trainwell import tuning
+    from trainwell.recipes import resnet_imagenet
+    from trainwell.tuning.summary import summarize
+
+    hm = resnet_imagenet.hypermodel(dataset="digits", model="resnet18", width=4, epochs=6, batch_size=128)
+    tuner = tuning.make_tuner(hm, "random", max_trials=2, directory=tmp_path, project_name="p", seed=1)
+    trial = tuner.oracle.create_trial("tuner0")
+    tuner.oracle.update_trial(trial.trial_id, {"val_accuracy": 0.5})
+    trial.status = "COMPLETED"
+    tuner.oracle.end_trial(trial)
+    result = summarize(tuner, export=False, print_table=False)
+    hp, cfg = result.best_hyperparameters, result.best_config
+    assert isinstance(cfg, resnet_imagenet.Config) and "peak_lr" in hp and "warmup_fraction" in hp
+    assert cfg.base_lr == pytest.approx(hp["peak_lr"] * 256 / 128)  # peak_lr is at the base config's batch
+    assert cfg.warmup_epochs == pytest.approx(hp["warmup_fraction"] * 6)
+    assert (cfg.batch_size, cfg.dropout, cfg.optimizer) == (hp["batch_size"], hp["dropout"], hp["optimizer"])
+    assert (cfg.verbose, cfg.doctor) == ("auto", True)  # the base config's, not the trials' own settings
