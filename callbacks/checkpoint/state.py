@@ -4,8 +4,12 @@
 path Keras's own `.weights.h5` uses (`model:layers/dense_1/0`, so the keys do
 not depend on auto-generated layer names), optimizer slots by the path of their
 model variable (`opt:...`), seed generators (`seed:...`) and metric
-accumulators (`metric:...`). `capture` snapshots them in one compiled read (no
-copy); `restore_model_arrays`/`restore_vars` check every key and shape before
+accumulators (`metric:...`); under a strategy with several replicas, every
+replica's copy of the variables each replica updates on its own (BatchNorm's
+moving statistics, and the metric accumulators: `replica:<key>`,
+`[replicas, *shape]`; `compat.replicas`).
+`capture` snapshots them in one compiled read (no copy);
+`restore_model_arrays`/`restore_vars` check every key and shape before
 assigning and raise `CheckpointMismatchError` naming the keys. `rng_capture` and
 `rng_restore` cover Python's, NumPy's, Keras's and TensorFlow's global RNGs.
 `load_checkpoint` is the public entry: a checkpoint's weights into a model.
@@ -40,6 +44,13 @@ from trainwell.compat.keras_internals import (
     seed_generators,
     walk_saveables,
 )
+from trainwell.compat.replicas import (
+    num_replicas,
+    per_replica_variables,
+    replica_reader,
+    replica_writer,
+    variable_strategy,
+)
 
 def to_numpy(value) -> np.ndarray:
     if hasattr(value, "numpy"):
@@ -72,6 +83,10 @@ class Plan:
         skip = {id(o) for o in opt_objs}
         self.layer_stores: list[tuple[str, Any, dict]] = []  # (path, saveable, {i: variable})
         self.seed_vars: list[tuple[str, Any]] = []
+        # Keys of the variables each replica updates on its own (BatchNorm's moving statistics,
+        # the metrics' accumulators): every replica's copy is kept, `replica:<key>` (`compat.replicas`).
+        self.replica_keys: set[str] = set()
+        self.strategy = getattr(model, "distribute_strategy", None)
         var_key_by_path: dict[str, str] = {}
         seen_sg: set[int] = set()
         for path, obj in walk_saveables(model, skip):
@@ -84,6 +99,9 @@ class Plan:
                         vpath = getattr(v, "path", None)
                         if vpath:
                             var_key_by_path[vpath] = f"{path}/{k}" if path else str(k)
+                    own = {id(v) for v in per_replica_variables(obj)}
+                    self.replica_keys.update(f"model:{path}/{k}" if path else f"model:{k}"
+                                             for k, v in store.items() if id(v) in own)
             for j, sg in enumerate(seed_generators(obj)):
                 if id(sg) in seen_sg or getattr(sg, "state", None) is None:
                     continue
@@ -106,6 +124,7 @@ class Plan:
                 self.opt_vars.append((dedup(f"opt:{key}", used), v))
         used = {}
         self.metric_vars = [(dedup(f"metric:{v.path}", used), v) for v in model.metrics_variables]
+        self.replica_keys.update(k for k, _ in self.metric_vars)
         self.readers: dict = {}
         self.names: dict[str, str] = {}
 
@@ -194,7 +213,28 @@ def capture(plan: Plan, *, weights_only: bool, include_metrics: bool) -> tuple[d
         if name is None:
             name = plan.names[key] = str(getattr(var, "path", ""))
         names[key] = name
+    own = [(k, v) for k, v in items if k in plan.replica_keys]
+    if own and num_replicas(plan.strategy) > 1:
+        keys = ("replicas",) + tuple(k for k, _ in own)
+        read = plan.readers.get(keys)
+        if read is None:  # an all-gather under multi-worker: every worker captures at the same steps
+            read = plan.readers[keys] = replica_reader(plan.strategy, [v for _, v in own])
+        for (key, var), value in zip(own, read()):
+            out[f"replica:{key}"], names[f"replica:{key}"] = value, str(getattr(var, "path", ""))
     return out, names
+
+
+def _restore_replicas(items: list[tuple[str, Any]], arrays: dict) -> None:
+    """Gives each replica its own copy of `items`' variables from the `replica:` arrays, when there are some.
+
+    Those of a checkpoint written with another number of replicas are not used:
+    every replica keeps the value just assigned (the sum, or the first replica's copy).
+    """
+    found = [(v, arrays[f"replica:{k}"]) for k, v in items if f"replica:{k}" in arrays]
+    strategy = variable_strategy(found[0][0]) if found else None
+    n = num_replicas(strategy)
+    if n > 1 and all(tuple(a.shape) == (n, *_shape(v)) for v, a in found):
+        replica_writer(strategy, [v for v, _ in found])([a for _, a in found])
 
 
 def _check_section(ckpt: str, section: str, expected: dict[str, tuple], saved: dict[str, np.ndarray]) -> None:
@@ -241,6 +281,7 @@ def restore_model_arrays(plan: Plan, arrays: dict, ckpt: str) -> None:
     for path, obj, store in plan.layer_stores:
         prefix = f"model:{path}/" if path else "model:"
         obj.load_own_variables({k: saved[prefix + str(k)] for k in store})
+    _restore_replicas(list(plan.model_items()), arrays)
 
 
 def restore_vars(items: list[tuple[str, Any]], arrays: dict, ckpt: str, section: str, prefix: str) -> None:
@@ -249,6 +290,7 @@ def restore_vars(items: list[tuple[str, Any]], arrays: dict, ckpt: str, section:
     _check_section(ckpt, section, expected, saved)
     for k, v in items:
         v.assign(saved[k])
+    _restore_replicas(items, arrays)
 
 
 def _shape(v):

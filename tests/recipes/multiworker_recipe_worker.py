@@ -57,8 +57,8 @@ def _install_nan_hook():
         if not sync:
             self.sync_across_workers = False
 
-    def probe(self, check_weights):
-        vals = orig_probe(self, check_weights)
+    def probe(self, check_weights, *args, **kwargs):
+        vals = orig_probe(self, check_weights, *args, **kwargs)
         if at and me == task and self.step == at and not getattr(self, "_test_fired", False):
             self._test_fired = True
             vals = vals.copy()

@@ -150,7 +150,7 @@ def _train_cmd(overrides: dict, out: Path) -> list[str]:
         "from trainwell.recipes import resnet_imagenet as r\n"
         f"run = r.train(**{overrides!r})\n"
         f"np.savez({str(out)!r}, *run.model.get_weights())\n"
-        "print('HISTORY', len(run.history['loss']))\n"
+        "import json; print('HISTORY', json.dumps({k: [float(x) for x in v] for k, v in run.history.items()}))\n"
     )
     return [sys.executable, "-c", code]
 
@@ -188,7 +188,11 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     assert not (tmp_path / "crash.npz").exists()
     resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "HISTORY 3" in resumed.stdout  # the whole history, epochs before the crash included
+    # The whole history, epochs before the crash included, is the uninterrupted run's, bit
+    # for bit: training and validation values of every epoch.
+    history = json.loads(resumed.stdout.split("HISTORY", 1)[1])
+    assert len(history["loss"]) == 3 and {"val_loss", "val_accuracy"} <= set(history)
+    assert history == json.loads(ref.stdout.split("HISTORY", 1)[1])
     a, b = np.load(tmp_path / "ref.npz"), np.load(tmp_path / "crash.npz")
     assert len(a.files) == len(b.files)
     for k in a.files:

@@ -16,8 +16,10 @@ audited here only. The rule for anything added:
 Modules: `versions` (the gate), `backend` (what differs between Keras's
 TensorFlow and JAX trainers), `metrics` (the one "is this better" rule),
 `learning_rate` (the one LR get/set), `keras_internals`, `tf_internals`
-(TensorFlow only, not imported here), `keras_fixes` (the patches) and
-`keras_tuner` (KerasTuner's internals). The names below are the public API.
+(TensorFlow only, not imported here), `keras_fixes` (the patches),
+`keras_tuner` (KerasTuner's internals) and `replicas` (the state each
+`tf.distribute` replica keeps for itself, read from and written to every
+replica). The names below are the public API.
 
 Example:
 >>> from trainwell.compat import metric_direction
