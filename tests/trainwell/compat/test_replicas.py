@@ -14,6 +14,7 @@ import textwrap
 
 import keras
 import numpy as np
+import pytest
 
 from trainwell.compat import replicas
 
@@ -91,6 +92,7 @@ _TWO_REPLICAS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_checkpoint_keeps_every_replicas_batchnorm_statistics(tmp_path):
     # Keras 3's BatchNorm updates its moving statistics per replica (aggregation "none");
     # a checkpoint that kept only the first replica's copy gave both replicas that copy
