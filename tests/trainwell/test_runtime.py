@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from trainwell import runtime
+from trainwell.compat import distribution
 
 
 _TINY_FIT = """
@@ -84,14 +85,14 @@ def test_auto_strategy_on_cpu_is_default():
 def test_auto_picks_multiworker_from_tf_config(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
                                                 "task": {"type": "worker", "index": 1}}))
-    assert runtime._tf_config_cluster() is not None
+    assert distribution.tf_config_cluster() is not None
     assert runtime.is_chief() is False
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}))
-    assert runtime._tf_config_cluster() is None
+    assert distribution.tf_config_cluster() is None
     assert runtime.is_chief() is True
     monkeypatch.setenv("TF_CONFIG", "{not json")
     with pytest.raises(ValueError, match="TF_CONFIG"):
-        runtime._tf_config_cluster()
+        distribution.tf_config_cluster()
 
 
 def test_precision_specs():

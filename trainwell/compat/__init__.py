@@ -17,9 +17,11 @@ Modules: `versions` (the gate), `backend` (what differs between Keras's
 TensorFlow and JAX trainers), `metrics` (the one "is this better" rule),
 `learning_rate` (the one LR get/set), `keras_internals`, `tf_internals`
 (TensorFlow only, not imported here), `keras_fixes` (the patches),
-`keras_tuner` (KerasTuner's internals) and `replicas` (the state each
+`keras_tuner` (KerasTuner's internals), `replicas` (the state each
 `tf.distribute` replica keeps for itself, read from and written to every
-replica). The names below are the public API.
+replica), and `distribution` / `jax_distribution` (strategies, devices and
+cross-worker collectives of each backend, behind `trainwell.runtime`). The names
+below are the public API.
 
 Example:
 >>> from trainwell.compat import metric_direction
