@@ -2,9 +2,8 @@
 
 The callback gathers the numbers during `fit` (per-step losses, step and compute
 times, the loss scale, the gradient probe's statistics) and hands them to the
-rules (`loss_rules`, `step_rules`), which decide. It is one module of about 800
-lines because it is one class whose hooks share that gathered state; the
-judging is already elsewhere.
+rules (`loss_rules`, `step_rules`), which decide: one class whose hooks share
+that gathered state, the judging elsewhere.
 """
 
 from __future__ import annotations
@@ -48,15 +47,15 @@ __all__ = ["TrainingDoctor", "Finding"]
 _DIAGNOSTICS_FILE = "diagnostics.json"
 _MAX_SCALE_HISTORY = 500
 _MAX_BACKOFFS = 1000
-#: Examples in a probe batch taken from the fit's data: about 0.6 of a 64-example
-#: training step per probe (measured on the CNN of bench/doctor_overhead.py).
+#: Examples in a probe batch taken from the fit's data (its cost: bench/README.md, doctor_overhead).
 _AUTO_PROBE_SIZE = 32
 #: A run shorter than this gets no verdicts at its end: the loss rules need a few
 #: 5-step medians and the input-bound check a few timed steps.
 _MIN_STEPS_TO_JUDGE = 30
 _CONSEQUENCES_OF_DIVERGENCE = ("dead_units", "vanishing_gradients", "oscillation", "slow_convergence")
-
-
+#: Attributes saved as they are by `get_state` (JSON numbers, lists and dicts).
+_STATE = ("step", "probes", "epoch_losses", "epoch_val_losses", "scale_history", "backoff_steps",
+          "first_global_norm", "prev_dead", "probe_losses", "null_loss")
 
 
 def _current_lr(optimizer) -> float | None:
@@ -106,7 +105,7 @@ def _batch_from_iterator(epoch_iterator):
             if a is None:
                 return None
             if hasattr(a, "numpy") and not isinstance(a, np.ndarray):
-                import tensorflow as tf  # here: a tensor input means the TF backend; none imported otherwise
+                import tensorflow as tf  # lazy: only a TensorFlow tensor input gets here, none imported otherwise
 
                 return tf.gather(a, idx)
             return np.asarray(a)[idx]
@@ -195,11 +194,10 @@ class TrainingDoctor(StatefulCallback):
     linearly to the training batch size (an over-estimate on accelerators,
     which only makes the check more conservative).
 
-    Cost at the defaults: one probe (a forward and backward pass of 32 examples)
-    every 100 steps and one at the end of the run (two more in a run with fewer
-    than three timed probes whose steps look slow, to time the compute again),
-    plus about 30 microseconds of Python per step; see `bench/doctor_overhead.py`.
-    The doctor implements `on_train_batch_end`, so Keras converts the logs to
+    Cost: one probe (a forward and backward pass of 32 examples) every
+    `every_n_steps` steps and one at the end of the run (two more in a run with
+    fewer than three timed probes whose steps look slow, to time the compute
+    again), plus some Python per step (`bench/doctor_overhead.py`). The doctor implements `on_train_batch_end`, so Keras converts the logs to
     Python numbers after every step (as for any batch-level callback); on an
     accelerator that is one device sync per step.
 
@@ -320,40 +318,19 @@ class TrainingDoctor(StatefulCallback):
 
     def get_state(self) -> dict[str, Any]:
         """JSON-serialisable state: findings, counters, loss windows, loss-scale history."""
-        return {
-            "findings": [f.to_dict() for f in self.findings],
-            "step": self.step,
-            "probes": self.probes,
-            "tracker": self.tracker.get_state(),
-            "epoch_losses": [jsonable(v) for v in self.epoch_losses],
-            "epoch_val_losses": [jsonable(v) for v in self.epoch_val_losses],
-            "scale_history": [[int(s), jsonable(v)] for s, v in self.scale_history],
-            "backoff_steps": list(self.backoff_steps),
-            "first_global_norm": jsonable(self.first_global_norm),
-            "prev_dead": self.prev_dead,
-            "probe_losses": [[int(s), jsonable(v)] for s, v in self.probe_losses],
-            "null_loss": self.null_loss,
-            "located": self._located,
-        }
+        state = {k: jsonable(getattr(self, k)) for k in _STATE}
+        findings = [f.to_dict() for f in self.findings]
+        return {**state, "findings": findings, "tracker": self.tracker.get_state(), "located": self._located}
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Restores `get_state()`'s output."""
         super().set_state(state)
         self.reset_state()
-        self._state_restored = True
+        for k in _STATE:
+            if k in state:
+                setattr(self, k, unjson(state[k]))
         self.findings = [Finding.from_dict(d) for d in state.get("findings", [])]
-        self.step = int(state.get("step", 0))
-        self.probes = int(state.get("probes", 0))
         self.tracker.set_state(state.get("tracker", {}))
-        self.epoch_losses = [float(unjson(v)) for v in state.get("epoch_losses", [])]
-        self.epoch_val_losses = [float(unjson(v)) for v in state.get("epoch_val_losses", [])]
-        self.scale_history = [[int(s), float(unjson(v))] for s, v in state.get("scale_history", [])]
-        self.backoff_steps = [int(s) for s in state.get("backoff_steps", [])]
-        fg = state.get("first_global_norm")
-        self.first_global_norm = None if fg is None else float(unjson(fg))
-        self.prev_dead = state.get("prev_dead")
-        self.probe_losses = [[int(s), float(unjson(v))] for s, v in state.get("probe_losses", [])]
-        self.null_loss = state.get("null_loss")
         self._located = bool(state.get("located", False))
         if self.scale_history:
             self._last_scale = self.scale_history[-1][1]
@@ -389,10 +366,7 @@ class TrainingDoctor(StatefulCallback):
         return isinstance(getattr(self.model, "optimizer", None), keras.optimizers.LossScaleOptimizer)
 
     def _chief(self) -> bool:
-        try:
-            return runtime.is_chief(getattr(self.model, "distribute_strategy", None))
-        except Exception:  # pragma: no cover
-            return True
+        return runtime.is_chief(getattr(self.model, "distribute_strategy", None))
 
     # ---------------------------------------------------------------- hooks
     def on_train_begin(self, logs=None) -> None:
@@ -440,11 +414,11 @@ class TrainingDoctor(StatefulCallback):
             print(f"TrainingDoctor: {self._probe_error}", flush=True)
         self._writer = None
         if self.run_dir is not None and self._chief():
-            try:
-                import tensorflow as tf  # here: only a run directory gets TensorBoard summaries
+            import tensorflow as tf  # lazy: TensorFlow's summaries, only for a run directory
 
+            try:
                 self._writer = tf.summary.create_file_writer(str(Path(self.run_dir) / "tensorboard" / "doctor"))
-            except Exception:  # pragma: no cover
+            except Exception:  # an unwritable run directory must not stop training
                 self._writer = None
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
@@ -692,20 +666,14 @@ class TrainingDoctor(StatefulCallback):
                 self._report(check_overfitting(self.epoch_losses, self.epoch_val_losses, self.step, thresholds=self._th))
         self._write_json()
         if self._writer is not None:
-            try:
-                self._writer.flush()
-            except Exception:  # pragma: no cover
-                pass
+            self._writer.flush()
 
     def on_train_end(self, logs=None) -> None:
         if self.step >= _MIN_STEPS_TO_JUDGE and self._last_check != self.step:
             self._check()  # a run shorter than `every_n_steps`, or the steps since the last check
         self._write_json()
         if self._writer is not None:
-            try:
-                self._writer.close()
-            except Exception:  # pragma: no cover
-                pass
+            self._writer.close()
             self._writer = None
         if self.verbose:
             print(self.summary(), flush=True)
@@ -762,7 +730,7 @@ class TrainingDoctor(StatefulCallback):
             self._writer = None
 
     def _write_scalars(self, stats: dict[str, Any]) -> None:
-        import tensorflow as tf  # here: only a run directory gets TensorBoard summaries
+        import tensorflow as tf  # lazy: TensorFlow's summaries, only for a run directory
 
         meta = _scalar_metadata()
 
@@ -791,7 +759,7 @@ class TrainingDoctor(StatefulCallback):
 
 def _scalar_metadata() -> bytes:
     """Serialized `SummaryMetadata` of TensorBoard's scalars plugin."""
-    from tensorflow.core.framework import summary_pb2  # here: only a run directory writes TensorBoard summaries
+    from tensorflow.core.framework import summary_pb2  # lazy: TensorFlow's summaries, only for a run directory
 
     return summary_pb2.SummaryMetadata(
         plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")

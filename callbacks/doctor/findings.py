@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import statistics
 from collections import deque
 from typing import Any, Iterable
+
+from trainwell.validation import invalid_argument
 
 #: The finding codes, in the order a summary lists them.
 CODES = (
@@ -160,37 +163,18 @@ class Finding:
 
     def __post_init__(self) -> None:
         if self.code not in CODES:
-            raise ValueError(f"Invalid value for argument `code`. Expected one of {CODES}. Received: code={self.code!r}")
+            raise invalid_argument("code", f"one of {CODES}", self.code)
         if self.severity not in SEVERITIES:
-            raise ValueError(
-                f"Invalid value for argument `severity`. Expected one of {SEVERITIES}. "
-                f"Received: severity={self.severity!r}"
-            )
+            raise invalid_argument("severity", f"one of {SEVERITIES}", self.severity)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (non-finite numbers become strings)."""
-        return {
-            "code": self.code,
-            "severity": self.severity,
-            "evidence": {k: jsonable(v) for k, v in self.evidence.items()},
-            "fixes": list(self.fixes),
-            "step": int(self.step),
-            "causes": list(self.causes),
-            "summary": self.summary,
-        }
+        return jsonable(dataclasses.asdict(self))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Finding":
         """Inverse of `to_dict`."""
-        return cls(
-            code=d["code"],
-            severity=d["severity"],
-            evidence={k: unjson(v) for k, v in dict(d.get("evidence") or {}).items()},
-            fixes=list(d.get("fixes") or []),
-            step=int(d.get("step", 0)),
-            causes=list(d.get("causes") or []),
-            summary=str(d.get("summary") or ""),
-        )
+        return cls(**unjson(d))
 
     def line(self) -> str:
         """One printable line: severity, code, step, what was seen, the first fix."""
@@ -199,23 +183,29 @@ class Finding:
 
 
 def jsonable(v: Any) -> Any:
-    if isinstance(v, bool) or v is None or isinstance(v, str):
+    """`v` for JSON: numbers as Python numbers (NaN and infinities as strings), lists and dicts inside too."""
+    if isinstance(v, dict):
+        return {k: jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple, deque)):
+        return [jsonable(x) for x in v]
+    if isinstance(v, (bool, str)) or v is None:
         return v
-    if isinstance(v, (int,)) and not isinstance(v, bool):
+    if isinstance(v, numbers.Integral):
         return int(v)
     try:
         f = float(v)
     except (TypeError, ValueError):
         return str(v)
-    if math.isfinite(f):
-        return f
-    return "nan" if math.isnan(f) else ("inf" if f > 0 else "-inf")
+    return f if math.isfinite(f) else str(f)
 
 
 def unjson(v: Any) -> Any:
-    if v in ("nan", "inf", "-inf"):
-        return float(v)
-    return v
+    """Inverse of `jsonable` (lists come back as lists)."""
+    if isinstance(v, dict):
+        return {k: unjson(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [unjson(x) for x in v]
+    return float(v) if v in ("nan", "inf", "-inf") else v
 
 
 def fmt(x: float) -> str:
@@ -263,13 +253,13 @@ class LossTracker:
         self.first: list[float] = []           # first 10 finite step losses
         self.losses: deque[float] = deque(maxlen=self.window)
         self.chunks: deque[float] = deque(maxlen=max(4, self.window // self.chunk))
-        self._chunk_buf: list[float] = []
+        self.chunk_buf: list[float] = []
         self.best_median = math.inf            # best median of 10 consecutive losses
         self.high_water = -math.inf            # highest 10-step median before the last 10
         self.nonfinite_steps = 0
         self._prev_mean: float | None = None
         self._prev_batch = -1
-        self._history_medians: deque[float] = deque(maxlen=10)
+        self.history_medians: deque[float] = deque(maxlen=10)
 
     # ------------------------------------------------------------ updates
     def new_epoch(self) -> None:
@@ -279,16 +269,15 @@ class LossTracker:
     def update_from_running_mean(self, batch: int, mean: float) -> float:
         """Records the running mean after `batch`; returns the recovered step loss."""
         mean = float(mean)
-        n = batch - self._prev_batch
         if self._prev_mean is None or batch <= self._prev_batch:
-            loss = mean
-            n = batch + 1 if self._prev_mean is None else 1
+            loss, n = mean, (batch + 1 if self._prev_mean is None else 1)
         else:
-            loss = ((batch + 1) * mean - (self._prev_batch + 1) * self._prev_mean) / max(n, 1)
+            n = batch - self._prev_batch
+            loss = ((batch + 1) * mean - (self._prev_batch + 1) * self._prev_mean) / n
         self._prev_mean, self._prev_batch = mean, batch
         if not math.isfinite(loss) and math.isfinite(mean):
             loss = mean
-        self.add(loss, max(int(n), 1))
+        self.add(loss, n)
         return loss
 
     def add(self, loss: float, n: int = 1) -> None:
@@ -299,17 +288,17 @@ class LossTracker:
         self.losses.append(loss)
         if math.isfinite(loss) and len(self.first) < 10:
             self.first.append(loss)
-        self._chunk_buf.append(loss)
-        if len(self._chunk_buf) >= self.chunk:
-            self.chunks.append(median(self._chunk_buf) if any(map(math.isfinite, self._chunk_buf)) else math.nan)
-            self._chunk_buf = []
+        self.chunk_buf.append(loss)
+        if len(self.chunk_buf) >= self.chunk:
+            self.chunks.append(median(self.chunk_buf))
+            self.chunk_buf = []
         if len(self.losses) >= 10:
             med = self.recent_median(10)
             if math.isfinite(med):
                 self.best_median = min(self.best_median, med)
-                self._history_medians.append(med)
-                if len(self._history_medians) == self._history_medians.maxlen:
-                    self.high_water = max(self.high_water, self._history_medians[0])
+                self.history_medians.append(med)
+                if len(self.history_medians) == self.history_medians.maxlen:
+                    self.high_water = max(self.high_water, self.history_medians[0])
 
     # ------------------------------------------------------------ reads
     @property
@@ -325,36 +314,37 @@ class LossTracker:
         return median(self.recent(n))
 
     # ------------------------------------------------------------ state
+    _STATE = ("steps", "first", "losses", "chunks", "chunk_buf", "best_median", "high_water", "nonfinite_steps",
+              "history_medians")
+
     def get_state(self) -> dict[str, Any]:
-        return {
-            "steps": self.steps,
-            "first": [jsonable(x) for x in self.first],
-            "losses": [jsonable(x) for x in self.losses],
-            "chunks": [jsonable(x) for x in self.chunks],
-            "chunk_buf": [jsonable(x) for x in self._chunk_buf],
-            "best_median": jsonable(self.best_median),
-            "high_water": jsonable(self.high_water),
-            "nonfinite_steps": self.nonfinite_steps,
-            "history_medians": [jsonable(x) for x in self._history_medians],
-        }
+        return {k: jsonable(getattr(self, k)) for k in self._STATE}
 
-    def set_state(self, s: dict[str, Any]) -> None:
+    def set_state(self, state: dict[str, Any]) -> None:
         self.reset()
-        f = lambda v: float(unjson(v))  # noqa: E731
-        self.steps = int(s.get("steps", 0))
-        self.first = [f(x) for x in s.get("first", [])]
-        self.losses.extend(f(x) for x in s.get("losses", []))
-        self.chunks.extend(f(x) for x in s.get("chunks", []))
-        self._chunk_buf = [f(x) for x in s.get("chunk_buf", [])]
-        self.best_median = f(s.get("best_median", "inf"))
-        self.high_water = f(s.get("high_water", "-inf"))
-        self.nonfinite_steps = int(s.get("nonfinite_steps", 0))
-        self._history_medians.extend(f(x) for x in s.get("history_medians", []))
-
-
+        for k in self._STATE:
+            if k in state:
+                held, value = getattr(self, k), unjson(state[k])
+                if isinstance(held, deque):
+                    held.extend(value)
+                else:
+                    setattr(self, k, value)
 
 
 def lr_text(lr: float | None) -> str:
-    return f" (now {lr:.3g})" if lr is not None and math.isfinite(lr) else ""
+    """The learning rate in a fix's text: `" (now 0.01)"`, `""` when unknown.
+
+    An LR of 0 is no level to lower or raise: the step is a warmup's start or a
+    schedule's end, so the text says so and points at the schedule's peak.
+
+    Example:
+    >>> lr_text(0.01), lr_text(None)
+    (' (now 0.01)', '')
+    """
+    if lr is None or not math.isfinite(lr):
+        return ""
+    if lr == 0:
+        return " (it is 0 at this step, a warmup's start or a schedule's end: change the schedule's peak)"
+    return f" (now {lr:.3g})"
 
 

@@ -94,6 +94,21 @@ def test_divergence_rules():
     assert dx.check_divergence(t, 1, weights_finite=False).evidence["weights_finite"] == 0
 
 
+def test_fixes_do_not_offer_to_scale_a_learning_rate_of_zero():
+    """At a warmup's start or a schedule's end the LR is 0: "lower it 10x (now 0)" is no fix (#31)."""
+    t = LossTracker()
+    t.add(2.3)
+    t.add(math.nan)
+    fix = dx.check_divergence(t, 2, lr=0.0).fixes[0]
+    assert "now 0" not in fix and "schedule's peak" in fix
+    crawl = LossTracker(window=50)
+    for i in range(60):
+        crawl.add(2.30 - 1e-4 * i)
+    fix = dx.check_slow_convergence(crawl, 60, lr=0.0).fixes[0]
+    assert fix.startswith("raise the learning rate") and "now 0" not in fix and "schedule's peak" in fix
+    assert "(now 0.5)" in dx.check_divergence(t, 2, lr=0.5).fixes[0]
+
+
 def test_loss_spike_that_comes_back_is_not_divergence():
     t = LossTracker()
     for i in range(60):
