@@ -20,7 +20,7 @@ import numpy as np
 from trainwell.callbacks.base import StatefulCallback, stateful_callbacks
 from trainwell.callbacks.checkpoint import Checkpoint, load_checkpoint
 from trainwell.compat.metrics import is_improvement, metric_direction, monitored_value
-from trainwell.validation import is_int, is_number
+from trainwell.validation import invalid_argument, is_int, is_number
 
 logger = logging.getLogger("trainwell.early_stopping")
 
@@ -114,44 +114,25 @@ class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
         # `verbose=True`, `restore_best_weights=1`, and an unknown `mode` (a
         # warning, then "auto", as Keras does).
         if not isinstance(monitor, str) or not monitor:
-            raise ValueError(
-                f"Invalid value for argument `monitor`. Expected a metric name. Received: monitor={monitor!r}"
-            )
+            raise invalid_argument("monitor", "a metric name", monitor)
         if not is_number(min_delta):
-            raise ValueError(
-                f"Invalid value for argument `min_delta`. Expected a finite number. Received: min_delta={min_delta!r}"
-            )
+            raise invalid_argument("min_delta", "a finite number", min_delta)
         if not (is_int(patience) and patience >= 0):
-            raise ValueError(
-                f"Invalid value for argument `patience`. Expected an int >= 0. Received: patience={patience!r}"
-            )
+            raise invalid_argument("patience", "an int >= 0", patience)
         if not (is_int(verbose) or isinstance(verbose, (bool, np.bool_))):
-            raise ValueError(
-                f"Invalid value for argument `verbose`. Expected an int or a bool. Received: verbose={verbose!r}"
-            )
+            raise invalid_argument("verbose", "an int or a bool", verbose)
         if mode not in ("auto", "min", "max"):
             warnings.warn(f"{type(self).__name__} mode '{mode}' is unknown, fallback to auto mode.", stacklevel=2)
             mode = "auto"
         if baseline is not None and not is_number(baseline):
-            raise ValueError(
-                "Invalid value for argument `baseline`. Expected a finite number or None. "
-                f"Received: baseline={baseline!r}"
-            )
+            raise invalid_argument("baseline", "a finite number or None", baseline)
         if not _is_flag(restore_best_weights):
-            raise ValueError(
-                "Invalid value for argument `restore_best_weights`. Expected a bool. "
-                f"Received: restore_best_weights={restore_best_weights!r}"
-            )
+            raise invalid_argument("restore_best_weights", "a bool", restore_best_weights)
         for name, value in (("start_from_epoch", start_from_epoch), ("warmup_epochs", warmup_epochs)):
             if not (is_int(value) and value >= 0):
-                raise ValueError(
-                    f"Invalid value for argument `{name}`. Expected an int >= 0. Received: {name}={value!r}"
-                )
+                raise invalid_argument(name, "an int >= 0", value)
         if divergence_threshold is not None and not is_number(divergence_threshold):
-            raise ValueError(
-                "Invalid value for argument `divergence_threshold`. Expected a finite number or None. "
-                f"Received: divergence_threshold={divergence_threshold!r}"
-            )
+            raise invalid_argument("divergence_threshold", "a finite number or None", divergence_threshold)
         self.warmup_epochs = int(warmup_epochs)
         self.divergence_threshold = _python(divergence_threshold)
         self._min_delta_arg = _python(min_delta)
@@ -229,22 +210,18 @@ class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
         """The first epoch that counts towards patience and best."""
         return max(self.start_from_epoch, self.warmup_epochs)
 
-    def _resolve_direction(self) -> str:
-        """Sets `monitor_op` as Keras does, from `trainwell.compat.metric_direction` (Keras's rule)."""
-        direction = metric_direction(self.monitor, self.mode, self.model)
-        if direction is None:  # Keras's own error, word for word
-            raise ValueError(
-                f"{self.__class__.__name__} callback received monitor={self.monitor}, but Keras isn't able to "
-                "automatically determine whether that metric should be maximized or minimized. Pass "
-                "`mode='max'` in order to monitor based on the highest metric value, or pass `mode='min'` "
-                "in order to use the lowest value."
-            )
-        self.monitor_op = keras.ops.greater if direction == "max" else keras.ops.less
-        return direction
-
     def _direction(self) -> str:
+        """`"min"` or `"max"`; the first call sets `monitor_op` as Keras does (`trainwell.compat.metric_direction`)."""
         if self.monitor_op is None:
-            return self._resolve_direction()
+            direction = metric_direction(self.monitor, self.mode, self.model)
+            if direction is None:  # Keras's own error, word for word
+                raise ValueError(
+                    f"{self.__class__.__name__} callback received monitor={self.monitor}, but Keras isn't able to "
+                    "automatically determine whether that metric should be maximized or minimized. Pass "
+                    "`mode='max'` in order to monitor based on the highest metric value, or pass `mode='min'` "
+                    "in order to use the lowest value."
+                )
+            self.monitor_op = keras.ops.greater if direction == "max" else keras.ops.less
         return "max" if self.monitor_op is keras.ops.greater else "min"
 
     def _improves(self, current: float, reference) -> bool:
@@ -286,22 +263,19 @@ class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
         self.stop_reason = reason
         self.model.stop_training = True
         if reason == "patience":
-            msg = (
+            self._say(
                 f"Epoch {epoch + 1}: early stopping (patience): {self.monitor} did not improve on "
                 f"{self.best} (epoch {self.best_epoch + 1}) for {self.wait} epochs."
             )
-            logger.info(msg)
-        elif reason == "non_finite":
+            return
+        if reason == "non_finite":
             msg = f"Epoch {epoch + 1}: early stopping (non_finite): {self.monitor} is {current}."
-            logger.warning(msg)
         else:
             msg = (
                 f"Epoch {epoch + 1}: early stopping (divergence): {self.monitor}={current} is worse than "
                 f"divergence_threshold={self.divergence_threshold}."
             )
-            logger.warning(msg)
-        if self.verbose > 0:
-            print(msg)
+        self._say(msg, logging.WARNING)
 
     def on_train_end(self, logs=None) -> None:
         try:
@@ -319,13 +293,11 @@ class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
 
     def _restore_best(self) -> None:
         ckpt = self._checkpoint_callback()
-        entry = None
         if ckpt is not None:
             ckpt.flush()
             entry = ckpt.checkpoint_for_epoch(self.best_epoch)
             if entry is not None:
-                load_checkpoint(entry["path"], self.model)
-                self.restored_from = entry["path"]
+                self._load(entry["path"])
                 self._say(f"Restored the weights of epoch {self.best_epoch + 1} from {entry['path']}.")
                 return
         if self.best_weights is not None:
@@ -333,23 +305,25 @@ class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
             self.restored_from = "memory"
             self._say(f"Restored the weights of epoch {self.best_epoch + 1} from memory.")
             return
-        if ckpt is not None and ckpt.monitor == self.monitor:
-            entry = ckpt.best_checkpoint()
-            if entry is not None:
-                load_checkpoint(entry["path"], self.model)
-                self.restored_from = entry["path"]
-                logger.warning(
-                    "No checkpoint of the best epoch %s is left; restored the best checkpoint by %s instead (%s).",
-                    self.best_epoch + 1, self.monitor, entry["path"],
-                )
-                return
+        entry = ckpt.best_checkpoint() if ckpt is not None and ckpt.monitor == self.monitor else None
+        if entry is not None:
+            self._load(entry["path"])
+            logger.warning(
+                "No checkpoint of the best epoch %s is left; restored the best checkpoint by %s instead (%s).",
+                self.best_epoch + 1, self.monitor, entry["path"],
+            )
+            return
         logger.warning(
             "restore_best_weights: the weights of epoch %s are not available (restarted run without a "
             "Checkpoint of that epoch); keeping the current weights.", self.best_epoch + 1,
         )
 
-    def _say(self, msg: str) -> None:
-        logger.info(msg)
+    def _load(self, path: str) -> None:
+        load_checkpoint(path, self.model)
+        self.restored_from = path
+
+    def _say(self, msg: str, level: int = logging.INFO) -> None:
+        logger.log(level, msg)
         if self.verbose > 0:
             print(msg)
 
@@ -384,9 +358,7 @@ class StopAtStep(keras.callbacks.Callback):
     def __init__(self, max_steps: int):
         super().__init__()
         if not is_int(max_steps) or max_steps < 1:
-            raise ValueError(
-                f"Invalid value for argument `max_steps`. Expected an int >= 1. Received: max_steps={max_steps!r}"
-            )
+            raise invalid_argument("max_steps", "an int >= 1", max_steps)
         self.max_steps = max_steps
 
     def on_train_batch_end(self, batch, logs=None):
