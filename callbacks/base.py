@@ -17,6 +17,8 @@ the `callbacks=[...]` list does not matter.
 
 from __future__ import annotations
 
+import copy
+import inspect
 import re
 from typing import Any
 
@@ -120,3 +122,19 @@ def stateful_callbacks(model) -> dict[str, StatefulCallback]:
     {}
     """
     return dict(getattr(model, _REGISTRY_ATTR, None) or {})
+
+
+def constructor_config(obj) -> dict[str, Any]:
+    """`obj`'s constructor arguments, read back from its attributes of the same names.
+
+    The `get_config` of a class that keeps each argument as it is, under its name.
+
+    Example:
+    >>> class Every:
+    ...     def __init__(self, n=1, names=("a",)):
+    ...         self.n, self.names = n, names
+    >>> constructor_config(Every(5))
+    {'n': 5, 'names': ('a',)}
+    """
+    params = inspect.signature(type(obj).__init__).parameters
+    return {name: copy.copy(getattr(obj, name)) for name in params if name != "self"}

@@ -29,6 +29,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from trainwell.callbacks.base import constructor_config
 from trainwell.compat.learning_rate import (
     current_lr,
     get_lr_multiplier,
@@ -72,17 +73,24 @@ def _step_count(x: Any) -> int | float:
     return int(x) if is_int(x) else float(x)
 
 
-def _check_between(name: str, value: Any, peak_lr: float) -> float:
-    if not is_number(value) or value < 0 or value > peak_lr:
-        raise invalid_argument(name, f"a float in [0, peak_lr] = [0, {peak_lr}]", value)
-    return float(value)
-
-
 def _check_warmup_start(warmup_start: Any) -> float:
     # Above `peak_lr` is a warmup that goes down, which `CosineDecay` allows too.
     if not is_number(warmup_start) or warmup_start < 0:
         raise invalid_argument("warmup_start", "a float >= 0", warmup_start)
     return float(warmup_start)
+
+
+def _check_restarts(restart_name: str, restart: Any, t_mul: Any, m_mul: Any) -> None:
+    """The SGDR multipliers, which only a schedule with restarts (`restart` not None) takes."""
+    if not is_number(t_mul) or t_mul < 1:
+        raise invalid_argument("t_mul", "a float >= 1", t_mul)
+    if not is_number(m_mul) or not 0 < m_mul <= 1:
+        raise invalid_argument("m_mul", "a float in (0, 1]", m_mul)
+    if restart is None and (t_mul != 1 or m_mul != 1):
+        raise ValueError(
+            f"Arguments `t_mul` and `m_mul` only apply to warm restarts: pass `{restart_name}` too. "
+            f"Received: {restart_name}=None, t_mul={t_mul}, m_mul={m_mul}"
+        )
 
 
 def _check_decay_args(peak_lr, total_steps, warmup_steps, min_lr, warmup_start):
@@ -95,7 +103,9 @@ def _check_decay_args(peak_lr, total_steps, warmup_steps, min_lr, warmup_start):
         raise invalid_argument("total_steps", "a number > 0", total_steps)
     total_steps = _step_count(total_steps)
     warmup_steps = _check_warmup(warmup_steps, total_steps, "total_steps")
-    min_lr = _check_between("min_lr", min_lr, peak_lr)
+    if not is_number(min_lr) or min_lr < 0 or min_lr > peak_lr:
+        raise invalid_argument("min_lr", f"a float in [0, peak_lr] = [0, {peak_lr}]", min_lr)
+    min_lr = float(min_lr)
     warmup_start = _check_warmup_start(warmup_start)
     return peak_lr, total_steps, warmup_steps, min_lr, warmup_start
 
@@ -126,6 +136,9 @@ class _WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         if self.warmup_steps > 0:
             value = ops.where(step < float(self.warmup_steps), self._warmup(step), value)
         return ops.cast(value, "float32") * ops.cast(self.multiplier, "float32")
+
+    def get_config(self) -> dict[str, Any]:
+        return constructor_config(self)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
@@ -201,15 +214,7 @@ class WarmupCosineDecay(_WarmupSchedule):
         )
         if restart_steps is not None and (not is_int(restart_steps) or restart_steps < 1):
             raise invalid_argument("restart_steps", "None or an integer >= 1", restart_steps)
-        if not is_number(t_mul) or t_mul < 1:
-            raise invalid_argument("t_mul", "a float >= 1", t_mul)
-        if not is_number(m_mul) or not 0 < m_mul <= 1:
-            raise invalid_argument("m_mul", "a float in (0, 1]", m_mul)
-        if restart_steps is None and (t_mul != 1 or m_mul != 1):
-            raise ValueError(
-                "Arguments `t_mul` and `m_mul` only apply to warm restarts: pass `restart_steps` too. "
-                f"Received: restart_steps=None, t_mul={t_mul}, m_mul={m_mul}"
-            )
+        _check_restarts("restart_steps", restart_steps, t_mul, m_mul)
         super().__init__(peak_lr, warmup_steps, warmup_start)
         self.total_steps = total_steps
         self.min_lr = min_lr
@@ -276,18 +281,6 @@ class WarmupCosineDecay(_WarmupSchedule):
         value = self.min_lr + height * 0.5 * (1.0 + ops.cos(math.pi * frac))
         return ops.where(step >= float(self.total_steps), self.min_lr, value)
 
-    def get_config(self) -> dict[str, Any]:
-        return {
-            "peak_lr": self.peak_lr,
-            "total_steps": self.total_steps,
-            "warmup_steps": self.warmup_steps,
-            "min_lr": self.min_lr,
-            "warmup_start": self.warmup_start,
-            "restart_steps": self.restart_steps,
-            "t_mul": self.t_mul,
-            "m_mul": self.m_mul,
-        }
-
 
 @keras.saving.register_keras_serializable(package="trainwell")
 class WarmupLinearDecay(_WarmupSchedule):
@@ -336,15 +329,6 @@ class WarmupLinearDecay(_WarmupSchedule):
         frac = ops.clip((step - float(self.warmup_steps)) / d, 0.0, 1.0)
         value = self.peak_lr - (self.peak_lr - self.min_lr) * frac
         return ops.where(step >= float(self.total_steps), self.min_lr, value)
-
-    def get_config(self) -> dict[str, Any]:
-        return {
-            "peak_lr": self.peak_lr,
-            "total_steps": self.total_steps,
-            "warmup_steps": self.warmup_steps,
-            "min_lr": self.min_lr,
-            "warmup_start": self.warmup_start,
-        }
 
 
 @keras.saving.register_keras_serializable(package="trainwell")
@@ -405,15 +389,6 @@ class WarmupStepDecay(_WarmupSchedule):
         for b in self.boundaries:
             n = n + ops.cast(step >= float(b), "float32")
         return self.peak_lr * ops.power(self.decay_rate, n)
-
-    def get_config(self) -> dict[str, Any]:
-        return {
-            "peak_lr": self.peak_lr,
-            "boundaries": list(self.boundaries),
-            "decay_rate": self.decay_rate,
-            "warmup_steps": self.warmup_steps,
-            "warmup_start": self.warmup_start,
-        }
 
 
 # ---------------------------------------------------------------- helpers

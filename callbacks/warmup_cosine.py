@@ -12,9 +12,11 @@ import numpy as np
 from keras import ops
 
 from trainwell import runtime
+from trainwell.callbacks.base import constructor_config
 from trainwell.callbacks.schedules import (
     WarmupCosineDecay,
     WarmupLinearDecay,
+    _check_restarts,
     _check_warmup_start,
     _step_count,
     is_trainwell_schedule,
@@ -30,12 +32,12 @@ _DECAYS = ("cosine", "linear")
 class _ScheduleNow:
     """`schedule(iterations)`, the value `optimizer.learning_rate` reads; wrapped in one `tf.function`.
 
-    Keras evaluates a schedule eagerly, one dispatch per op (about a dozen for
-    a warmup + cosine: 2-3 ms on a 2-core CPU, per epoch end); compiled, it is
-    one. The variables (`iterations`, the schedule's multiplier) are read when
-    it is called. A callable object rather than a closure, so that TensorFlow's
-    retracing detector (keyed on a function's code) does not warn when another
-    fit makes its own.
+    Keras evaluates a schedule eagerly, one dispatch per op; compiled, it is
+    one (timings: bench/README.md, callback_overhead). The variables
+    (`iterations`, the schedule's multiplier) are read when it is called. A
+    callable object rather than a closure, so that TensorFlow's retracing
+    detector (keyed on a function's code) does not warn when another fit makes
+    its own.
     """
 
     def __init__(self, schedule, iterations) -> None:
@@ -144,15 +146,7 @@ class WarmupCosine(keras.callbacks.Callback):
                 "Warm restarts need `decay='cosine'`. "
                 f"Received: decay={decay!r}, restart_epochs={restart_epochs!r}"
             )
-        if not is_number(t_mul) or t_mul < 1:
-            raise invalid_argument("t_mul", "a float >= 1", t_mul)
-        if not is_number(m_mul) or not 0 < m_mul <= 1:
-            raise invalid_argument("m_mul", "a float in (0, 1]", m_mul)
-        if restart_epochs is None and (t_mul != 1 or m_mul != 1):
-            raise ValueError(
-                "Arguments `t_mul` and `m_mul` only apply to warm restarts: pass `restart_epochs` too. "
-                f"Received: restart_epochs=None, t_mul={t_mul}, m_mul={m_mul}"
-            )
+        _check_restarts("restart_epochs", restart_epochs, t_mul, m_mul)
         if total_steps is not None and (not is_number(total_steps) or total_steps <= 0):
             raise invalid_argument("total_steps", "None or a number > 0", total_steps)
         self.peak_lr = peak_lr
@@ -173,19 +167,7 @@ class WarmupCosine(keras.callbacks.Callback):
     # ---------------------------------------------------------------- config
     def get_config(self) -> dict[str, Any]:
         """Returns the constructor arguments."""
-        return {
-            "peak_lr": self.peak_lr,
-            "warmup_epochs": self.warmup_epochs,
-            "warmup_steps": self.warmup_steps,
-            "min_lr": self.min_lr,
-            "warmup_start": self.warmup_start,
-            "decay": self.decay,
-            "restart_epochs": self.restart_epochs,
-            "t_mul": self.t_mul,
-            "m_mul": self.m_mul,
-            "total_steps": self.total_steps,
-            "run_dir": self.run_dir,
-        }
+        return constructor_config(self)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "WarmupCosine":
@@ -303,8 +285,8 @@ class WarmupCosine(keras.callbacks.Callback):
         """
         if self.schedule is None:
             raise ValueError("WarmupCosine.plot() needs an installed schedule: call it after `fit` has begun.")
-        # The Agg canvas directly: no pyplot, so the global backend is untouched. Imported
-        # here: matplotlib costs ~0.5 s and only a plot needs it.
+        # The Agg canvas directly: no pyplot, so the global backend is untouched.
+        # lazy: matplotlib is heavy at import time and only a plot needs it.
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
