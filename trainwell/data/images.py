@@ -51,8 +51,10 @@ told `steps_per_epoch`, makes a new iterator each epoch (what exact resume build
 training epoch short of full batches (images skipped, a smaller shard) is topped up with
 images of a fixed-order pass over the split. Under FILE auto-sharding the training stream is
 endless (each worker's share of the files is unknown) and Keras counts the steps. Evaluation
-splits of encoded images score each readable image once and have no known length (see
-`_Pipeline.evaluation`).
+splits score each readable image once in `ceil(readable / batch)` batches, their cardinality:
+the images that read and decode are counted when the datasets are built (one pass of the
+evaluation pipeline, without batching), and evaluation splits are sharded by data, never by
+file, so every worker counts the same batches.
 
 Multi-worker: pass `input_context` (from `strategy.distribute_datasets_from_function`)
 and each input pipeline reads its own share of the files (folders, TFRecords with at
@@ -179,9 +181,11 @@ class ImageDatasets:
         batch_size: Batch size of these datasets (per replica under `input_context`).
         counts: Examples per split over all workers, before skipping corrupt images
             (`None` if unknown without reading the data).
-        steps: Batches per epoch per split over all replicas (`train`: `counts // global`,
-            eval: `ceil(counts / global)`), `None` if the count is unknown: what each
-            dataset yields per iteration (see the module docstring).
+        steps: Batches per epoch per split over all replicas (`train`: `counts // global`;
+            eval: `ceil(n / global)`, `n` the examples scored: for encoded images those that
+            read and decode, counted when the datasets are built), `None` if
+            the count is unknown: what each dataset yields per iteration (see the module
+            docstring).
         mean, std: The normalisation applied (`image = (pixels / 255 - mean) / std`).
         one_hot: Whether labels are one-hot float32 (else int32 class ids).
 
@@ -930,14 +934,20 @@ def build_image_datasets(
     steps = _steps(counts, global_batch_size)
     # This pipeline's batches per global step: its replicas' share (1 without `input_context`).
     per_step = global_batch_size // (batch_size * num_pipelines)
+    # Encoded evaluation splits score the images that read and decode: counted by one pass here.
+    readable = {s: pipeline.readable(s, src.splits[s]) for s in ("val", "test")
+                if src.splits[s] is not None and src.splits[s].kind != "array"}
+    if shard is None:
+        steps.update({s: math.ceil(n / global_batch_size) for s, n in readable.items()})
 
-    def batches(split):
-        return None if steps[split] is None else steps[split] * per_step
+    def evaluation(split):
+        rec = src.splits[split]
+        return None if rec is None else pipeline.evaluation(split, rec, readable.get(split))
 
     return ImageDatasets(
-        train=pipeline.train(src.splits["train"], batches("train")),
-        val=pipeline.evaluation("val", src.splits["val"], batches("val")) if src.splits["val"] is not None else None,
-        test=pipeline.evaluation("test", src.splits["test"], batches("test")) if src.splits["test"] is not None else None,
+        train=pipeline.train(src.splits["train"], None if steps["train"] is None else steps["train"] * per_step),
+        val=evaluation("val"),
+        test=evaluation("test"),
         num_classes=src.num_classes,
         class_names=list(src.class_names),
         image_size=image_size,
@@ -1102,19 +1112,29 @@ class _Pipeline:
 
         return fn
 
-    def drop_flagged(self, ds):
+    def drop_flagged(self, ds, *, train: bool = True):
         """Drops the flagged records; anything the decoders still reject (rare: the structure
-        looked fine) is dropped by ignore_errors and logged."""
-        if self.safety_net:
+        looked fine) is dropped by ignore_errors and logged (evaluation splits are never FILE-sharded)."""
+        if self.safety_net or not train:
             ds = ds.ignore_errors(log_warning=True)
         return ds.filter(_flag_only).map(_drop_flag)
+
+    def options_of(self, split: str) -> tf.data.Options:
+        """The options of `split`'s dataset: an evaluation split is sharded by data, never by file
+        (each worker counts and reads the whole split, so all agree on its batches)."""
+        if split == "train" or not self.file_sharded:
+            return self.options
+        options = tf.data.Options()
+        options.deterministic = self.options.deterministic
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+        return options
 
     def finish(self, ds, split, *, batches=None):
         """Caches evaluation images, batches, normalises, prefetches.
 
         With `batches`, the dataset yields exactly that many batches per iteration and says
         so (its cardinality), so Keras makes a new iterator each epoch: the training stream
-        comes here endless (topped up), an evaluation split of arrays is exact as it is.
+        comes here endless (topped up); evaluation splits come with their length stated.
         """
         train = split == "train"
         if self.cache and not train:  # evaluation output is deterministic: cache the decoded images
@@ -1122,7 +1142,8 @@ class _Pipeline:
         ds = ds.batch(self.batch_size, drop_remainder=train)
         if batches is not None:
             ds = ds.take(batches)  # a known cardinality (a `filter` leaves it unknown)
-        return ds.map(self.transform.normalise, num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE).with_options(self.options)
+        ds = ds.map(self.transform.normalise, num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE)
+        return ds.with_options(self.options_of(split))
 
     def augmented(self, rec: _Split, *, top_up: bool = False):
         """`(image, label, ok)` of the training records: (cached,) shuffled, augmented with a
@@ -1188,23 +1209,36 @@ class _Pipeline:
             ds = ds.concatenate(self.drop_flagged(self.augmented(rec, top_up=True)).repeat())
         return self.finish(ds, "train", batches=batches)
 
-    def evaluation(self, split, rec: _Split, batches: int | None = None):
-        """A validation or test dataset: centre crop, no shuffle, every example (the last batch may be short).
-
-        Arrays: a known length (their batches, at most `batches`). Encoded images: the length is unknown (images skipped as corrupt are
-        not scored, and nothing can stand in for them: an empty batch breaks convolutions on
-        TensorFlow's CPU kernels, a placeholder would be scored), so Keras reads to the end
-        (with its "ran out of data" warning at the end of each evaluation).
-        """
+    def evaluation_examples(self, split, rec: _Split):
+        """`(image, label)` of each readable example of an evaluation split, once, in order
+        (centre crop, no shuffle)."""
         ds = self.records(rec)
         transform = self.transform
-        if rec.kind != "array":
-            fn = self.checked(split, rec.kind, lambda image_bytes: transform.eval_image(image_bytes, encoded=True))
-            ds = self.drop_flagged(ds.map(fn, num_parallel_calls=AUTOTUNE))
-        else:
-            ds = ds.map(lambda p, y, k: (transform.eval_image(p, encoded=False), transform.label(y)),
-                        num_parallel_calls=AUTOTUNE)
-        return self.finish(ds, split, batches=batches if rec.kind == "array" else None)
+        if rec.kind == "array":
+            return ds.map(lambda p, y, k: (transform.eval_image(p, encoded=False), transform.label(y)),
+                          num_parallel_calls=AUTOTUNE)
+        fn = self.checked(split, rec.kind, lambda image_bytes: transform.eval_image(image_bytes, encoded=True))
+        return self.drop_flagged(ds.map(fn, num_parallel_calls=AUTOTUNE), train=False)
+
+    def readable(self, split, rec: _Split) -> int:
+        """How many examples an evaluation split of encoded images scores: one pass of
+        `evaluation_examples` (what the check flags and what the decoders reject is not
+        counted, and the skipped images are counted in `skips` from here on)."""
+        return int(self.evaluation_examples(split, rec).reduce(np.int64(0), lambda n, _: n + 1))
+
+    def evaluation(self, split, rec: _Split, examples: int | None = None):
+        """A validation or test dataset: every readable example once (the last batch may be short),
+        in batches whose number is its cardinality, so Keras reads no further and does not warn
+        that the data ran out.
+
+        Encoded images: `examples` is `readable`'s count (images skipped as corrupt are not
+        scored, and nothing can stand in for them: an empty batch breaks convolutions on
+        TensorFlow's CPU kernels, a placeholder would be scored).
+        """
+        ds = self.evaluation_examples(split, rec)
+        if examples is not None:
+            ds = ds.apply(tf.data.experimental.assert_cardinality(examples))
+        return self.finish(ds, split)
 
 
 def _synthetic(source, image_size, global_batch_size, batch_size, seed, num_classes, one_hot, sizes):

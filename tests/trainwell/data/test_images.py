@@ -423,6 +423,22 @@ def test_undecodable_image_passing_the_check_is_dropped_not_fatal(tmp_path):
     assert len(x) == 7 and len({a.tobytes() for a in x.round(4)}) <= 7
 
 
+def test_an_evaluation_split_states_the_batches_of_its_readable_images(tmp_path):
+    rng = np.random.default_rng(6)
+    for split, per in (("train", 4), ("val", 2)):
+        for c in ("a", "b"):
+            for i in range(per):
+                _write(str(tmp_path / split / c / f"{i}.jpg"), _jpeg(rng, 8, 8))
+    # 6 listed in val/ (the test split), 2 batches of 4; 4 read and decode: 1 batch. The garbled
+    # file passes the structural check: only the decoder rejects it.
+    _write(str(tmp_path / "val" / "a" / "garbled.jpg"), b"\xff\xd8\xff\xe0" + bytes(range(256)) * 4 + b"\xff\xd9")
+    _write(str(tmp_path / "val" / "b" / "truncated.jpg"), _jpeg(rng, 8, 8)[:60])
+    data = build_image_datasets(f"folder:{tmp_path}", 8, 4, val_fraction=0.0)
+    assert data.counts["test"] == 6 and data.steps["test"] == 1
+    assert data.test.cardinality() == 1 and [len(y) for _, y in data.test] == [4]
+    assert data.skipped["test"] == 1  # the truncated file, flagged by the check (already at the count)
+
+
 def test_datasets_feed_keras_fit():
     import keras
 
@@ -513,9 +529,9 @@ def layouts(tmp_path_factory, request):
 
 
 def _fit_counting(data, epochs=3):
-    """Fits a tiny model as the recipe does (Keras told `steps_per_epoch`, no validation: an encoded
-    evaluation split has no known length, and Keras warns at its end); returns the batches each
-    epoch trained, the warnings of `fit`, the history and the test metrics."""
+    """Fits a tiny model as the recipe does (Keras told `steps_per_epoch`, the test split as
+    validation data); returns the batches each epoch trained and evaluated, the warnings of `fit`
+    and of the test split's evaluation, the history and the test metrics."""
     import warnings
 
     import keras
@@ -542,9 +558,8 @@ def _fit_counting(data, epochs=3):
     count = Count()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        hist = model.fit(data.train, epochs=epochs, steps_per_epoch=data.steps["train"], callbacks=[count], verbose=0)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Your input ran out of data")  # the test split's end (unknown length)
+        hist = model.fit(data.train, validation_data=data.test, epochs=epochs, steps_per_epoch=data.steps["train"],
+                         callbacks=[count], verbose=0)
         test = model.evaluate(data.test, verbose=0, return_dict=True)
     return count, [str(w.message) for w in caught], hist.history, test
 
@@ -556,13 +571,14 @@ def test_every_epoch_trains_and_evaluates_the_batches_keras_is_told(layouts, kin
     data = build_image_datasets(layouts[kind], 8, 16, val_fraction=0.0, num_classes=3, label_offset=1)
     corrupt = layouts["corrupt"]
     assert data.counts == {"train": 49 if corrupt else 45, "val": 0, "test": 17 if corrupt else 9}
-    assert data.steps == {"train": 3 if corrupt else 2, "val": 0, "test": 2 if corrupt else 1}
+    # The test split scores its 9 readable images: 1 batch, also when 17 are listed (2 batches of 16).
+    assert data.steps == {"train": 3 if corrupt else 2, "val": 0, "test": 1}
     assert data.train.cardinality() == data.steps["train"]  # Keras knows the length: a new iterator each epoch
     assert [sum(1 for _ in data.train) for _ in range(2)] == [data.steps["train"]] * 2
-    # Each readable example of the test split is scored once (its length is unknown).
-    assert [len(y) for _, y in data.test] == [9]
+    # Each readable example of the test split is scored once, in the batches its length states.
+    assert data.test.cardinality() == 1 and [len(y) for _, y in data.test] == [9]
     count, caught, history, test = _fit_counting(data)
-    assert count.train == [data.steps["train"]] * 3
+    assert count.train == [data.steps["train"]] * 3 and count.eval == [data.steps["test"]] * 3
     assert not [w for w in caught if "ran out of data" in w], caught
     assert all(v > 0 for v in history["loss"]) and np.isfinite(test["loss"]) and 0 <= test["accuracy"] <= 1
     assert data.skipped["train"] == (4 if corrupt else 0)
@@ -628,7 +644,7 @@ def test_two_replicas_train_every_epoch_of_a_folder_with_corrupt_images(python_s
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             hist = model.fit(data.train, epochs=3, steps_per_epoch=data.steps["train"], callbacks=[Count()], verbose=0)
-        test = model.evaluate(data.test, verbose=0, return_dict=True)
+            test = model.evaluate(data.test, verbose=0, return_dict=True)
         print(json.dumps({{"steps": data.steps["train"], "counts": counts, "loss": hist.history["loss"],
                           "val_loss": [test["loss"]], "warnings": [str(w.message) for w in caught]}}))
         """,
