@@ -11,14 +11,10 @@ class TensorBoard(keras.callbacks.TensorBoard):
     Extends `keras.callbacks.TensorBoard`, which at `update_freq="epoch"` (its
     default, and the recipes') pushes no summary writer for batches, yet calls
     `summary.scalar` for every value of every batch's logs in
-    `on_train_batch_end`. With no default writer each call records nothing and
-    returns, after some 0.2 ms of Python: Keras's batch hooks cost 0.37 ms a
-    step for a loss and one metric on a 2-core VM, this class's 0.015 ms
-    (`bench/callback_overhead.py --case tensorboard_hooks`); in a `fit` of 7 ms
-    steps, Keras's `TensorBoard` alone made the steps 1.16x slower than no
-    callback, this one 1.03x (`--case short --interleaved`, `bench/README.md`),
-    and an accelerator's steps are shorter still. This class skips those calls
-    when `tf.summary.should_record_summaries()` says nothing would be written (no
+    `on_train_batch_end`: each call records nothing, after a fraction of a
+    millisecond of Python per step (figures: bench/README.md,
+    callback_overhead). This class skips those calls when
+    `tf.summary.should_record_summaries()` says nothing would be written (no
     default writer); with one (a `writer.as_default()` around `fit`, or
     `update_freq=N`, for which Keras pushes its own), it records exactly what
     Keras records, the same summaries at the same steps. Everything else

@@ -19,7 +19,7 @@ import keras
 import numpy as np
 
 from trainwell import runtime
-from trainwell.callbacks.base import StatefulCallback
+from trainwell.callbacks.base import StatefulCallback, constructor_config
 from trainwell.callbacks.doctor.findings import CODES, DEFAULT_THRESHOLDS, Finding, LossTracker, jsonable, median, unjson
 from trainwell.callbacks.doctor.loss_rules import (
     check_divergence,
@@ -282,16 +282,7 @@ class TrainingDoctor(StatefulCallback):
     # ---------------------------------------------------------------- config / state
     def get_config(self) -> dict[str, Any]:
         """Returns the constructor arguments (`probe_batch` as given: data, not JSON)."""
-        return {
-            "every_n_steps": self.every_n_steps,
-            "probe_batch": self.probe_batch,
-            "run_dir": self.run_dir,
-            "verbose": self.verbose,
-            "window": self.window,
-            "checks": self.checks,
-            "thresholds": self.thresholds,
-            "track_updates": self.track_updates,
-        }
+        return constructor_config(self)
 
     def reset_state(self) -> None:
         """Fresh-run state: no findings, empty windows."""

@@ -52,15 +52,9 @@ DEFAULT_THRESHOLDS: dict[str, float] = {
     # `oscillation_swing` x the initial loss and by a factor `oscillation_ratio`;
     # `oscillation_peaks` peaks (a rise then a fall) within the window. Minibatch
     # noise near a low loss swings by factors of 2-4 but rarely by 0.4 x the
-    # initial loss (at most 2 such peaks in 200 steps, measured on small MLPs with
-    # batch 8-32 and SGD/Adam); momentum 0.99 sends the loss back up to about its
-    # initial value again and again (4-6 such peaks in 200 steps).
-    # A swing must also stand out of the minibatch noise: at least
-    # `oscillation_noise_z` x the noise of a 5-step median (`chunk_noise`). Measured by
-    # replaying the rule on the per-step losses of the runs of bench/doctor_zoo.py:
-    # single noise swings of healthy runs with batch 2-4 reach 4.7-4.8 x (at x4 such a
-    # run counts at most one peak, at x0 two), the swings of the heavy-momentum runs
-    # 4.2-28 x (3-10 peaks).
+    # initial loss; heavy momentum sends the loss back up to about its initial value
+    # again and again. A swing must also stand out of the minibatch noise: at least
+    # `oscillation_noise_z` x the noise of a 5-step median (`chunk_noise`).
     "oscillation_swing": 0.4,
     "oscillation_ratio": 1.5,
     "oscillation_peaks": 3,
@@ -70,13 +64,8 @@ DEFAULT_THRESHOLDS: dict[str, float] = {
     # loss of predicting the batch mean) by `oscillation_rise` of it and by
     # `oscillation_rise_z` x the noise of a 5-step median. A step small enough for the
     # curvature lowers the loss, so a model worse than the mean prediction again and
-    # again is thrown around by its steps. Measured on the per-step losses of 10
-    # heavy-momentum MLPs (SGD LR 0.1-0.5, momentum 0.99-0.999, widths 32-256, 1-3
-    # hidden layers, 3 and 5 classes) and 13 healthy runs (SGD, momentum 0.9, or 0.99 at
-    # LR 0.003, Adam, batches 2-32), at every 10th step over the window before it: the
-    # third-highest 5-step median of a heavy-momentum run stood at best 11-81% (3.4-10
-    # x its noise) above the reference (the two that diverge: far more); of a healthy
-    # run at most 4% (0.7 x).
+    # again is thrown around by its steps. (How these values were measured:
+    # bench/README.md, doctor_zoo.)
     "oscillation_rise": 0.05,
     "oscillation_rise_z": 2.0,
     "oscillation_above": 3,

@@ -183,34 +183,36 @@ def check_oscillation(
 ) -> Finding | None:
     """Oscillation: the loss (5-step medians) swings up and down by large amounts, or above where it started.
 
-    Two signs of a step too large for the curvature, either one enough. Swings: a swing counts when it moves the 5-step median of the loss by
-    `oscillation_swing` x the loss scale, by a factor `oscillation_ratio`, and by
-    `oscillation_noise_z` x the minibatch noise of a 5-step median (`chunk_noise`);
-    `oscillation_peaks` peaks (a large rise then a large fall) within the tracker's
-    window make an oscillation. The loss scale is the larger of the initial loss and
-    `reference` (the probe's `null_loss`): a model that starts already trained (a
-    second `fit`, fine-tuning) has an initial loss so low that its ordinary SGD noise
-    would otherwise look like large swings.
+    Two signs of a step too large for the curvature, either one enough (thresholds:
+    `DEFAULT_THRESHOLDS`). Swings: `oscillation_peaks` peaks within the window,
+    each swing moving the 5-step median by `oscillation_swing` x the loss scale, by
+    a factor `oscillation_ratio` and by `oscillation_noise_z` x the noise of a
+    5-step median (`chunk_noise`). Above the start: `oscillation_above` 5-step
+    medians above the loss scale by `oscillation_rise` of it and by
+    `oscillation_rise_z` x that noise; steps small enough for the curvature lower
+    the loss, so a model worse than the mean prediction again and again is thrown
+    around by its steps (the units they kill are a `dead_units` consequence).
 
-    Above the start: `oscillation_above` 5-step medians of the window stand above
-    the reference (the larger of the initial loss and `reference`, the loss of
-    predicting the batch mean) by `oscillation_rise` of it and by `oscillation_rise_z`
-    x the noise of a 5-step median. Steps small enough for the curvature lower the
-    loss; a model that is worse than where it started and than the mean prediction,
-    again and again, is thrown around by its steps (with few classes its swings go
-    up from about the null loss, less than `oscillation_swing` x it; the hidden
-    layers they kill are the `dead_units` finding, a consequence).
+    The loss scale is the larger of the initial loss and `reference`: a model
+    that starts already trained (a second `fit`, fine-tuning) has an initial loss
+    so low that its ordinary SGD noise would otherwise look like large swings.
 
-    `probe_losses`, the losses on the fixed probe batch at the probes within the
-    window (no minibatch sampling noise), confirm it where they can see it: when the
-    probes are at most half a period apart (`probe_every` steps; the period is that
-    of the peaks), one of them must exceed the one before by
-    `oscillation_probe_rise` (x1.5), and with fewer than 3 probe losses the rule
-    waits. Probes further apart sample an oscillation at random phases (the
-    doctor's default, a probe every 100 steps, against the 15-50-step periods of
-    heavy momentum), so they neither confirm nor refute it; the noise bound on
-    every swing stands in for them. `None` (no probe) skips the confirmation. The
-    loss above the start needs none: a level, not a period, and its noise bound.
+    Args:
+        tracker: The run's `LossTracker`.
+        step: The current step.
+        lr: The current learning rate, for the fixes. Defaults to `None`.
+        momentum: The optimizer's momentum (or `beta_1`). Defaults to `None`.
+        probe_losses: The losses on the fixed probe batch within the window (no
+            sampling noise). Where the probes are at most half a period of the
+            peaks apart, they must confirm the swings (one of them
+            `oscillation_probe_rise` x the one before; fewer than 3: wait);
+            probes further apart sample the swings at random phases and are not
+            read. `None` (no probe) skips the confirmation; the loss above the
+            start, a level, needs none. Defaults to `None`.
+        probe_every: Steps between probes. Defaults to `None`.
+        reference: The probe's `null_loss`, the loss of predicting the batch
+            mean. Defaults to `None`.
+        thresholds: Overrides of `DEFAULT_THRESHOLDS`. Defaults to `None`.
 
     Example:
     >>> t = LossTracker(window=100)
@@ -218,6 +220,7 @@ def check_oscillation(
     >>> check_oscillation(t, 100).code
     'oscillation'
     """
+    # one piece: the two signs, the probe's confirmation, the evidence and the text share a dozen values.
     th = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
     initial = tracker.initial
     chunks = [c for c in tracker.chunks if math.isfinite(c)]
@@ -235,19 +238,14 @@ def check_oscillation(
     rise = None
     resolved = probe_every is None or (math.isfinite(period) and 2 * probe_every <= period)
     if swings and probe_losses is not None and resolved:
-        pl = [x for x in probe_losses if math.isfinite(x)]
-        if len(pl) < 3:
-            swings = False
-        else:
-            rise = max(b / max(a, 1e-12) for a, b in zip(pl, pl[1:]))
-            swings = rise >= th["oscillation_probe_rise"]
+        swings, rise = _probe_rise(probe_losses, th["oscillation_probe_rise"])
     bar = scale + max(th["oscillation_rise"] * scale, th["oscillation_rise_z"] * noise)
     above = [c for c in chunks if c > bar] if initial > 0 else []
     if not swings and len(above) < int(th["oscillation_above"]):
         return None
-    troughs = [p for p in pts if p[2] == "trough"]
-    if peaks:
-        amp = statistics.mean(p[1] for p in peaks) - (statistics.mean(p[1] for p in troughs) if troughs else min(chunks))
+    troughs = [p[1] for p in pts if p[2] == "trough"]
+    if peaks:  # the mean peak above the mean trough (or the lowest median)
+        amp = statistics.mean(p[1] for p in peaks) - (statistics.mean(troughs) if troughs else min(chunks))
     else:
         amp = max(chunks) - min(chunks)
     ev: dict[str, Any] = {
@@ -265,22 +263,11 @@ def check_oscillation(
         ev["probe_loss_rise"] = rise
     elif swings and probe_losses is not None:
         ev["probe_every_steps"] = probe_every  # too far apart to confirm (see above)
-    fixes = []
-    causes = []
     if lr is not None:
         ev["lr"] = lr
     if momentum is not None:
         ev["momentum"] = momentum
-        if momentum >= 0.95:
-            fixes.append(f"lower the momentum from {momentum:g} to 0.9 (or beta_1=0.9 for Adam)")
-            causes.append(f"momentum too high ({momentum:g}): the heavy ball overshoots the valley")
-    fixes += [
-        f"lower the learning rate 3x{lr_text(lr)}",
-        "add a warmup (trainwell.callbacks.WarmupCosine(warmup_epochs=1)) and a decaying schedule",
-        "use a larger batch (or `gradient_accumulation_steps`) to reduce gradient noise",
-        "clip gradients (optimizer `global_clipnorm=1.0`)",
-    ]
-    causes += ["learning rate too high for the curvature", "noisy gradients (small batch)"]
+    causes, fixes = _oscillation_causes_and_fixes(lr, momentum)
     return Finding(
         "oscillation",
         "warning",
@@ -295,6 +282,33 @@ def check_oscillation(
         f"{tracker.chunk}-step medians above {fmt(scale)} (the larger of the initial and the null-model loss), "
         f"up to {fmt(max(chunks))} (+{fmt(100 * (max(chunks) / scale - 1))}%): the steps make the model worse.",
     )
+
+
+def _oscillation_causes_and_fixes(lr: float | None, momentum: float | None) -> tuple[list, list]:
+    """An oscillation's causes and fixes: a heavy momentum first where there is one, then the LR."""
+    causes = ["learning rate too high for the curvature", "noisy gradients (small batch)"]
+    fixes = [
+        f"lower the learning rate 3x{lr_text(lr)}",
+        "add a warmup (trainwell.callbacks.WarmupCosine(warmup_epochs=1)) and a decaying schedule",
+        "use a larger batch (or `gradient_accumulation_steps`) to reduce gradient noise",
+        "clip gradients (optimizer `global_clipnorm=1.0`)",
+    ]
+    if momentum is not None and momentum >= 0.95:
+        causes.insert(0, f"momentum too high ({momentum:g}): the heavy ball overshoots the valley")
+        fixes.insert(0, f"lower the momentum from {momentum:g} to 0.9 (or beta_1=0.9 for Adam)")
+    return causes, fixes
+
+
+def _probe_rise(probe_losses: Sequence[float], bar: float) -> tuple[bool, float | None]:
+    """Whether the probe losses confirm an oscillation (one of them `bar` x the one before), and their largest rise.
+
+    Fewer than 3 finite probe losses confirm nothing yet (the rule waits).
+    """
+    pl = [x for x in probe_losses if math.isfinite(x)]
+    if len(pl) < 3:
+        return False, None
+    rise = max(b / max(a, 1e-12) for a, b in zip(pl, pl[1:]))
+    return rise >= bar, rise
 
 
 def check_slow_convergence(
@@ -332,6 +346,8 @@ def check_slow_convergence(
     now = tracker.recent_median(10)
     if not math.isfinite(now) or initial <= 0:
         return None
+    if reference is not None and math.isfinite(reference) and now < th["slow_level"] * reference:
+        return None  # below the null-model loss: it has learned
     progress = (initial - now) / abs(initial)
     window_start = median(list(tracker.losses)[:10])
     window_progress = (window_start - now) / abs(window_start) if window_start else math.nan
@@ -346,9 +362,6 @@ def check_slow_convergence(
         ev["lr"] = lr
     if update_ratio is not None:
         ev["update_ratio"] = update_ratio
-    learned = reference is not None and math.isfinite(reference) and now < th["slow_level"] * reference
-    if learned:
-        return None
     crawl = progress < th["slow_progress"]
     plateau = (
         not crawl
@@ -359,26 +372,10 @@ def check_slow_convergence(
     )
     if not (crawl or plateau):
         return None
-    tiny_updates = update_ratio is not None and update_ratio < th["update_ratio_low"]
-    if explained_by:
-        causes = [f"{', '.join(explained_by)}: the gradient does not reach (all) the weights"]
-        fixes = [f"fix the {explained_by[0]} finding first (see its fixes)"]
-    elif tiny_updates or (crawl and lr is not None and lr < 1e-4):
-        causes = ["learning rate too low: the weights barely move"]
-        fixes = [
-            f"raise the learning rate 10-100x{lr_text(lr)}"
-            + (f", e.g. to {lr * 30:.3g}" if lr else ""),
-            "pick the LR with the LR range test (`trainwell.lr_find(model, data)`)",
-        ]
-    else:
-        causes = ["a plateau: poor initialisation or normalisation", "data or label problems", "LR schedule"]
-        fixes = [
-            "check the labels and the input pipeline (a model must be able to overfit one batch)",
-            "normalise the inputs; add BatchNormalization/LayerNormalization",
-            "use He (ReLU) or Glorot (tanh) initialisation",
-            "try a larger learning rate or a warmup then cosine schedule",
-        ]
-    fixes.append("train longer only if the loss is still falling steadily")
+    too_low = (update_ratio is not None and update_ratio < th["update_ratio_low"]) or (
+        crawl and lr is not None and lr < 1e-4
+    )
+    causes, fixes = _slow_causes_and_fixes(explained_by, too_low, lr)
     kind = "rose" if progress < -th["slow_progress"] else "crawls" if crawl else "has plateaued"
     return Finding(
         "slow_convergence",
@@ -391,6 +388,28 @@ def check_slow_convergence(
         + (f", update/weight ratio {fmt(update_ratio)} per step" if update_ratio is not None else "")
         + ".",
     )
+
+
+def _slow_causes_and_fixes(explained_by: Sequence[str], too_low: bool, lr: float | None) -> tuple[list, list]:
+    """A slow convergence's causes and fixes: the findings that explain it, a too-low LR, or a plateau."""
+    if explained_by:
+        causes = [f"{', '.join(explained_by)}: the gradient does not reach (all) the weights"]
+        fixes = [f"fix the {explained_by[0]} finding first (see its fixes)"]
+    elif too_low:
+        causes = ["learning rate too low: the weights barely move"]
+        fixes = [
+            f"raise the learning rate 10-100x{lr_text(lr)}" + (f", e.g. to {lr * 30:.3g}" if lr else ""),
+            "pick the LR with the LR range test (`trainwell.lr_find(model, data)`)",
+        ]
+    else:
+        causes = ["a plateau: poor initialisation or normalisation", "data or label problems", "LR schedule"]
+        fixes = [
+            "check the labels and the input pipeline (a model must be able to overfit one batch)",
+            "normalise the inputs; add BatchNormalization/LayerNormalization",
+            "use He (ReLU) or Glorot (tanh) initialisation",
+            "try a larger learning rate or a warmup then cosine schedule",
+        ]
+    return causes, fixes + ["train longer only if the loss is still falling steadily"]
 
 
 def check_overfitting(

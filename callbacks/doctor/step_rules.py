@@ -28,10 +28,7 @@ def check_input_bound(
     timings: interference only ever slows one down) and less `cpu_wait`, the time
     per step the run's threads spent waiting for a CPU: on a machine shared with
     other busy processes the steps are slow because the process does not get the
-    CPU, not because the data is late. (Measured on a 2-core machine at load 5-7,
-    the largest run-queue delay of any thread per step: a small CNN's steps took
-    150-200 ms with 70-160 ms of it; a tiny MLP's 2-3 ms with 0.5-2 ms; behind a
-    pipeline that sleeps 30 ms per batch, 31 ms with 1-2 ms.)
+    CPU, not because the data is late (measurements: bench/README.md, doctor_zoo).
 
     Args:
         step_times: Recent wall times of one training step, seconds (from
@@ -137,15 +134,11 @@ def check_amp(
         "overflow_rate": rate,
         "window_steps": span,
     }
-    fixes: list[str] = []
-    causes: list[str] = []
-    where = ""
+    fixes, causes, where = [], [], ""
     if located:
         layer = nonfinite["layer"]
-        ev["layer"] = layer
-        ev["layer_index"] = nonfinite.get("index", -1)
-        ev["pass"] = nonfinite.get("pass", "")
-        ev["layer_compute_dtype"] = nonfinite.get("compute_dtype", "")
+        ev.update({"layer": layer, "layer_index": nonfinite.get("index", -1), "pass": nonfinite.get("pass", ""),
+                   "layer_compute_dtype": nonfinite.get("compute_dtype", "")})
         if "max_abs" in nonfinite:
             ev["max_abs_before"] = nonfinite["max_abs"]
         fixes.append(
@@ -154,19 +147,17 @@ def check_amp(
         )
         causes.append(f'layer "{layer}" produces values beyond float16\'s range in the {nonfinite.get("pass")} pass')
         where = f' First non-finite values: layer "{layer}" ({nonfinite.get("pass")} pass).'
-    fixes += [
-        "keep the final softmax/logits and any normalisation statistics in float32",
-        "clip gradients (optimizer `global_clipnorm=1.0`) and lower the learning rate",
-        "use mixed_bfloat16 where the hardware supports it (same range as float32)",
-    ]
-    causes += ["activations or gradients overflow float16", "learning rate too high"]
     return Finding(
         "amp_instability",
         "error" if (located or (math.isfinite(scale) and scale < th["amp_min_scale"])) else "warning",
         ev,
-        fixes,
+        fixes + [
+            "keep the final softmax/logits and any normalisation statistics in float32",
+            "clip gradients (optimizer `global_clipnorm=1.0`) and lower the learning rate",
+            "use mixed_bfloat16 where the hardware supports it (same range as float32)",
+        ],
         step,
-        causes,
+        causes + ["activations or gradients overflow float16", "learning rate too high"],
         (
             f'mixed_float16: layer "{nonfinite["layer"]}" overflows float16 in the forward pass '
             f"(loss scale {fmt(scale)}, {len(recent)} back-offs in {span} steps)."
@@ -208,46 +199,52 @@ def check_gradients(
     ['vanishing_gradients']
     """
     th = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
-    out: list[Finding] = []
     layers = [l for l in stats.get("layers", []) if l.get("kernel")]
+    found = [_vanishing(layers, stats, step, th), _exploding(layers, stats, step, first_global_norm, lr, th)]
+    return [f for f in found if f is not None]
+
+
+def _vanishing(layers: list[dict], stats: dict[str, Any], step: int, th: dict) -> Finding | None:
+    """Vanishing gradients: the first weighted layer's RMS gradient `vanish_ratio` x below the last one's."""
+    if len(layers) < 2:
+        return None
+    first, last = layers[0], layers[-1]
+    ratio = first["grad_rms"] / max(last["grad_rms"], 1e-30)
+    if not (math.isfinite(ratio) and ratio < th["vanish_ratio"] and math.isfinite(last["grad_rms"])
+            and last["grad_rms"] > 0):
+        return None
+    ev: dict[str, Any] = {
+        "first_layer": first["name"],
+        "last_layer": last["name"],
+        "first_grad_rms": first["grad_rms"],
+        "last_grad_rms": last["grad_rms"],
+        "ratio": ratio,
+        "weighted_layers": len(layers),
+    }
+    if stats.get("saturation"):
+        ev["max_saturation"] = max(stats["saturation"].values())
+    return Finding(
+        "vanishing_gradients",
+        "warning",
+        ev,
+        [
+            "use ReLU/GELU activations instead of sigmoid/tanh in hidden layers",
+            "use He (ReLU) or Glorot (tanh) initialisation instead of tiny weights",
+            "add BatchNormalization/LayerNormalization between layers",
+            "add skip (residual) connections",
+        ],
+        step,
+        ["saturating activations (sigmoid/tanh)", "initial weights too small", "a deep stack without normalisation or skip connections"],
+        f'gradients shrink {fmt(1 / max(ratio, 1e-300))}x from the last weighted layer ("{last["name"]}") '
+        f'to the first ("{first["name"]}") over {len(layers)} layers.',
+    )
+
+
+def _exploding(layers: list[dict], stats: dict[str, Any], step: int, first_global_norm: float | None,
+               lr: float | None, th: dict) -> Finding | None:
+    """Exploding gradients: non-finite ones behind a finite loss, a layer's gradient `explode_ratio` x its
+    weight norm, or the global norm `explode_growth` x its first value."""
     gnorm = stats.get("global_norm", math.nan)
-    if len(layers) >= 2:
-        first, last = layers[0], layers[-1]
-        ratio = first["grad_rms"] / max(last["grad_rms"], 1e-30)
-        sat = stats.get("saturation") or {}
-        if (
-            math.isfinite(ratio)
-            and ratio < th["vanish_ratio"]
-            and math.isfinite(last["grad_rms"])
-            and last["grad_rms"] > 0
-        ):
-            ev: dict[str, Any] = {
-                "first_layer": first["name"],
-                "last_layer": last["name"],
-                "first_grad_rms": first["grad_rms"],
-                "last_grad_rms": last["grad_rms"],
-                "ratio": ratio,
-                "weighted_layers": len(layers),
-            }
-            if sat:
-                ev["max_saturation"] = max(sat.values())
-            out.append(
-                Finding(
-                    "vanishing_gradients",
-                    "warning",
-                    ev,
-                    [
-                        "use ReLU/GELU activations instead of sigmoid/tanh in hidden layers",
-                        "use He (ReLU) or Glorot (tanh) initialisation instead of tiny weights",
-                        "add BatchNormalization/LayerNormalization between layers",
-                        "add skip (residual) connections",
-                    ],
-                    step,
-                    ["saturating activations (sigmoid/tanh)", "initial weights too small", "a deep stack without normalisation or skip connections"],
-                    f'gradients shrink {fmt(1 / max(ratio, 1e-300))}x from the last weighted layer ("{last["name"]}") '
-                    f'to the first ("{first["name"]}") over {len(layers)} layers.',
-                )
-            )
     worst = None
     for l in layers:
         r = l["grad_norm"] / max(l["weight_norm"], 1e-12)
@@ -263,39 +260,37 @@ def check_gradients(
     nonfinite = not stats.get("grads_finite", True) and stats.get("loss_finite", True)
     big_ratio = worst is not None and (not math.isfinite(worst[1]) or worst[1] > th["explode_ratio"])
     grew = math.isfinite(growth) and growth > th["explode_growth"]
-    if nonfinite or big_ratio or grew:
-        ev = {"global_grad_norm": gnorm, "grads_finite": int(bool(stats.get("grads_finite", True)))}
-        if worst is not None:
-            ev.update({"layer": worst[0]["name"], "grad_norm": worst[0]["grad_norm"],
-                       "weight_norm": worst[0]["weight_norm"], "grad_over_weight": worst[1]})
-        if math.isfinite(growth):
-            ev["growth_since_start"] = growth
-        if lr is not None:
-            ev["lr"] = lr
-        what = (
-            "gradients are non-finite while the loss is finite"
-            if nonfinite
-            else f'layer "{worst[0]["name"]}" has a gradient {fmt(worst[1])}x its weight norm'
-            if big_ratio
-            else f"the gradient norm grew {fmt(growth)}x since the start"
-        )
-        out.append(
-            Finding(
-                "exploding_gradients",
-                "error" if nonfinite else "warning",
-                ev,
-                [
-                    "clip gradients: optimizer `global_clipnorm=1.0`",
-                    "use He (ReLU) / Glorot (tanh) initialisation scaled to the fan-in, not large weights",
-                    "add BatchNormalization/LayerNormalization (and residual connections in deep stacks)",
-                    f"lower the learning rate{lr_text(lr)} and add a warmup",
-                ],
-                step,
-                ["initial weights too large", "no normalisation in a deep network", "learning rate too high"],
-                f"exploding gradients: {what} (global norm {fmt(gnorm)}).",
-            )
-        )
-    return out
+    if not (nonfinite or big_ratio or grew):
+        return None
+    ev = {"global_grad_norm": gnorm, "grads_finite": int(bool(stats.get("grads_finite", True)))}
+    if worst is not None:
+        ev.update({"layer": worst[0]["name"], "grad_norm": worst[0]["grad_norm"],
+                   "weight_norm": worst[0]["weight_norm"], "grad_over_weight": worst[1]})
+    if math.isfinite(growth):
+        ev["growth_since_start"] = growth
+    if lr is not None:
+        ev["lr"] = lr
+    what = (
+        "gradients are non-finite while the loss is finite"
+        if nonfinite
+        else f'layer "{worst[0]["name"]}" has a gradient {fmt(worst[1])}x its weight norm'
+        if big_ratio
+        else f"the gradient norm grew {fmt(growth)}x since the start"
+    )
+    return Finding(
+        "exploding_gradients",
+        "error" if nonfinite else "warning",
+        ev,
+        [
+            "clip gradients: optimizer `global_clipnorm=1.0`",
+            "use He (ReLU) / Glorot (tanh) initialisation scaled to the fan-in, not large weights",
+            "add BatchNormalization/LayerNormalization (and residual connections in deep stacks)",
+            f"lower the learning rate{lr_text(lr)} and add a warmup",
+        ],
+        step,
+        ["initial weights too large", "no normalisation in a deep network", "learning rate too high"],
+        f"exploding gradients: {what} (global norm {fmt(gnorm)}).",
+    )
 
 
 def check_dead_units(
@@ -388,7 +383,6 @@ def run_queue_delays() -> dict[int, float] | None:
     (`fit`'s, or a compute or data thread), so `TrainingDoctor` takes the largest
     increase of any thread over a span as the CPU wait of that span. `None` where
     the statistics are not available (other systems, or a kernel without them).
-    Reading them costs about 10 microseconds per thread.
 
     Example:
     >>> d = run_queue_delays()
