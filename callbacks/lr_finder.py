@@ -1,7 +1,7 @@
 """The LR range test (Smith 2017; fastai's `lr_find`): `LRFinder`, its suggesters, `lr_find`.
 
-One module (~1,000 lines): the callback, the suggestion rules that read its curve and
-the `lr_find` driver that runs the ramp and the probes are one algorithm; the command
+Why one module: the callback, the suggestion rules that read its curve and the
+`lr_find` driver that runs the ramp and the probes are one algorithm; the command
 line's part (`trainwell lr-find`, writing the config) is in `trainwell.cli`.
 
 An exponential learning-rate ramp, from `start_lr` to `end_lr` over `steps`
@@ -16,23 +16,18 @@ Smith's "an order of magnitude below where the loss stops falling"); and
 trainwell's "peak" (half the LR at the minimum loss), for the peak of a warmup +
 decay schedule.
 
-None of these is reliable across optimizers. On the 12 problems of
-`bench/lr_finder_quality.py` (short runs over a factor-2 grid; 6 calibration and 6
-held-out problems), within x3 of the best LR: with a constant LR "minimum" 6/12,
-"steep" 7/12, "peak" 6/12, "valley" 1/12 (about 10x too low); with the LR as the
-peak of warmup + cosine "peak" 10/12, "steep" 8/12, "minimum" 4/12. The LR at the
-test's loss minimum lay 10-160x above the best constant LR with Adam/AdamW,
-2.5-5.4x with SGD + momentum, 0.7-1.9x with plain SGD and 0.6x with RMSprop, so no
-fixed fraction of it fits all.
+None of these is reliable across optimizers: the best constant LR lies far below
+the LR at the test's loss minimum with Adam and near it with plain SGD, so no
+fixed fraction of it fits all (`bench/lr_finder_quality.py`; figures in
+bench/README.md).
 
 Hence `lr_find`'s default, "probe": after the curve, short runs (`probe_steps`,
 by default as many as the ramp) from the model's state at the curve's loss-minimum
 LR times 3, 1, 1/3, 1/9, ... (high to low, stopping once two runs in a row end
 worse than the best), and the LR whose run ended with the lowest training loss.
-It costs 3 to 8 probe runs more than the curve alone; its figures on the same
-benchmark are in the README. `trainwell lr-find` probes with the recipes'
-warmup + cosine schedule and writes the best peak LR. `LRFinder` (the callback,
-inside one `fit`) gives the curve's suggestions only.
+It costs 3 to 8 probe runs more than the curve alone. `trainwell lr-find` probes
+with the recipes' warmup + cosine schedule and writes the best peak LR.
+`LRFinder` (the callback, inside one `fit`) gives the curve's suggestions only.
 
 Noise is not a suggestion: when the curve (or, with "probe", the best probe) did
 not fall clearly below the starting loss (by `MIN_GAIN` of it and `NOISE_Z`
@@ -52,6 +47,7 @@ import dataclasses
 import io
 import math
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -64,17 +60,17 @@ from trainwell.callbacks.doctor import step_noise
 from trainwell.compat import (
     build_before_fit,
     inner_optimizer,
+    keras_fixes,
     raw_learning_rate,
     set_raw_learning_rate,
     strategy_scope,
 )
+from trainwell.compat.learning_rate import live_schedule_variables
 from trainwell.io import atomic_write_bytes
 from trainwell.validation import invalid_argument, is_int, is_number
 
 __all__ = ["LRFinder", "LRFindResult", "lr_find", "suggest", "valley", "steep", "minimum", "peak",
            "judge_probes", "METHODS", "PROBE_SCHEDULES", "MIN_GAIN", "NOISE_Z"]
-
-
 
 # --------------------------------------------------------------------------- suggestions
 def valley(lrs: Sequence[float], losses: Sequence[float]) -> tuple[float, int]:
@@ -174,10 +170,8 @@ PROBE_SCHEDULES = ("constant", "warmup_cosine")
 PROBE_FACTOR = 3.0
 
 #: A suggestion is acted on only if the loss it rests on fell at least this fraction of
-#: the starting loss below it... (`trainwell lr-find` on the demo config with 20-step
-#: probes: the best probe ended 1.8% below the starting loss, at chance level; on the
-#: twelve problems of `bench/lr_finder_quality.py --probes-only`, 100-step probes,
-#: constant and warmup + cosine, the best probe gained 30-99%.)
+#: the starting loss below it (where a probe that learned nothing ends and where real
+#: gains start: bench/README.md, `lr_finder_quality.py`)...
 MIN_GAIN = 0.05
 #: ...and by more than this many standard errors of the two losses compared (the
 #: starting loss: the mean of the ramp's first steps; a probe's: the mean of its last
@@ -427,109 +421,72 @@ def _judge_curve(raw: Sequence[float], smoothed: Sequence[float], start: float, 
 # --------------------------------------------------------------------------- callback
 def _ramp_lr(t, start, log_ratio, span):
     """The range test's LR at step `t` of the test: `start * exp(clip(t / span) * log_ratio)`."""
-    # lazy: Keras loads on first use, not with this module
-    from keras import ops
-
-    return start * ops.exp(ops.clip(t / span, 0.0, 1.0) * log_ratio)
+    return start * keras.ops.exp(keras.ops.clip(t / span, 0.0, 1.0) * log_ratio)
 
 
 def _probe_lr(t, lr, warmup, steps):
     """A probe's warmup + cosine LR at step `t`: `lr` reached after `warmup` steps, 0 at `steps`."""
-    # lazy: Keras loads on first use, not with this module
-    from keras import ops
-
+    ops = keras.ops
     rise = lr * ops.clip(t / warmup, 0.0, 1.0)
     fall = 0.5 * lr * (1.0 + ops.cos(math.pi * ops.clip((t - warmup) / (steps - warmup), 0.0, 1.0)))
     return ops.where(t < warmup, rise, fall)
 
 
-class _ExpRamp(keras.optimizers.schedules.LearningRateSchedule):
-    """`start * (end / start) ** ((step - offset) / (steps - 1))`, capped at `end`."""
-
-    def __init__(self, start: float, end: float, steps: int, offset: int) -> None:
-        self.start, self.end, self.steps, self.offset = float(start), float(end), int(steps), int(offset)
-
-    def __call__(self, step):
-        # lazy: Keras loads on first use, not with this module
-        from keras import ops
-
-        t = ops.cast(step - self.offset, "float32")
-        return ops.cast(_ramp_lr(t, self.start, math.log(self.end / self.start), float(max(self.steps - 1, 1))),
-                        "float32")
-
-    def get_config(self) -> dict[str, Any]:
-        return {"start": self.start, "end": self.end, "steps": self.steps, "offset": self.offset}
-
-
-class _ProbeSchedule(keras.optimizers.schedules.LearningRateSchedule):
-    """A probe's LR from `offset` on: constant `lr`, or `lr` as the peak of a linear
-    warmup from 0 over `max(1, steps // 10)` steps then a half cosine to 0 at `steps`,
-    the values of `WarmupCosineDecay(lr, total_steps=steps, warmup_steps=...)` (the
-    recipes' shape), in closed form: no `keras.Variable` created inside `fit`."""
-
-    def __init__(self, lr: float, steps: int, offset: int, shape: str) -> None:
-        self.lr, self.steps, self.offset, self.shape = float(lr), int(steps), int(offset), shape
-        self.warmup = max(1, self.steps // 10)
-
-    def __call__(self, step):
-        # lazy: Keras loads on first use, not with this module
-        from keras import ops
-
-        t = ops.cast(step - self.offset, "float32")  # subtract in integers: exact past 2**24 steps
-        if self.shape == "constant":
-            return ops.cast(ops.ones_like(t) * self.lr, "float32")
-        return ops.cast(_probe_lr(t, self.lr, float(self.warmup), float(self.steps)), "float32")
-
-    def get_config(self) -> dict[str, Any]:
-        return {"lr": self.lr, "steps": self.steps, "offset": self.offset, "shape": self.shape}
-
-
 class _PhaseLR(keras.optimizers.schedules.LearningRateSchedule):
-    """`lr_find`'s range test and all its probes in one schedule whose parameters are
-    `keras.Variable`s: on TensorFlow the train function traced for the range test
-    serves every probe (a `tf.function` reads variables when it runs), where a new
-    schedule per phase cost one trace, and with XLA one compile, per probe (7 of the
-    8 traces of a default `trainwell lr-find`). Each phase calls `set` with the
-    values `_ExpRamp` / `_ProbeSchedule` would hold and gets the same LRs, op for op.
-    Not on JAX: a jitted step takes a variable that is not part of the model's or
-    the optimizer's state as a constant, so there each phase installs its own
-    schedule and retraces, as before. Created outside `fit`, in the model's
-    distribution strategy scope."""
+    """The LR of one phase of the range test or a probe, counted from optimizer step `offset`.
 
-    _KINDS = {"ramp": 0, "constant": 1, "warmup_cosine": 2}
+    `kind` `"ramp"`: `start * (end / start) ** (t / (steps - 1))`, capped at `end`;
+    `"constant"`: `start`; `"warmup_cosine"`: `start` as the peak of a linear
+    warmup from 0 over `max(1, steps // 10)` steps then a half cosine to 0 at
+    `steps`, the values of `WarmupCosineDecay(start, total_steps=steps,
+    warmup_steps=...)` (the recipes' shape), in closed form: no `keras.Variable`
+    created inside `fit`.
 
-    def __init__(self, model) -> None:
+    With `model` the parameters are `keras.Variable`s (made in the model's
+    distribution strategy scope, outside `fit`) and `set` changes them: where the
+    traced train step reads them when it runs (`live_schedule_variables()`), the
+    step traced for the range test serves every probe, where a schedule per phase
+    cost one trace, and with XLA one compile, per probe. Without `model` they are
+    constants, one schedule per phase.
+    """
+
+    _KINDS = ("ramp", "constant", "warmup_cosine")
+
+    def __init__(self, kind: str = "ramp", start: float = 1.0, end: float = 1.0, steps: int = 2, offset: int = 0,
+                 model=None) -> None:
+        self._config = dict(kind=kind, start=start, end=end, steps=steps, offset=offset)
+        values = self._values(**self._config)
+        if model is None:
+            vars(self).update(values)
+            return
         with strategy_scope(model):
-            var = lambda value, dtype="float32": keras.Variable(value, dtype=dtype, trainable=False)  # noqa: E731
-            self.kind, self.offset = var(0, "int32"), var(0, "int64")
-            self.start, self.log_ratio, self.span = var(1.0), var(0.0), var(1.0)
-            self.warmup, self.steps = var(1.0), var(1.0)
+            for name, value in values.items():
+                dtype = {"kind": "int32", "offset": "int64"}.get(name, "float32")
+                setattr(self, name, keras.Variable(value, dtype=dtype, trainable=False))
 
-    def set(self, schedule) -> None:
-        """Takes the parameters of `schedule` (an `_ExpRamp` or a `_ProbeSchedule`)."""
-        if isinstance(schedule, _ExpRamp):
-            kind, values = "ramp", dict(start=schedule.start, log_ratio=math.log(schedule.end / schedule.start),
-                                        span=float(max(schedule.steps - 1, 1)))
-        else:
-            kind, values = schedule.shape, dict(start=schedule.lr, warmup=float(schedule.warmup),
-                                                steps=float(schedule.steps))
-        self.kind.assign(self._KINDS[kind])
-        self.offset.assign(schedule.offset)
-        for name, value in values.items():
+    @classmethod
+    def _values(cls, kind, start, end, steps, offset) -> dict[str, Any]:
+        ramp = kind == "ramp"
+        return dict(kind=cls._KINDS.index(kind), offset=int(offset), start=float(start),
+                    log_ratio=math.log(end / start) if ramp else 0.0, span=float(max(steps - 1, 1)),
+                    warmup=float(max(1, steps // 10)), steps=float(steps))
+
+    def set(self, kind: str, start: float, end: float = 1.0, steps: int = 2, offset: int = 0) -> None:
+        """Gives the variables the values of `_PhaseLR(kind, start, end, steps, offset)`."""
+        for name, value in self._values(kind, start, end, steps, offset).items():
             getattr(self, name).assign(value)
 
     def __call__(self, step):
-        # lazy: Keras loads on first use, not with this module
-        from keras import ops
-
-        t = ops.cast(step - ops.cast(self.offset, step.dtype), "float32")
+        ops = keras.ops
+        step = ops.convert_to_tensor(step)
+        t = ops.cast(step - ops.cast(self.offset, step.dtype), "float32")  # subtract in integers: exact past 2**24
         ramp = _ramp_lr(t, self.start, self.log_ratio, self.span)
-        probe = ops.where(ops.equal(self.kind, self._KINDS["constant"]), self.start * ops.ones_like(t),
+        probe = ops.where(ops.equal(self.kind, 1), self.start * ops.ones_like(t),
                           _probe_lr(t, self.start, self.warmup, self.steps))
-        return ops.cast(ops.where(ops.equal(self.kind, self._KINDS["ramp"]), ramp, probe), "float32")
+        return ops.cast(ops.where(ops.equal(self.kind, 0), ramp, probe), "float32")
 
     def get_config(self) -> dict[str, Any]:
-        return {}
+        return dict(self._config)
 
 
 class LRFinder(keras.callbacks.Callback):
@@ -576,8 +533,8 @@ class LRFinder(keras.callbacks.Callback):
     True
     """
 
-    #: Set by `lr_find` on TensorFlow: the one schedule all its phases share (see `_PhaseLR`);
-    #: `None`: this callback installs its own schedule and puts the model's back.
+    #: Set by `lr_find` where one traced step serves every phase: the schedule all its phases
+    #: share (see `_PhaseLR`); `None`: this callback installs its own schedule and puts the model's back.
     _shared_lr: "_PhaseLR | None" = None
 
     def __init__(
@@ -616,15 +573,8 @@ class LRFinder(keras.callbacks.Callback):
 
     def get_config(self) -> dict[str, Any]:
         """Returns the constructor arguments."""
-        return {
-            "start_lr": self.start_lr,
-            "end_lr": self.end_lr,
-            "steps": self.steps,
-            "smooth": self.smooth,
-            "diverge_factor": self.diverge_factor,
-            "restore": self.restore,
-            "method": self.method,
-        }
+        names = ("start_lr", "end_lr", "steps", "smooth", "diverge_factor", "restore", "method")
+        return {name: getattr(self, name) for name in names}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "LRFinder":
@@ -640,9 +590,9 @@ class LRFinder(keras.callbacks.Callback):
         t = min(max(i / max(self.steps - 1, 1), 0.0), 1.0)
         return self.start_lr * math.exp(t * math.log(self.end_lr / self.start_lr))
 
-    def _make_schedule(self, offset: int) -> keras.optimizers.schedules.LearningRateSchedule:
-        """The LR during the test, as a schedule on the optimizer's `iterations`."""
-        return _ExpRamp(self.start_lr, self.end_lr, self.steps, offset)
+    def _phase(self, offset: int) -> dict[str, Any]:
+        """The LR during the test from optimizer step `offset`: the arguments of a `_PhaseLR`."""
+        return dict(kind="ramp", start=self.start_lr, end=self.end_lr, steps=self.steps, offset=offset)
 
     # ---------------------------------------------------------------- hooks
     def on_train_begin(self, logs=None) -> None:
@@ -653,27 +603,21 @@ class LRFinder(keras.callbacks.Callback):
         inner = inner_optimizer(opt)
         if not getattr(opt, "built", False):
             opt.build(model.trainable_variables)
-        self._model_vars = list(model.variables)
-        self._opt_vars = list(opt.variables)
-        self._saved_model = [v.numpy() for v in self._model_vars] if self.restore else None
-        self._saved_opt = [v.numpy() for v in self._opt_vars] if self.restore else None
+        self._vars = list(model.variables) + list(opt.variables)
+        self._saved = [v.numpy() for v in self._vars] if self.restore else None
         self._inner = inner
-        schedule = self._make_schedule(int(inner.iterations.numpy()))
+        phase = self._phase(int(inner.iterations.numpy()))
         if self._shared_lr is not None:
-            self._shared_lr.set(schedule)
+            self._shared_lr.set(**phase)
         else:
-            self._orig_lr = set_raw_learning_rate(inner, schedule)
+            self._orig_lr = set_raw_learning_rate(inner, _PhaseLR(**phase))
             if getattr(model, "train_function", None) is not None:
                 model.make_train_function(force=True)
         self._lrs: list[float] = []
         self._raw: list[float] = []
         self._smoothed: list[float] = []
-        self._avg = 0.0
-        self._best = math.inf
-        self._worst = -math.inf
-        self._prev_mean = None
-        self._prev_batch = -1
-        self._iter0 = int(inner.iterations.numpy())
+        self._avg, self._best, self._worst = 0.0, math.inf, -math.inf
+        self._prev_mean, self._prev_batch = None, -1
         self._stopped = "data"
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
@@ -695,10 +639,8 @@ class LRFinder(keras.callbacks.Callback):
         else:
             sm = math.nan
         self._smoothed.append(sm)
-        if math.isfinite(sm) and sm < self._best:
-            self._best = sm
         if math.isfinite(sm):
-            self._worst = max(self._worst, sm)
+            self._best, self._worst = min(self._best, sm), max(self._worst, sm)
         diverged = not math.isfinite(sm) or (self.diverge_factor is not None and self._rose_too_far(sm))
         if diverged:
             self._stopped = "diverged"
@@ -726,13 +668,11 @@ class LRFinder(keras.callbacks.Callback):
         if not shared:
             set_raw_learning_rate(self._inner, self._orig_lr)
         if self.restore:
-            for v, value in zip(self._model_vars, self._saved_model):
-                v.assign(value)
-            for v, value in zip(self._opt_vars, self._saved_opt):
+            for v, value in zip(self._vars, self._saved):
                 v.assign(value)
         if not shared and getattr(self.model, "train_function", None) is not None:
             self.model.make_train_function(force=True)
-        self._inner = None
+        self._inner = self._saved = None
 
     def on_train_end(self, logs=None) -> None:
         self._put_back()
@@ -752,7 +692,6 @@ class LRFinder(keras.callbacks.Callback):
             reliable=reason is None,
             reason=reason,
         )
-        self._saved_model = self._saved_opt = None
 
 
 class _LRProbe(LRFinder):
@@ -763,15 +702,14 @@ class _LRProbe(LRFinder):
         super().__init__(start_lr=lr, end_lr=2.0 * lr, steps=steps, smooth=smooth, diverge_factor=diverge_factor)
         self.lr, self.shape = float(lr), shape
 
-    def _make_schedule(self, offset: int) -> keras.optimizers.schedules.LearningRateSchedule:
-        return _ProbeSchedule(self.lr, self.steps, offset, self.shape)
+    def _phase(self, offset: int) -> dict[str, Any]:
+        return dict(kind=self.shape, start=self.lr, steps=self.steps, offset=offset)
 
     def lr_at(self, i: int) -> float:
         return self.lr  # the probe's nominal (peak) LR
 
     def on_train_end(self, logs=None) -> None:
         self._put_back()
-        self._saved_model = self._saved_opt = None
 
     def _tail(self) -> list[float] | None:
         """The losses of the last quarter of the steps (at least 10); `None` if it diverged."""
@@ -790,36 +728,6 @@ class _LRProbe(LRFinder):
         """The standard error of `score()` (`nan` if it diverged)."""
         tail = self._tail()
         return math.nan if tail is None else _mean_and_error(tail)[1]
-
-
-def _probe_search(model, data, center: float, *, steps: int, shape: str, batch_size, smooth, diverge_factor,
-                  verbose, factor: float = PROBE_FACTOR, up: int = 1, down: int = 6, patience: int = 2,
-                  shared_lr: "_PhaseLR | None" = None):
-    """Short runs at `center * factor**k`, k = up, up-1, ..., -down, from high to low;
-    stops after `patience` runs in a row that end above the best. Returns
-    `(best_lr or None, {lr: final loss}, {lr: its standard error})`."""
-    probes: dict[float, float] = {}
-    noise: dict[float, float] = {}
-    best, worse = None, 0
-    data, fixed = _in_fixed_order(data)
-    most = up + down + 1
-    for i, k in enumerate(range(up, -down - 1, -1)):
-        lr = center * factor**k
-        probe = _LRProbe(lr, steps, shape, smooth, diverge_factor)
-        probe._shared_lr = shared_lr
-        title = f"Probe {i + 1} (of at most {most}): LR {lr:.3g}, {steps} steps, {shape}"
-        try:
-            _fit_steps(model, data, probe, steps, batch_size, verbose, shuffle=not fixed, title=title)
-        finally:  # `fit` skips `on_train_end` when it raises: put the model back all the same
-            probe._put_back()
-        probes[lr], noise[lr] = probe.score(), probe.noise()
-        if math.isfinite(probes[lr]) and (best is None or probes[lr] < probes[best]):
-            best, worse = lr, 0
-        elif best is not None:
-            worse += 1
-            if worse >= patience:
-                break
-    return best, probes, noise
 
 
 def compiled_schedule_shape(model) -> str:
@@ -842,17 +750,14 @@ def compiled_schedule_shape(model) -> str:
     return "warmup_cosine" if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule) else "constant"
 
 
+def _is_dataset(data) -> bool:
+    tf = sys.modules.get("tensorflow")  # a tf.data.Dataset exists only once TensorFlow is loaded: never load it here
+    return tf is not None and isinstance(data, tf.data.Dataset)
+
+
 def _is_one_shot(data) -> bool:
     """A generator or other iterator: what the range test reads is gone for the probes."""
-    try:
-        # lazy: TensorFlow loads on first use, not with this module
-        import tensorflow as tf
-
-        if isinstance(data, tf.data.Dataset):
-            return False
-    except ImportError:  # pragma: no cover
-        pass
-    if isinstance(data, (tuple, list, dict, keras.utils.PyDataset)):
+    if _is_dataset(data) or isinstance(data, (tuple, list, dict, keras.utils.PyDataset)):
         return False
     try:
         return iter(data) is data
@@ -907,14 +812,7 @@ def _fit_steps(model, data, callback, steps: int, batch_size, verbose, shuffle: 
     `title` and a progress bar over those steps."""
     callbacks = [callback] + ([_Progress(callback, title or "", verbose)] if verbose else [])
     fit_kw: dict[str, Any] = {"callbacks": callbacks, "verbose": 0}
-    try:
-        # lazy: TensorFlow loads on first use, not with this module
-        import tensorflow as tf
-
-        is_ds = isinstance(data, tf.data.Dataset)
-    except ImportError:  # pragma: no cover
-        is_ds = False
-    if is_ds:  # `fit` ignores `shuffle` for a dataset, and warns unless it is False
+    if _is_dataset(data):  # `fit` ignores `shuffle` for a dataset, and warns unless it is False
         build_before_fit(model, data)  # TensorFlow: one trace of the train step, not two
         model.fit(data.repeat(), epochs=1, steps_per_epoch=steps, shuffle=False, **fit_kw)
     elif isinstance(data, (tuple, list)) and 2 <= len(data) <= 3:
@@ -942,7 +840,7 @@ ADVICE = ("Try longer probes (`probe_steps`), a lower start LR, or check the dat
           "(a model must be able to fit one batch).")
 
 
-def lr_find(
+def lr_find(  # one piece: its docstring is most of it; the body checks, runs the range test, then the probes
     model,
     data,
     start_lr: float = 1e-7,
@@ -964,9 +862,9 @@ def lr_find(
 
     `method="probe"` goes one step further than the curve. The LR at the curve's
     loss minimum is where a ramp of `steps` steps stops gaining, which is not where
-    a run at that LR does best: on `bench/lr_finder_quality.py` the best LR of a
-    short run lay 0.6x to 160x below it, depending on the optimizer (Adam far
-    below, plain SGD near it). So "probe" then makes short runs (`probe_steps`
+    a run at that LR does best: the best LR of a short run lies below it by a
+    factor that depends on the optimizer (Adam far below, plain SGD near it;
+    `bench/lr_finder_quality.py`). So "probe" then makes short runs (`probe_steps`
     each, from the model's state, restored after each) at that LR times
     3, 1, 1/3, 1/9, ... (down to 1/729), from high to low, stops after two runs in
     a row end above the best, and suggests the LR whose run ended with the lowest
@@ -979,8 +877,7 @@ def lr_find(
     by their LR only; a `tf.data.Dataset` or `PyDataset` keeps its own order.
     On TensorFlow the range test and every probe run one traced (with XLA,
     compiled) step: their LRs come from one schedule of variables (`_PhaseLR`),
-    where a schedule per phase cost a trace per probe (`trainwell lr-find` on the
-    tiny ResNet of the tests: 67 to 36 s of CPU). On JAX each phase traces its own.
+    where a schedule per phase cost a trace per probe. On JAX each phase traces its own.
 
     Args:
         model: A compiled Keras model. Required.
@@ -1046,12 +943,9 @@ def lr_find(
     if method == "probe" and getattr(model, "optimizer", None) is not None:
         probe_schedule = probe_schedule or compiled_schedule_shape(model)  # before `_one_trace` swaps the LR
     finder = LRFinder(start_lr, end_lr, steps, smooth, diverge_factor, restore, "minimum" if method == "probe" else method)
-    if keras.backend.backend() == "tensorflow":
-        # Up to 9 `fit`s of one model: under a strategy, Keras would draw and drop a batch
-        # at the start of each, which TensorFlow sometimes answers with a segfault.
-        from trainwell.compat import keras_fixes  # lazy: it imports TensorFlow's trainer
-
-        keras_fixes.apply("symbolic_build")
+    # Up to 9 `fit`s of one model: under a strategy, Keras's TensorFlow trainer would draw and
+    # drop a batch at the start of each, which TensorFlow sometimes answers with a segfault.
+    keras_fixes.apply_for_backend("symbolic_build")
     with _one_trace(model) as shared_lr:
         finder._shared_lr = shared_lr
         try:
@@ -1070,17 +964,18 @@ def lr_find(
 
 @contextlib.contextmanager
 def _one_trace(model):
-    """Installs a `_PhaseLR` for all of `lr_find`'s phases on TensorFlow and yields it
-    (else `None`: each phase installs its own schedule); puts the model's own learning
-    rate back at the end, and drops the train function traced with the test's one."""
+    """Installs a `_PhaseLR` of variables for all of `lr_find`'s phases and yields it where
+    a traced step reads them as it runs (`live_schedule_variables()`; else `None`: each phase
+    installs its own schedule); puts the model's own learning rate back at the end, and
+    drops the train function traced with the test's one."""
     opt = getattr(model, "optimizer", None)
-    if keras.backend.backend() != "tensorflow" or opt is None or not model.built:
+    if not live_schedule_variables() or opt is None or not model.built:
         yield None
         return
     if not getattr(opt, "built", False):
         opt.build(model.trainable_variables)
     inner = inner_optimizer(opt)
-    shared = _PhaseLR(model)
+    shared = _PhaseLR(model=model)
     orig = set_raw_learning_rate(inner, shared)
     if getattr(model, "train_function", None) is not None:
         model.make_train_function(force=True)
@@ -1094,25 +989,46 @@ def _one_trace(model):
 
 def _run_probes(result: LRFindResult, model, data, steps, probe_steps, probe_schedule, batch_size, smooth,
                 diverge_factor, verbose, shared_lr: _PhaseLR | None = None) -> None:
-    """`lr_find`'s probes after the range test: fills `result` in place."""
+    """`lr_find`'s probes after the range test; fills `result` in place.
+
+    Short runs at the curve's loss-minimum LR times `PROBE_FACTOR ** k`, k = 1, 0,
+    ..., -6, from high to low; stops after two runs in a row that end above the best.
+    """
     cut_l, cut_x = _cut(result.lrs, result.losses, steps)
     if not cut_x:
         return
     center, _ = _at_loss_minimum(cut_l, cut_x, 1.0)
     n = int(probe_steps or steps)
-    best, probes, noise = _probe_search(model, data, center, steps=n, shape=probe_schedule, batch_size=batch_size,
-                                        smooth=smooth, diverge_factor=diverge_factor, verbose=verbose,
-                                        shared_lr=shared_lr)
+    probes: dict[float, float] = {}
+    noise: dict[float, float] = {}
+    best, worse = None, 0
+    data, fixed = _in_fixed_order(data)
+    powers = range(1, -7, -1)
+    for i, k in enumerate(powers):
+        lr = center * PROBE_FACTOR**k
+        probe = _LRProbe(lr, n, probe_schedule, smooth, diverge_factor)
+        probe._shared_lr = shared_lr
+        title = f"Probe {i + 1} (of at most {len(powers)}): LR {lr:.3g}, {n} steps, {probe_schedule}"
+        try:
+            _fit_steps(model, data, probe, n, batch_size, verbose, shuffle=not fixed, title=title)
+        finally:  # `fit` skips `on_train_end` when it raises: put the model back all the same
+            probe._put_back()
+        probes[lr], noise[lr] = probe.score(), probe.noise()
+        if math.isfinite(probes[lr]) and (best is None or probes[lr] < probes[best]):
+            best, worse = lr, 0
+        elif best is not None:
+            worse += 1
+            if worse >= 2:
+                break
     result.probes, result.probe_noise = probes, noise
-    result.probe_steps = n
-    result.probe_schedule = probe_schedule
+    result.probe_steps, result.probe_schedule = n, probe_schedule
     nan_if_none = lambda v: math.nan if v is None else v  # noqa: E731
     result.reason = judge_probes(nan_if_none(result.start_loss), nan_if_none(result.start_noise), probes, noise)
     result.reliable = result.reason is None
     if best is None:
         result.reason += "; falling back to the range test's 'minimum' suggestion"
         return
-    if best == min(probes) and len(probes) == 8:
+    if best == min(probes) and len(probes) == len(powers):
         warnings.warn(f"The best probe was the lowest LR tried ({best:.3g}, 1/729 of the range test's loss "
                       "minimum): the best LR may be lower still.", stacklevel=3)
     result.suggestions["probe"] = best

@@ -356,7 +356,7 @@ def test_probe_warmup_cosine_values_by_hand():
     """25 steps: warmup over 2 (10%), then a half cosine to 0 at 25; counted from `offset`."""
     from trainwell.callbacks.schedules import WarmupCosineDecay
 
-    sched = lr_finder._ProbeSchedule(0.4, steps=25, offset=7, shape="warmup_cosine")
+    sched = lr_finder._PhaseLR("warmup_cosine", 0.4, steps=25, offset=7)
     got = [float(sched(7 + t)) for t in range(27)]
     assert got[0] == 0.0 and got[1] == pytest.approx(0.2) and got[2] == pytest.approx(0.4)
     assert got[14] < 0.2 < got[13]  # half-way down the cosine: 2 + 23 / 2 = 13.5 steps
@@ -364,7 +364,7 @@ def test_probe_warmup_cosine_values_by_hand():
     assert got[25] == pytest.approx(0.0, abs=1e-7) and got[26] == pytest.approx(0.0, abs=1e-7)
     ref = WarmupCosineDecay(0.4, total_steps=25, warmup_steps=2)  # the recipes' schedule
     assert np.allclose(got, [float(ref(t)) for t in range(27)], atol=1e-6)
-    assert float(lr_finder._ProbeSchedule(0.4, 25, 7, "constant")(3)) == pytest.approx(0.4)
+    assert float(lr_finder._PhaseLR("constant", 0.4, steps=25, offset=7)(3)) == pytest.approx(0.4)
 
 
 def test_an_error_during_the_probes_leaves_the_model_as_it_was():

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 from trainwell.compat.backend import StateReader, is_jax
 from trainwell.compat.keras_internals import call_has_training_arg, compute_loss
+from trainwell.validation import invalid_argument
 
 __all__ = ["Gradients", "loss_and_gradients", "state_values"]
 
@@ -110,8 +111,7 @@ def loss_and_gradients(model, x, y=None, sample_weight=None, *, forward=None, ta
     True
     """
     if taps and forward is None:
-        raise ValueError("Invalid value for argument `taps`. Expected no taps without `forward`. "
-                         f"Received: taps={list(taps)}")
+        raise invalid_argument("taps", "no taps without `forward`", list(taps))
     if is_jax():
         if state is None:
             state = state_values(model)

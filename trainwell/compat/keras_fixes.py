@@ -29,22 +29,15 @@ symbolic build does nothing; `fit` then drops that iterator at once
 (`epoch_iterator.reset()`). TensorFlow 2.21's `MultiDeviceIterator` sometimes
 frees its host iterator while its background thread still reads from it
 (`MultiDeviceBuffer::BackgroundThread` -> `DatasetBaseIterator::GetNext` on
-freed memory, a SIGSEGV): a loop of small `fit`s under `OneDeviceStrategy` on
-the 2-core CI machine crashed within 50-300 fits, and the `lr_find` test with
-probes (9 `fit`s) crashed twice in the suite runs of 2026-12-02, CI's included.
-The fix draws no batch when nothing needs building, and builds an unbuilt model
-from the data's element spec (`backend.build_before_fit`) before it falls back
-to drawing one. `runtime.make_strategy` applies it for every TensorFlow strategy
-but the default one (so the recipes, the CLI and the tuners get it), and
-`lr_find` on TensorFlow. With the fix the same loops ran without a crash:
-1,000 whole-epoch fits under `OneDeviceStrategy`, and 950 and 400 fits stopped
-mid-epoch under `OneDeviceStrategy` and a one-device `MirroredStrategy`, where
-each then stalled in TensorFlow's iterator destructor
-(`RootDataset::Iterator::~Iterator` waiting on its thread pool, with hundreds
-of tf.data threads left by the stopped iterators), a separate TensorFlow
-problem the fix does not touch (2026-12-02; the deterministic part, how many
-times a `fit` starts the data, is tested in
-`tests/trainwell/compat/test_keras_fixes.py`).
+freed memory, a SIGSEGV, in loops of small `fit`s). The fix draws no batch
+when nothing needs building, and builds an unbuilt model from the data's element
+spec (`backend.build_before_fit`) before it falls back to drawing one.
+`runtime.make_strategy` applies it for every TensorFlow strategy but the default
+one (so the recipes, the CLI and the tuners get it), and `lr_find` on
+TensorFlow (`apply_for_backend`). How often it crashed before and how many fits
+ran without a crash after: bench/README.md, "Moved from docstrings"; how many
+times a `fit` starts the data is tested in
+`tests/trainwell/compat/test_keras_fixes.py`.
 
 The module patches those two attributes only, and only for the Keras versions
 known to be broken (`KNOWN_BROKEN`: `3.0 <= keras < 3.16`; tested with 3.15.1). A
@@ -70,7 +63,9 @@ import importlib
 import threading
 from typing import Iterable, Iterator
 
+from trainwell.compat.backend import backend_name
 from trainwell.compat.versions import keras_version
+from trainwell.validation import invalid_argument
 
 #: Names of the fixes, in the order they are applied.
 FIXES = ("symbolic_build", "scalar_reduce")
@@ -116,9 +111,7 @@ def _names(fixes: str | Iterable[str] | None) -> tuple[str, ...]:
     names = (fixes,) if isinstance(fixes, str) else tuple(fixes)
     bad = [n for n in names if n not in FIXES]
     if bad:
-        raise ValueError(
-            f"Invalid value for argument `fixes`. Expected names from {FIXES}. Received: fixes={fixes!r}"
-        )
+        raise invalid_argument("fixes", f"names from {FIXES}", fixes)
     return names
 
 
@@ -137,8 +130,8 @@ def _nothing_to_build(model) -> bool:
 
 def _fixed_maybe_symbolic_build(self, iterator=None, data_batch=None):
     """`TensorFlowTrainer._maybe_symbolic_build` drawing no batch when it can, and a local batch, not a reduced one."""
-    import tensorflow as tf  # here: runs only on the TF backend, inside `fit`; module import stays TF-free
-    from keras.src import tree
+    import tensorflow as tf  # lazy: runs only on the TensorFlow backend, inside `fit`; module import stays TF-free
+    from keras.src import tree  # lazy: as tensorflow above
 
     if self._distribute_strategy is None:
         return
@@ -183,9 +176,9 @@ def _fixed_maybe_symbolic_build(self, iterator=None, data_batch=None):
 def _make_fixed_reduce_per_replica(original):
     def reduce_per_replica(values, strategy, reduction):
         """`reduce_per_replica` reducing rank-0 values with `axis=None` under multi-worker."""
-        import tensorflow as tf  # here: runs only on the TF backend, inside `fit`
-        from keras.src import tree
-        from keras.src.backend.tensorflow import trainer as tf_trainer
+        import tensorflow as tf  # lazy: runs only on the TensorFlow backend, inside `fit`
+        from keras.src import tree  # lazy: as tensorflow above
+        from keras.src.backend.tensorflow import trainer as tf_trainer  # lazy: TensorFlow's trainer
 
         if reduction == "auto" and not isinstance(strategy, tf.distribute.TPUStrategy):
             reduction = "mean"
@@ -253,6 +246,26 @@ def apply(fixes: str | Iterable[str] | None = None, force: bool = False) -> tupl
             setattr(owner, attr, make(original))
             _originals[name] = (owner, attr, original)
     return applied()
+
+
+def apply_for_backend(fixes: str | Iterable[str] | None = None) -> tuple[str, ...]:
+    """`apply` where Keras runs TensorFlow's trainer, whose bugs these are; on another backend nothing.
+
+    On JAX nothing is patched and TensorFlow's trainer is not imported.
+
+    Args:
+        fixes: A name or names from `FIXES`. Defaults to `None` (all of them).
+
+    Returns:
+        The names of all fixes applied after the call (see `applied()`).
+
+    Example:
+    >>> apply_for_backend("symbolic_build")  # doctest: +SKIP
+    ('symbolic_build',)
+    """
+    if backend_name() != "tensorflow":
+        return applied()
+    return apply(fixes)
 
 
 def remove(fixes: str | Iterable[str] | None = None) -> tuple[str, ...]:

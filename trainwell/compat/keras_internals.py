@@ -90,10 +90,10 @@ def walk_saveables(root, skip_ids: set[int]) -> list[tuple[str, Any]]:
     ['', 'layers/dense', 'layers/dense_1']
     """
     gate("saving_lib._walk_saveable")
-    try:  # here, not at the top: a moved keras.src path fails only the accessor that needs it
-        from keras.src.saving import saving_lib
-        from keras.src.saving.keras_saveable import KerasSaveable
-        from keras.src.utils import naming
+    try:  # lazy, not at the top: a moved keras.src path fails only the accessor that needs it
+        from keras.src.saving import saving_lib  # lazy: as said on the `try`
+        from keras.src.saving.keras_saveable import KerasSaveable  # lazy: as said on the `try`
+        from keras.src.utils import naming  # lazy: as said on the `try`
     except ImportError as e:  # pragma: no cover - moved upstream
         raise upstream_changed("keras.src.saving.saving_lib", detail=str(e)) from None
     walk = _required(saving_lib, "_walk_saveable", "saving_lib._walk_saveable")
@@ -169,9 +169,9 @@ def keras_global_seed_state(create: bool = False):
     True
     """
     gate("backend.common.global_state / random.seed_generator.global_seed_generator")
-    try:  # here, not at the top: a moved keras.src path fails only the accessor that needs it
-        from keras.src.backend.common import global_state
-        from keras.src.random.seed_generator import global_seed_generator
+    try:  # lazy, not at the top: a moved keras.src path fails only the accessor that needs it
+        from keras.src.backend.common import global_state  # lazy: as said on the `try`
+        from keras.src.random.seed_generator import global_seed_generator  # lazy: as said on the `try`
     except ImportError as e:  # pragma: no cover - moved upstream
         raise upstream_changed("keras.src.random.seed_generator.global_seed_generator", detail=str(e)) from None
     if create:

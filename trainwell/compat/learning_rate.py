@@ -37,7 +37,9 @@ from typing import Any
 import keras
 import numpy as np
 
+from trainwell.compat.backend import backend_name
 from trainwell.compat.versions import gate, upstream_changed
+from trainwell.validation import invalid_argument
 
 _LR_ATTR = "_learning_rate"
 # Attribute on an optimizer without a multiplier schedule that holds a multiplier
@@ -48,8 +50,23 @@ _PENDING_ATTR = "_trainwell_lr_multiplier"
 
 def _positive(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"Invalid value for argument `{name}`. Expected a float > 0. Received: {name}={value!r}")
+        raise invalid_argument(name, "a float > 0", value)
     return float(value)
+
+
+def live_schedule_variables() -> bool:
+    """Whether a traced train step reads a schedule's `keras.Variable`s each time it runs.
+
+    Then assigning them changes the learning rate without a new trace (TensorFlow:
+    a `tf.function` reads variables when it runs). On JAX a jitted step takes a
+    variable that is not part of the model's or the optimizer's state as a
+    constant, so a new learning rate needs a new schedule (and a new trace).
+
+    Example:
+    >>> live_schedule_variables() in (True, False)
+    True
+    """
+    return backend_name() == "tensorflow"
 
 
 def _to_float(x) -> float:
@@ -253,10 +270,9 @@ def install_schedule(optimizer, schedule) -> None:
     0.05
     """
     if not has_multiplier(schedule):
-        raise ValueError(
-            "Invalid value for argument `schedule`. Expected a LearningRateSchedule with a `multiplier` "
-            f"variable (e.g. trainwell's WarmupCosineDecay). Received: schedule={schedule!r}"
-        )
+        raise invalid_argument(
+            "schedule", "a LearningRateSchedule with a `multiplier` variable (e.g. trainwell's WarmupCosineDecay)",
+            schedule)
     schedule.multiplier.assign(get_lr_multiplier(optimizer))
     inner = _inner(optimizer)
     if hasattr(inner, _PENDING_ATTR):

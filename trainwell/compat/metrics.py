@@ -37,6 +37,7 @@ import math
 import numpy as np
 
 from trainwell.compat.versions import gate
+from trainwell.validation import invalid_argument
 
 __all__ = ["metric_direction", "monitored_value", "is_improvement", "finite_value"]
 
@@ -81,7 +82,7 @@ def metric_direction(monitor: str, mode: str = "auto", model=None) -> str | None
     ('max', 'max')
     """
     if mode not in MODES:
-        raise ValueError(f"Invalid value for argument `mode`. Expected one of {MODES}. Received: mode={mode!r}")
+        raise invalid_argument("mode", f"one of {MODES}", mode)
     if mode != "auto":
         return mode
     name = monitor.removeprefix("val_")

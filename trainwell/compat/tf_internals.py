@@ -38,7 +38,7 @@ def tf_global_generator():
     True
     """
     gate("stateful_random_ops.global_generator", "tensorflow")
-    from tensorflow.python.ops import stateful_random_ops  # here: TF's private module only when a checkpoint needs it
+    from tensorflow.python.ops import stateful_random_ops  # lazy: TensorFlow's private module only when a checkpoint needs it
 
     return getattr(stateful_random_ops, "global_generator", None)
 
@@ -86,7 +86,7 @@ def dataset_batch_size(dataset) -> int | None:
     4
     """
     gate("data.experimental.ops.distribute.compute_batch_size", "tensorflow")
-    from tensorflow.python.data.experimental.ops import distribute  # here: TF's private module only when needed
+    from tensorflow.python.data.experimental.ops import distribute  # lazy: TensorFlow's private module only when needed
 
     try:
         n = int(distribute.compute_batch_size(dataset).numpy())
@@ -124,7 +124,7 @@ def wait_for_coordination_leader(timeout_s: float) -> bool:
     False
     """
     gate("context.Context.get_config_key_value", "tensorflow")
-    from tensorflow.python.eager import context  # here: TF's private module only at the end of a multi-worker run
+    from tensorflow.python.eager import context  # lazy: TensorFlow's private module only at the end of a multi-worker run
 
     ctx = context.context()
     if ctx.coordination_service is None:
@@ -148,8 +148,8 @@ def kernel_caches_kept():
     (`TFE_ContextClearCaches`), so that stateful random kernels (`RandomUniform`
     and the like) restart from the new seed. Those caches also hold each traced
     function's instantiation: the next call of every `tf.function` instantiates
-    it again (TensorFlow's graph optimizer runs again), about 60 ms for a small
-    MLP's train step on the 2-core VM, seconds for a ResNet-50. Within the block
+    it again (TensorFlow's graph optimizer runs again: a cost per function, see
+    bench/README.md, "Moved from docstrings"). Within the block
     the seed and the operation-seed sequence are set exactly as without it; only
     the caches stay. Used by PBT's model cache while a segment runs, so the
     members' kept models stay ready (see `trainwell.tuning.tuners.ModelCache`).
@@ -159,7 +159,7 @@ def kernel_caches_kept():
     ...     tf.random.set_seed(0)
     """
     gate("context.Context._set_global_seed", "tensorflow")
-    from tensorflow.python import pywrap_tfe  # here: TF's private modules only when the caches are kept
+    from tensorflow.python import pywrap_tfe  # lazy: TensorFlow's private modules only when the caches are kept
     from tensorflow.python.eager import context
 
     clear = getattr(pywrap_tfe, "TFE_ContextClearCaches", None)
@@ -187,7 +187,7 @@ _RANDOM_OPS_BY_FUNCTION: dict[str, bool] = {}
 
 def _stateful_random_op(op_type: str) -> bool:
     """A stateful op with `seed`/`seed2` attributes: its random state lives in its kernel (`RandomUniform`, ...)."""
-    from tensorflow.python.framework import op_def_registry  # here: as in kernel_caches_kept
+    from tensorflow.python.framework import op_def_registry  # lazy: TensorFlow's private module, as in kernel_caches_kept
 
     op_def = op_def_registry.get(op_type)
     if op_def is None:  # a function call: that function is checked on its own
@@ -210,7 +210,7 @@ def stateful_random_functions() -> list[str]:
     True
     """
     gate("context.Context.list_function_names", "tensorflow")
-    from tensorflow.python.eager import context  # here: as in kernel_caches_kept
+    from tensorflow.python.eager import context  # lazy: TensorFlow's private module, as in kernel_caches_kept
 
     ctx = context.context()
     known = {}  # only the functions alive now: a long search traces thousands
@@ -230,28 +230,28 @@ def audit() -> list[str]:
     >>> audit()
     []
     """
-    from tensorflow.python.ops import stateful_random_ops  # here: only an audit imports TF's private module
+    from tensorflow.python.ops import stateful_random_ops  # lazy: only an audit imports TensorFlow's private module
 
     missing = []
     if not hasattr(stateful_random_ops, "global_generator"):
         missing.append("stateful_random_ops.global_generator")
     if not hasattr(tf.constant(0.0), "_numpy"):
         missing.append("EagerTensor._numpy")
-    from tensorflow.python.distribute import collective_all_reduce_strategy as cars  # here: as above
+    from tensorflow.python.distribute import collective_all_reduce_strategy as cars  # lazy: TensorFlow's private module, as above
 
     if "self._num_workers =" not in inspect.getsource(cars.CollectiveAllReduceExtended):
         missing.append("CollectiveAllReduceExtended._num_workers")
-    from tensorflow.python.data.experimental.ops import distribute  # here: as above
+    from tensorflow.python.data.experimental.ops import distribute  # lazy: TensorFlow's private module, as above
 
     if not hasattr(distribute, "compute_batch_size"):
         missing.append("data.experimental.ops.distribute.compute_batch_size")
-    from tensorflow.python.eager import context  # here: as above
+    from tensorflow.python.eager import context  # lazy: TensorFlow's private module, as above
 
     ctx_cls = context.Context
     if not (hasattr(ctx_cls, "get_config_key_value") and hasattr(ctx_cls, "coordination_service")
             and "timeout_in_ms" in inspect.signature(ctx_cls.get_config_key_value).parameters):
         missing.append("context.Context.get_config_key_value")
-    from tensorflow.python import pywrap_tfe  # here: as above
+    from tensorflow.python import pywrap_tfe  # lazy: TensorFlow's private module, as above
 
     if "TFE_ContextClearCaches" not in inspect.getsource(ctx_cls._set_global_seed) or not hasattr(
             pywrap_tfe, "TFE_ContextClearCaches"):

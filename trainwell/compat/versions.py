@@ -22,6 +22,8 @@ import re
 import threading
 import warnings
 
+import keras
+
 #: Keras versions the private accesses are tested with, as `(lo, hi)`: `lo <= v < hi`.
 TESTED_KERAS = ((3, 8), (3, 16))
 #: TensorFlow versions the private accesses are tested with, as `(lo, hi)`.
@@ -50,8 +52,6 @@ def keras_version() -> tuple[int, int]:
     >>> keras_version() >= (3, 0)
     True
     """
-    import keras  # here, not at the top: `trainwell.compat` is imported before Keras is needed
-
     return _major_minor(keras.__version__)
 
 
