@@ -51,7 +51,7 @@ def config_error(key: str, value: Any, problem: str, hint: str = "") -> ConfigEr
     >>> str(config_error("epochs", 0, "expected an integer >= 1"))
     'Invalid value for `epochs`: expected an integer >= 1. Received: epochs=0'
     """
-    return ConfigError(f"Invalid value for `{key}`: {problem}.{hint} Received: {key}={value!r}")
+    return invalid_argument(key, problem, value, what="", hint=hint, error=ConfigError)
 
 
 def raise_invalid(key: str, value: Any, expected: str, hint: str = "") -> typing.NoReturn:
@@ -480,7 +480,7 @@ def check_dir_path(path: str | os.PathLike | None, name: str, write: bool = Fals
     given = Path(path).expanduser()
 
     def refuse(why: str) -> typing.NoReturn:
-        raise ConfigError(f"Invalid value for `{name}`: {str(given)!r} {why}. Received: {name}={str(path)!r}")
+        raise config_error(name, str(path), f"{str(given)!r} {why}")
 
     for p in (given, *given.parents):
         try:
@@ -605,6 +605,25 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
         k, v = item.split("=", 1)
         out[k.strip()] = v.strip()
     return out
+
+
+def override_text(value: Any) -> str:
+    """A config value as `--set key=VALUE` takes it (what `parse_overrides` reads back).
+
+    4 significant digits for a float, `[a,b]` for a list, `null`, `true`/`false`.
+
+    Args:
+        value: The config value.
+
+    Example:
+    >>> override_text(0.123456), override_text([1, 2]), override_text(None), override_text("sgd")
+    ('0.1235', '[1,2]', 'null', 'sgd')
+    """
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(override_text(x) for x in value) + "]"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return json.dumps(value) if value is None or isinstance(value, bool) else str(value)
 
 
 class _UniqueKeySafeLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):

@@ -84,7 +84,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from trainwell.validation import is_int
+from trainwell.validation import invalid_argument, is_int
 
 #: Exit status when `timeout_s` passes (as coreutils `timeout`).
 EXIT_TIMEOUT = 124
@@ -179,7 +179,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     2
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"Invalid value for argument `n`. Expected an int >= 1. Received: n={n!r}")
+        raise invalid_argument("n", "an int >= 1", n)
     socks = []
     try:
         for _ in range(n):
@@ -205,12 +205,10 @@ def tf_configs(workers: int, host: str = "127.0.0.1", ports: Sequence[int] | Non
     {'type': 'worker', 'index': 1}
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"Invalid value for argument `workers`. Expected an int >= 1. Received: workers={workers!r}")
+        raise invalid_argument("workers", "an int >= 1", workers)
     ports = list(ports) if ports is not None else free_ports(workers, host)
     if len(ports) != workers:
-        raise ValueError(
-            f"Invalid value for argument `ports`. Expected {workers} ports. Received: ports={ports!r}"
-        )
+        raise invalid_argument("ports", f"{workers} ports", ports)
     cluster = {"worker": [f"{host}:{p}" for p in ports]}
     return [json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}) for i in range(workers)]
 
@@ -264,7 +262,7 @@ def worker_envs(workers: int, backend: str | None = None, host: str = "127.0.0.1
     ['KERAS_DISTRIBUTION_JOB_ADDRESSES', 'KERAS_DISTRIBUTION_NUM_PROCESSES', 'KERAS_DISTRIBUTION_PROCESS_ID']
     """
     if not (is_int(workers) and workers >= 1):
-        raise ValueError(f"Invalid value for argument `workers`. Expected an int >= 1. Received: workers={workers!r}")
+        raise invalid_argument("workers", "an int >= 1", workers)
     ports = list(ports) if ports is not None else free_ports(workers, host)
     tf = [{"TF_CONFIG": c} for c in tf_configs(workers, host, ports)]
     keras = keras_distribution_envs(workers, host, ports)
@@ -468,19 +466,13 @@ def launch(
     0
     """
     if not command or isinstance(command, str):
-        raise ValueError(
-            f"Invalid value for argument `command`. Expected a non-empty list of strings. Received: command={command!r}"
-        )
+        raise invalid_argument("command", "a non-empty list of strings", command)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"Invalid value for argument `workers`. Expected an int >= 1. Received: workers={workers!r}")
+        raise invalid_argument("workers", "an int >= 1", workers)
     if not (isinstance(peer_grace_s, (int, float)) and peer_grace_s >= 0):
-        raise ValueError(
-            f"Invalid value for argument `peer_grace_s`. Expected a number >= 0. Received: peer_grace_s={peer_grace_s!r}"
-        )
+        raise invalid_argument("peer_grace_s", "a number >= 0", peer_grace_s)
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-        raise ValueError(
-            f"Invalid value for argument `timeout_s`. Expected None or a number > 0. Received: timeout_s={timeout_s!r}"
-        )
+        raise invalid_argument("timeout_s", "None or a number > 0", timeout_s)
     required = isolate_network is True
     if isolate_network is None:
         isolate_network = os.environ.get(ISOLATE_ENV, "1").strip() != "0"
@@ -610,7 +602,7 @@ def launch_distributed(
     0
     """
     if not (is_int(workers) and workers >= 1):
-        raise ValueError(f"Invalid value for argument `workers`. Expected an int >= 1. Received: workers={workers!r}")
+        raise invalid_argument("workers", "an int >= 1", workers)
     port = int(port or free_ports(1, host)[0])
     base = dict(os.environ if env is None else env)
     base.update({"KERASTUNER_ORACLE_IP": host, "KERASTUNER_ORACLE_PORT": str(port)})

@@ -27,6 +27,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from trainwell.compat.kernels import train_step_reads_outside_variables
 from trainwell.validation import invalid_argument, is_number
 
 #: The config keys of each class here that live in a variable (on TensorFlow), by
@@ -93,8 +94,8 @@ class CategoricalCrossentropy(keras.losses.CategoricalCrossentropy):
         self._value = float(value)
         if getattr(self, "_fn_kwargs", None) is not None:
             self._fn_kwargs["label_smoothing"] = self._value  # what Keras's repr reads
-        if keras.backend.backend() != "tensorflow":
-            return
+        if not train_step_reads_outside_variables():
+            return  # JAX: the compiled step would keep the value it was traced with
         if self._smoothing is None:
             # float64, cast once to the loss's dtype in the step, as Keras's Python-float constants are
             self._smoothing = tuple(keras.Variable(v, dtype="float64", trainable=False, autocast=False,

@@ -79,10 +79,8 @@ def caps() -> QuickCaps | None:
         return None
     n = 1 if raw in _ON else int(raw) if raw.isdigit() else 0
     if n < 1:
-        raise ConfigError(
-            f"Invalid value for environment variable `{ENV}`: expected 0 (off), 1 (on) or a number of batches. "
-            f"Received: {ENV}={os.environ[ENV]!r}"
-        )
+        raise invalid_argument(ENV, "expected 0 (off), 1 (on) or a number of batches", os.environ[ENV],
+                               what="environment variable", error=ConfigError)
     return QuickCaps(batches=n, lr_steps=10 * n)
 
 

@@ -51,16 +51,32 @@ def is_number(x: Any, finite: bool = True) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and (not finite or math.isfinite(float(x)))
 
 
-def invalid_argument(name: str, expected: str, value: Any) -> ValueError:
-    """The `ValueError` for a bad argument, in Keras's "Received:" idiom (the caller raises it).
+def invalid_argument(name: str, expected: str, value: Any, *, what: str = "argument", hint: str = "",
+                     error: type[Exception] = ValueError) -> Exception:
+    """The error for a bad value, in Keras's "Received:" idiom (the caller raises it): the one place it is worded.
+
+    A function argument reads "Invalid value for argument `x`. Expected ...";
+    a config field, command-line option or environment variable (`what` other
+    than "argument") reads "Invalid value for `x`: <expected>.", where `expected`
+    says what is wrong in lower case (e.g. "expected an integer >= 1").
 
     Args:
-        name: The argument's name.
-        expected: What it should be, e.g. `"an int >= 1"`.
+        name: The argument's (field's, option's, variable's) name.
+        expected: What it should be, e.g. `"an int >= 1"`; for other than an
+            argument, what is wrong.
         value: What was passed.
+        what: What `name` is: `"argument"`, `""` (a config field or option) or,
+            e.g., `"environment variable"`. Defaults to `"argument"`.
+        hint: A sentence to add, starting with a space. Defaults to `""`.
+        error: The exception class. Defaults to `ValueError`.
 
     Example:
     >>> str(invalid_argument("steps", "an int >= 1", 0))
     'Invalid value for argument `steps`. Expected an int >= 1. Received: steps=0'
+    >>> str(invalid_argument("epochs", "expected an integer >= 1", 0, what=""))
+    'Invalid value for `epochs`: expected an integer >= 1. Received: epochs=0'
     """
-    return ValueError(f"Invalid value for argument `{name}`. Expected {expected}. Received: {name}={value!r}")
+    if what == "argument":
+        return error(f"Invalid value for argument `{name}`. Expected {expected}.{hint} Received: {name}={value!r}")
+    subject = f"{what} `{name}`" if what else f"`{name}`"
+    return error(f"Invalid value for {subject}: {expected}.{hint} Received: {name}={value!r}")

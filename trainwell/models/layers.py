@@ -23,6 +23,10 @@ one class keeps a run's checkpoint loadable when it moves between backends.
 from __future__ import annotations
 
 import keras
+from keras import ops
+
+from trainwell.compat.kernels import fused_batch_norm, has_fused_batch_norm_kernel
+from trainwell.validation import invalid_argument
 
 __all__ = ["FusedBatchNormalization"]
 
@@ -54,7 +58,7 @@ class FusedBatchNormalization(keras.layers.BatchNormalization):
 
     def __init__(self, fused: bool = True, **kwargs):
         if not isinstance(fused, bool):
-            raise ValueError(f"Invalid value for argument `fused`. Expected a bool. Received: fused={fused!r}")
+            raise invalid_argument("fused", "a bool", fused)
         super().__init__(**kwargs)
         self.fused = fused
 
@@ -62,7 +66,7 @@ class FusedBatchNormalization(keras.layers.BatchNormalization):
         return {**super().get_config(), "fused": self.fused}
 
     def _fused_applies(self, inputs, mask) -> bool:
-        if not self.fused or keras.backend.backend() != "tensorflow" or mask is not None:
+        if not self.fused or not has_fused_batch_norm_kernel() or mask is not None:
             return False
         if self.renorm or getattr(self, "synchronized", False):
             return False
@@ -72,35 +76,16 @@ class FusedBatchNormalization(keras.layers.BatchNormalization):
     def call(self, inputs, training=None, mask=None):
         if not self._fused_applies(inputs, mask):
             return super().call(inputs, training=training, mask=mask)
-        # lazy: TensorFlow loads on first use, not with this module
-        import tensorflow as tf
-
-        x = inputs
-        if x.dtype not in (tf.float16, tf.bfloat16, tf.float32):
-            x = tf.cast(x, tf.float32)
-        channels = x.shape[-1]
-        gamma = tf.cast(self.gamma, tf.float32) if self.scale else tf.ones((channels,), tf.float32)
-        beta = tf.cast(self.beta, tf.float32) if self.center else tf.zeros((channels,), tf.float32)
+        channels = inputs.shape[-1]
+        gamma = ops.cast(self.gamma, "float32") if self.scale else ops.ones((channels,), "float32")
+        beta = ops.cast(self.beta, "float32") if self.center else ops.zeros((channels,), "float32")
         if training and self.trainable:
-            y, mean, variance = tf.compat.v1.nn.fused_batch_norm(
-                x, gamma, beta, epsilon=self.epsilon, data_format="NHWC", is_training=True
-            )
-            # The kernel returns the Bessel-corrected variance; Keras's moving
-            # variance averages the biased one (ops.moments), so undo the correction.
-            n = tf.cast(tf.size(x) // channels, tf.float32)
-            variance = variance * (n - 1.0) / tf.maximum(n, 1.0)
+            y, mean, variance = fused_batch_norm(inputs, gamma, beta, self.epsilon)
             m = self.momentum
-            self.moving_mean.assign(
-                tf.cast(self.moving_mean, tf.float32) * m + mean * (1.0 - m)
-            )
-            self.moving_variance.assign(
-                tf.cast(self.moving_variance, tf.float32) * m + variance * (1.0 - m)
-            )
+            self.moving_mean.assign(ops.cast(self.moving_mean, "float32") * m + mean * (1.0 - m))
+            self.moving_variance.assign(ops.cast(self.moving_variance, "float32") * m + variance * (1.0 - m))
         else:
-            y, _, _ = tf.compat.v1.nn.fused_batch_norm(
-                x, gamma, beta,
-                mean=tf.cast(self.moving_mean, tf.float32),
-                variance=tf.cast(self.moving_variance, tf.float32),
-                epsilon=self.epsilon, data_format="NHWC", is_training=False,
-            )
-        return tf.cast(y, self.compute_dtype)
+            y, _, _ = fused_batch_norm(inputs, gamma, beta, self.epsilon,
+                                       mean=ops.cast(self.moving_mean, "float32"),
+                                       variance=ops.cast(self.moving_variance, "float32"))
+        return ops.cast(y, self.compute_dtype)

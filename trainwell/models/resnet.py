@@ -44,8 +44,10 @@ import re
 
 import keras
 
+from trainwell.compat.kernels import has_fused_batch_norm_kernel
 from trainwell.models.layers import FusedBatchNormalization
 from trainwell.models.specs import RESNET_DEPTHS
+from trainwell.validation import invalid_argument
 
 # TF Model Garden `resnet` / PyTorch defaults (PyTorch momentum 0.1 == Keras 0.9).
 BN_MOMENTUM = 0.9
@@ -170,8 +172,8 @@ def build_resnet(
             Model Garden; same variables and numbers, faster without XLA). The
             layers are that class either way (`fused=False` is Keras's
             computation), so a checkpoint's names do not depend on the backend
-            or on this setting. Defaults to `None`: on when the Keras backend is
-            TensorFlow.
+            or on this setting. Defaults to `None`: on where the backend has the
+            kernel (`trainwell.compat.kernels.has_fused_batch_norm_kernel`).
 
     Returns:
         A `keras.Model` mapping images to class probabilities (float32 softmax output,
@@ -183,36 +185,21 @@ def build_resnet(
     (None, 10)
     """
     if depth not in RESNET_DEPTHS:
-        raise ValueError(
-            f"Invalid value for argument `depth`. Expected one of {sorted(RESNET_DEPTHS)}. Received: depth={depth!r}"
-        )
+        raise invalid_argument("depth", f"one of {sorted(RESNET_DEPTHS)}", depth)
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
-        raise ValueError(
-            f"Invalid value for argument `num_classes`. Expected an int >= 1. Received: num_classes={num_classes!r}"
-        )
+        raise invalid_argument("num_classes", "an int >= 1", num_classes)
     if not isinstance(input_shape, (tuple, list)) or len(input_shape) != 3 or input_shape[-1] is None:
-        raise ValueError(
-            "Invalid value for argument `input_shape`. Expected (height, width, channels) with known channels. "
-            f"Received: input_shape={input_shape!r}"
-        )
+        raise invalid_argument("input_shape", "(height, width, channels) with known channels", input_shape)
     if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(
-            f"Invalid value for argument `dropout`. Expected a float in [0, 1). Received: dropout={dropout!r}"
-        )
+        raise invalid_argument("dropout", "a float in [0, 1)", dropout)
     if weight_decay is not None and (not isinstance(weight_decay, (int, float)) or weight_decay < 0):
-        raise ValueError(
-            "Invalid value for argument `weight_decay`. Expected None or a float >= 0. "
-            f"Received: weight_decay={weight_decay!r}"
-        )
+        raise invalid_argument("weight_decay", "None or a float >= 0", weight_decay)
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-        raise ValueError(f"Invalid value for argument `width`. Expected an int >= 1. Received: width={width!r}")
+        raise invalid_argument("width", "an int >= 1", width)
     if fused_batchnorm is not None and not isinstance(fused_batchnorm, bool):
-        raise ValueError(
-            "Invalid value for argument `fused_batchnorm`. Expected None, True or False. "
-            f"Received: fused_batchnorm={fused_batchnorm!r}"
-        )
+        raise invalid_argument("fused_batchnorm", "None, True or False", fused_batchnorm)
     if fused_batchnorm is None:
-        fused_batchnorm = keras.backend.backend() == "tensorflow"
+        fused_batchnorm = has_fused_batch_norm_kernel()
     kind, stages = RESNET_DEPTHS[depth]
     b = _Builder(weight_decay, zero_init_residual, fused_batchnorm)
     block = b.basic_block if kind == "basic" else b.bottleneck_block
@@ -273,7 +260,7 @@ def build_resnet_from_name(model_name: str, num_classes: int, input_shape: tuple
     m = _NAME_RE.match(str(model_name).strip().lower())
     if not m or int(m.group(1)) not in RESNET_DEPTHS:
         names = ", ".join(f"'resnet{d}'" for d in RESNET_DEPTHS)
-        raise ValueError(f"Invalid value for argument `model_name`. Expected one of {names}. Received: model_name={model_name!r}")
+        raise invalid_argument("model_name", f"one of {names}", model_name)
     kwargs.setdefault("name", f"resnet{m.group(1)}")
     return build_resnet(int(m.group(1)), num_classes, input_shape, **kwargs)
 

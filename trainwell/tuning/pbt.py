@@ -65,41 +65,25 @@ from keras_tuner.engine.trial import TrialStatus
 from trainwell import io as tw_io
 from trainwell.compat.keras_tuner import next_oracle_seed, oracle_random_values
 from trainwell.tuning.tuners import META_PREFIXES, ModelCache, RecipeTunerMixin, hp_values
-from trainwell.validation import is_int
+from trainwell.validation import invalid_argument, is_int
 
 META_KEYS = ("pbt/member", "pbt/generation", "pbt/initial_epoch", "pbt/epochs", "pbt/parent", "pbt/donor", "pbt/action")
 
 
 def _check_args(population_size, ready_interval, generations, truncation_fraction, perturb_factors, resample_probability):
     if not (is_int(population_size) and population_size >= 2):
-        raise ValueError(
-            "Invalid value for argument `population_size`. Expected an int >= 2. "
-            f"Received: population_size={population_size!r}"
-        )
+        raise invalid_argument("population_size", "an int >= 2", population_size)
     if not (is_int(ready_interval) and ready_interval >= 1):
-        raise ValueError(
-            f"Invalid value for argument `ready_interval`. Expected an int >= 1. Received: ready_interval={ready_interval!r}"
-        )
+        raise invalid_argument("ready_interval", "an int >= 1", ready_interval)
     if not (is_int(generations) and generations >= 1):
-        raise ValueError(
-            f"Invalid value for argument `generations`. Expected an int >= 1. Received: generations={generations!r}"
-        )
+        raise invalid_argument("generations", "an int >= 1", generations)
     if not (isinstance(truncation_fraction, (int, float)) and 0 < truncation_fraction <= 0.5):
-        raise ValueError(
-            "Invalid value for argument `truncation_fraction`. Expected a float in (0, 0.5]. "
-            f"Received: truncation_fraction={truncation_fraction!r}"
-        )
+        raise invalid_argument("truncation_fraction", "a float in (0, 0.5]", truncation_fraction)
     factors = tuple(perturb_factors) if isinstance(perturb_factors, (list, tuple)) else ()
     if not factors or not all(isinstance(f, (int, float)) and f > 0 and f != 1 for f in factors):
-        raise ValueError(
-            "Invalid value for argument `perturb_factors`. Expected a non-empty sequence of positive numbers != 1. "
-            f"Received: perturb_factors={perturb_factors!r}"
-        )
+        raise invalid_argument("perturb_factors", "a non-empty sequence of positive numbers != 1", perturb_factors)
     if not (isinstance(resample_probability, (int, float)) and 0 <= resample_probability <= 1):
-        raise ValueError(
-            "Invalid value for argument `resample_probability`. Expected a float in [0, 1]. "
-            f"Received: resample_probability={resample_probability!r}"
-        )
+        raise invalid_argument("resample_probability", "a float in [0, 1]", resample_probability)
 
 
 class PBTOracle(keras_tuner.Oracle):
@@ -153,10 +137,8 @@ class PBTOracle(keras_tuner.Oracle):
         if max_trials is None:
             max_trials = 2 * population_size * generations
         if not (is_int(max_trials) and max_trials >= population_size * generations):
-            raise ValueError(
-                "Invalid value for argument `max_trials`. Expected an int >= population_size * generations "
-                f"({population_size * generations}). Received: max_trials={max_trials!r}"
-            )
+            raise invalid_argument(
+                "max_trials", f"an int >= population_size * generations ({population_size * generations})", max_trials)
         super().__init__(
             objective=objective, max_trials=max_trials, hyperparameters=hyperparameters,
             allow_new_entries=allow_new_entries, tune_new_entries=tune_new_entries, seed=seed,
@@ -447,9 +429,7 @@ class PBTTuner(RecipeTunerMixin, keras_tuner.Tuner):
         tune_new_entries=True, allow_new_entries=True, reuse_models=True, **kwargs,
     ):
         if not isinstance(reuse_models, bool):
-            raise ValueError(
-                f"Invalid value for argument `reuse_models`. Expected a bool. Received: reuse_models={reuse_models!r}"
-            )
+            raise invalid_argument("reuse_models", "a bool", reuse_models)
         if static_hyperparameters is None:
             static_hyperparameters = getattr(hypermodel, "static", ())
         oracle = PBTOracle(

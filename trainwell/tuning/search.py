@@ -30,7 +30,7 @@ from trainwell.recipes import get
 from trainwell.tuning.pbt import PBTTuner
 from trainwell.tuning.summary import SearchResult, summarize
 from trainwell.tuning.tuners import RecipeBayesianOptimization, RecipeHyperband, RecipeRandomSearch
-from trainwell.validation import is_int
+from trainwell.validation import invalid_argument, is_int
 
 TUNERS = ("random", "bayesian", "hyperband", "pbt")
 
@@ -56,10 +56,8 @@ def resolve_hypermodel(recipe, cfg=None, overrides=None):
             return factory(cfg, **overrides)
         recipe = get(recipe)
     if not hasattr(recipe, "hypermodel"):
-        raise ValueError(
-            f"Invalid value for argument `recipe`. Expected a recipe name, a recipe module with `hypermodel()`, "
-            f"'module:factory' or a HyperModel. Received: recipe={recipe!r}"
-        )
+        raise invalid_argument("recipe", "a recipe name, a recipe module with `hypermodel()`, "
+                                         "'module:factory' or a HyperModel", recipe)
     return recipe.hypermodel(cfg, **overrides)
 
 
@@ -160,6 +158,46 @@ def _stopped_by_failures(oracle) -> bool:
     return bool(limit) and len(ended) >= limit and all(str(getattr(s, "value", s)) == "FAILED" for s in ended[-limit:])
 
 
+def check_search(hypermodel, tuner: str = "random", *, max_trials: int = 10, directory="tuning", project_name=None,
+                 overwrite: bool = False, max_epochs=None) -> None:
+    """Refuses, in one line, what `search()` would refuse at its start, without making anything.
+
+    The arguments' values and a project directory holding a search started with
+    another config, tuner or `TRAINWELL_QUICK` setting (`check_project_config`).
+    `trainwell tune --workers N` calls it before it starts any process, so a bad
+    search is one line in the parent, not one traceback per worker. See `search`
+    for the arguments.
+
+    Example:
+    >>> check_search(hm, "hyperband", max_epochs=9, directory="tuning")  # doctest: +SKIP
+    """
+    max_trials, max_epochs, _, _ = quick.search_lengths(max_trials, max_epochs, 2, 1)
+    _checked_search(hypermodel, tuner, max_trials, directory, project_name, overwrite, max_epochs)
+
+
+def _checked_search(hypermodel, tuner, max_trials, directory, project_name, overwrite, max_epochs):
+    """The checked arguments of a search: `(hypermodel, project_dir, epochs)` (`epochs`: Hyperband and PBT's)."""
+    if tuner not in TUNERS:
+        raise invalid_argument("tuner", f"one of {TUNERS}", tuner)
+    if not (is_int(max_trials) and max_trials >= 1):
+        raise invalid_argument("max_trials", "an int >= 1", max_trials)
+    if max_epochs is not None and not (is_int(max_epochs) and max_epochs >= 1):
+        raise invalid_argument("max_epochs", "an int >= 1", max_epochs)
+    project_name = project_name or f"{getattr(hypermodel, 'name', None) or 'search'}-{tuner}"
+    cfg_epochs = int(getattr(getattr(hypermodel, "cfg", None), "epochs", 0) or 0)
+    epochs = None
+    if tuner in ("hyperband", "pbt"):
+        # Every trial runs the schedule of the search's epochs: the space (a warmup
+        # fraction, ...) and its defaults are read from that run, not the config's.
+        epochs = max_epochs or cfg_epochs or (4 if tuner == "pbt" else 9)
+        if cfg_epochs and epochs != cfg_epochs and hasattr(hypermodel, "config_for"):
+            hypermodel = copy.copy(hypermodel)
+            hypermodel.cfg = hypermodel.cfg.replace(epochs=epochs)
+    project_dir = Path(directory) / project_name
+    check_project_config(hypermodel, project_dir, overwrite, write=False, tuner=tuner)
+    return hypermodel, project_dir, epochs
+
+
 def make_tuner(
     hypermodel, tuner: str = "random", *, max_trials: int = 10, directory="tuning", project_name=None,
     overwrite: bool = False, objective=None, max_epochs=None, factor: int = 3, population_size: int = 4,
@@ -171,12 +209,9 @@ def make_tuner(
     Example:
     >>> tuner = make_tuner(hm, "bayesian", max_trials=20, directory="tuning")  # doctest: +SKIP
     """
-    if tuner not in TUNERS:
-        raise ValueError(f"Invalid value for argument `tuner`. Expected one of {TUNERS}. Received: tuner={tuner!r}")
-    if not (is_int(max_trials) and max_trials >= 1):
-        raise ValueError(f"Invalid value for argument `max_trials`. Expected an int >= 1. Received: max_trials={max_trials!r}")
-    if max_epochs is not None and not (is_int(max_epochs) and max_epochs >= 1):
-        raise ValueError(f"Invalid value for argument `max_epochs`. Expected an int >= 1. Received: max_epochs={max_epochs!r}")
+    hypermodel, project_dir, epochs = _checked_search(hypermodel, tuner, max_trials, directory, project_name,
+                                                      overwrite, max_epochs)
+    project_name = project_dir.name
     atomic_keras_tuner_saves()
     recover_interrupted_trials()
     objective = objective or hypermodel.objective
@@ -191,17 +226,6 @@ def make_tuner(
                     f"Cannot tell whether objective {objective!r} should go up or down. Pass "
                     f"keras_tuner.Objective({objective!r}, 'min' or 'max'). Received: objective={objective!r}")
         objective = keras_tuner.Objective(objective, direction)
-    project_name = project_name or f"{getattr(hypermodel, 'name', None) or 'search'}-{tuner}"
-    cfg_epochs = int(getattr(getattr(hypermodel, "cfg", None), "epochs", 0) or 0)
-    if tuner in ("hyperband", "pbt"):
-        # Every trial runs the schedule of the search's epochs: the space (a warmup
-        # fraction, ...) and its defaults are read from that run, not the config's.
-        epochs = max_epochs or cfg_epochs or (4 if tuner == "pbt" else 9)
-        if cfg_epochs and epochs != cfg_epochs and hasattr(hypermodel, "config_for"):
-            hypermodel = copy.copy(hypermodel)
-            hypermodel.cfg = hypermodel.cfg.replace(epochs=epochs)
-    project_dir = Path(directory) / project_name
-    check_project_config(hypermodel, project_dir, overwrite, write=False, tuner=tuner)
     common = dict(
         hypermodel=hypermodel, objective=objective, directory=str(directory), project_name=project_name,
         overwrite=overwrite, seed=seed, hyperparameters=hyperparameters,

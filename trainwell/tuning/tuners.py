@@ -25,6 +25,7 @@ from trainwell.callbacks.nan_rollback import TrainingDivergedError
 from trainwell.compat import get_lr_multiplier, learning_rate_variables, set_lr_multiplier, strategy_scope
 from trainwell.compat.backend import reseeding_keeps_compiled_functions
 from trainwell.compat.keras_internals import model_fully_built
+from trainwell.compat.kernels import train_step_reads_outside_variables
 from trainwell.compat.keras_tuner import is_chief_oracle, serve_chief
 from trainwell.io import atomic_write_json
 from trainwell.losses import VARIABLE_CONFIG_KEYS
@@ -127,12 +128,13 @@ def _renamed(obj, mapping: dict):
 def _without_variables(obj, keys=()):
     """A serialized config with the values the traced step reads from variables masked.
 
-    `keys` (an optimizer's numeric `learning_rate`, an optimizer variable) and, on
-    TensorFlow, the `variable_config_keys` of trainwell's losses
-    (`trainwell.losses`, e.g. `label_smoothing`): assigned, not traced.
+    `keys` (an optimizer's numeric `learning_rate`, an optimizer variable) and, where
+    the compiled step reads a loss's own variables (`train_step_reads_outside_variables`),
+    the `variable_config_keys` of trainwell's losses (`trainwell.losses`, e.g.
+    `label_smoothing`): assigned, not traced.
     """
     if isinstance(obj, dict):
-        if keras.backend.backend() == "tensorflow" and obj.get("registered_name") in VARIABLE_CONFIG_KEYS:
+        if train_step_reads_outside_variables() and obj.get("registered_name") in VARIABLE_CONFIG_KEYS:
             keys = (*keys, *VARIABLE_CONFIG_KEYS[obj["registered_name"]])
         return {k: ("<variable>" if k in keys and isinstance(v, (int, float)) else _without_variables(v, keys))
                 for k, v in obj.items()}

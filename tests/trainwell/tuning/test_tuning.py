@@ -731,6 +731,27 @@ def test_cli_tune_keeps_quick_trials_apart_and_refuses_another_tuner_in_one_line
     assert json.loads((project / "summary.json").read_text())["num_trials"] == 1  # nothing was run or changed
 
 
+def test_cli_tune_with_workers_refuses_another_config_in_the_parent_in_one_line(tmp_path, capsys, monkeypatch):
+    """`--workers N` checks the project before it starts a process (it was one traceback per worker)."""
+    from trainwell import cli, launch, tuning
+
+    project = tmp_path / "exp"
+    project.mkdir()
+    tuning.check_project_config(tiny_hypermodel(epochs=1), project, tuner="random")  # a random search's record
+    started = []
+    monkeypatch.setattr(launch, "launch_distributed", lambda *a, **k: started.append(a) or 0)
+    cmd = ["tune", f"{__name__}:tiny_hypermodel", "--max-trials", "1", "--directory", str(tmp_path),
+           "--project-name", "exp", "--set", "epochs=1", "--no-export", "--workers", "2"]
+    for changed, words in ((["--tuner", "bayesian"], "tuner: 'random' -> 'bayesian'"),
+                           (["--tuner", "random", "--set", "units=8"], "units: 16 -> 8")):
+        assert cli.main([*cmd, *changed]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "--overwrite" in err and len(err.strip().splitlines()) == 1
+    assert started == []
+    assert cli.main([*cmd, "--tuner", "random"]) == 0  # the same search: the workers start
+    assert len(started) == 1
+
+
 def _wait(pred, timeout, proc=None, what=""):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
