@@ -121,3 +121,20 @@ def test_seed_everything_reproducible():
     runtime.seed_everything(2**32 - 1)  # NumPy's largest seed
     with pytest.raises(ValueError, match=r"Expected an int in \[0, 2\*\*32 - 1\].*Received: seed=4294967296"):
         runtime.seed_everything(2**32)  # NumPy would raise deep inside keras.utils.set_random_seed
+
+
+def test_a_bad_strategy_is_refused_without_loading_keras(python_subprocess):
+    # trainwell.config checks a strategy with this before anything trains: a typo is answered at once.
+    r = python_subprocess("""
+    import sys
+    from trainwell import runtime
+    for bad in (3, "cpu:0", "gpu"):
+        try:
+            runtime.validate_strategy_spec(bad)
+        except ValueError as e:
+            print("REFUSED", str(e).split("Received: ")[1])
+    print("LOADED", sorted(m for m in ("keras", "tensorflow", "jax") if m in sys.modules))
+    """)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("REFUSED") == 3 and "strategy=3" in r.stdout, r.stdout
+    assert "LOADED []" in r.stdout, r.stdout

@@ -97,6 +97,15 @@ def test_invalid_fix_name():
         keras_fixes.apply("nope")
 
 
+def test_apply_for_backend_patches_tensorflows_trainer_only_on_tensorflow(clean_fixes, monkeypatch):
+    assert keras_fixes.apply_for_backend("symbolic_build") == ("symbolic_build",)  # this process: TensorFlow
+    assert _targets()[0] is keras_fixes._fixed_maybe_symbolic_build
+    keras_fixes.remove()
+    monkeypatch.setattr(keras_fixes, "backend_name", lambda: "jax")
+    monkeypatch.setattr(keras_fixes, "_target", lambda name: pytest.fail("TensorFlow's trainer touched on JAX"))
+    assert keras_fixes.apply_for_backend("symbolic_build") == ()
+
+
 def test_runtime_applies_fixes_for_multiworker(clean_fixes, monkeypatch):
     import tensorflow as tf
 

@@ -1,6 +1,7 @@
 """trainwell.compat.learning_rate: the one LR get/set, against Keras's optimizer internals."""
 
 import keras
+import numpy as np
 import pytest
 
 from trainwell.callbacks.schedules import WarmupCosineDecay
@@ -37,3 +38,24 @@ def test_a_renamed_keras_attribute_is_reported(monkeypatch):
     monkeypatch.delattr(opt, "_learning_rate")
     with pytest.raises(UpstreamChanged, match="Optimizer._learning_rate"):
         lr.raw_learning_rate(opt)
+
+
+def test_live_schedule_variables_says_whether_a_traced_step_reads_the_schedules_variables():
+    """One weight, loss = w (gradient 1): plain SGD moves w by the LR the traced step used."""
+
+    class VariableLR(keras.optimizers.schedules.LearningRateSchedule):
+        def __init__(self):
+            self.lr = keras.Variable(0.1, trainable=False)
+
+        def __call__(self, step):
+            return self.lr * 1.0
+
+    schedule = VariableLR()
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+    model.compile(keras.optimizers.SGD(schedule), lambda y, p: keras.ops.mean(p))
+    x, y = np.ones((1, 1), "float32"), np.zeros((1, 1), "float32")
+    model.fit(x, y, batch_size=1, epochs=1, verbose=0)
+    schedule.lr.assign(0.2)
+    model.fit(x, y, batch_size=1, epochs=1, verbose=0)  # the same traced train step
+    moved = -float(model.trainable_weights[0].numpy().ravel()[0]) - 0.1
+    assert (moved == pytest.approx(0.2)) is lr.live_schedule_variables(), moved
