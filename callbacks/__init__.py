@@ -37,28 +37,22 @@ if TYPE_CHECKING:
     from trainwell.callbacks.tensorboard import TensorBoard
     from trainwell.callbacks.warmup_cosine import WarmupCosine
 
-_LAZY = {
-    # schedules
-    "WarmupCosineDecay": "schedules",
-    "WarmupLinearDecay": "schedules",
-    "WarmupStepDecay": "schedules",
-    "scaled_lr": "schedules",
-    "scale_learning_rate": "schedules",
-    "current_lr": "schedules",
-    "WarmupCosine": "warmup_cosine",
-    "NaNRollback": "nan_rollback",
-    "Checkpoint": "checkpoint",
-    "load_checkpoint": "checkpoint",
-    "latest_checkpoint": "checkpoint",
-    "list_checkpoints": "checkpoint",
-    "read_checkpoint": "checkpoint",
-    "resume_checkpoint": "checkpoint",
-    "EarlyStopping": "early_stopping",
-    "StopAtStep": "early_stopping",
-    "TrainingDoctor": "doctor",
-    "LRFinder": "lr_finder",
-    "TensorBoard": "tensorboard",
+_MODULES = {
+    "schedules": (
+        "WarmupCosineDecay", "WarmupLinearDecay", "WarmupStepDecay", "scaled_lr", "scale_learning_rate", "current_lr",
+    ),
+    "warmup_cosine": ("WarmupCosine",),
+    "nan_rollback": ("NaNRollback",),
+    "checkpoint": (
+        "Checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "read_checkpoint", "resume_checkpoint",
+    ),
+    "early_stopping": ("EarlyStopping", "StopAtStep"),
+    "doctor": ("TrainingDoctor",),
+    "lr_finder": ("LRFinder",),
+    "tensorboard": ("TensorBoard",),
 }
+#: Each lazy name and the module that defines it.
+_LAZY = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = ["StatefulCallback", "stateful_callbacks", *_LAZY]
 

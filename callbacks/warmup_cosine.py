@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 from pathlib import Path
@@ -21,7 +22,7 @@ from trainwell.callbacks.schedules import (
     _step_count,
     is_trainwell_schedule,
 )
-from trainwell.compat.backend import backend_name, strategy_scope
+from trainwell.compat.backend import compile_function, strategy_scope
 from trainwell.compat.learning_rate import current_lr, inner_optimizer, install_schedule, raw_learning_rate
 from trainwell.io import atomic_write_bytes
 from trainwell.validation import invalid_argument, is_number
@@ -29,22 +30,16 @@ from trainwell.validation import invalid_argument, is_number
 _DECAYS = ("cosine", "linear")
 
 
-class _ScheduleNow:
-    """`schedule(iterations)`, the value `optimizer.learning_rate` reads; wrapped in one `tf.function`.
+def _schedule_value(schedule, iterations, step, multiplier):
+    """`schedule(iterations)` at the given values of `iterations` and of the schedule's multiplier.
 
-    Keras evaluates a schedule eagerly, one dispatch per op; compiled, it is
-    one (timings: bench/README.md, callback_overhead). The variables
-    (`iterations`, the schedule's multiplier) are read when it is called. A
-    callable object rather than a closure, so that TensorFlow's retracing
-    detector (keyed on a function's code) does not warn when another fit makes
-    its own.
+    What `optimizer.learning_rate` reads, as one compiled call (`WarmupCosine._current_lr`): Keras
+    evaluates a schedule eagerly, one dispatch per op (timings: bench/README.md, callback_overhead).
+    The variables' values are arguments because a compiled JAX function keeps the values it was
+    traced with.
     """
-
-    def __init__(self, schedule, iterations) -> None:
-        self.schedule, self.iterations = schedule, iterations
-
-    def __call__(self):
-        return self.schedule(self.iterations)
+    with keras.StatelessScope(state_mapping=[(iterations, step), (schedule.multiplier, multiplier)]):
+        return schedule(iterations)
 
 
 class WarmupCosine(keras.callbacks.Callback):
@@ -162,7 +157,7 @@ class WarmupCosine(keras.callbacks.Callback):
         self.run_dir = None if run_dir is None else os.fspath(run_dir)
         #: The schedule installed by the last `on_train_begin`.
         self.schedule: WarmupCosineDecay | WarmupLinearDecay | None = None
-        self._lr_now = None  # (schedule, optimizer, compiled `_ScheduleNow`) on TensorFlow
+        self._lr_now = None  # (schedule, optimizer, compiled `_schedule_value`)
 
     # ---------------------------------------------------------------- config
     def get_config(self) -> dict[str, Any]:
@@ -257,18 +252,15 @@ class WarmupCosine(keras.callbacks.Callback):
             logs["learning_rate"] = self._current_lr()
 
     def _current_lr(self) -> float:
-        """`current_lr(optimizer)`; one compiled call on TensorFlow while our schedule is in place."""
-        optimizer = self.model.optimizer
-        schedule = self.schedule
-        if backend_name() != "tensorflow" or schedule is None or raw_learning_rate(optimizer) is not schedule:
-            return current_lr(optimizer)  # someone else's LR, or JAX (whose jit would freeze the variables)
-        cached = self._lr_now
-        if cached is None or cached[0] is not schedule or cached[1] is not optimizer:
-            import tensorflow as tf  # here: TensorFlow only (checked above)
-
-            fn = tf.function(_ScheduleNow(schedule, inner_optimizer(optimizer).iterations), autograph=False)
-            self._lr_now = cached = (schedule, optimizer, fn)
-        return float(cached[2]())
+        """`current_lr(optimizer)`; one compiled call while our schedule is in place."""
+        optimizer, schedule = self.model.optimizer, self.schedule
+        if schedule is None or raw_learning_rate(optimizer) is not schedule:
+            return current_lr(optimizer)  # someone else's LR
+        iterations = inner_optimizer(optimizer).iterations
+        if self._lr_now is None or self._lr_now[0] is not schedule or self._lr_now[1] is not optimizer:
+            fn = compile_function(functools.partial(_schedule_value, schedule, iterations))
+            self._lr_now = (schedule, optimizer, fn)
+        return float(self._lr_now[2](iterations.value, schedule.multiplier.value))
 
     # ---------------------------------------------------------------- plot
     def plot(self, path: str | os.PathLike) -> Path:

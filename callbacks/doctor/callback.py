@@ -36,7 +36,6 @@ from trainwell.callbacks.doctor.step_rules import (
     explain_dead_units,
     run_queue_delays,
 )
-from trainwell.compat.backend import backend_name
 from trainwell.compat.keras_internals import adapter_sample_source, fit_epoch_iterator
 from trainwell.compat.learning_rate import current_lr, inner_optimizer
 from trainwell.io import atomic_write_json
@@ -197,8 +196,9 @@ class TrainingDoctor(StatefulCallback):
     Cost: one probe (a forward and backward pass of 32 examples) every
     `every_n_steps` steps and one at the end of the run (two more in a run with
     fewer than three timed probes whose steps look slow, to time the compute
-    again), plus some Python per step (`bench/doctor_overhead.py`). The doctor implements `on_train_batch_end`, so Keras converts the logs to
-    Python numbers after every step (as for any batch-level callback); on an
+    again), plus some Python per step (`bench/doctor_overhead.py`). The doctor
+    implements `on_train_batch_end`, so Keras converts the logs to Python
+    numbers after every step (as for any batch-level callback); on an
     accelerator that is one device sync per step.
 
     Extends no Keras built-in: `TensorBoard(histogram_freq=...)` logs weights,
@@ -389,12 +389,7 @@ class TrainingDoctor(StatefulCallback):
                     batch = auto
         except Exception as e:  # never let the doctor break training
             self._probe_error = f"could not take a probe batch from the data: {e}"
-        if batch is not None and backend_name() not in ("tensorflow", "jax"):
-            self._probe_error = (
-                f"the gradient probe runs on TensorFlow and JAX (Keras backend: {backend_name()}): gradient, "
-                "activation and input-bound checks skipped; the loss and step checks run"
-            )
-        elif batch is not None:
+        if batch is not None:
             try:
                 self._probe = GradientProbe(self.model, batch, track_updates=self.track_updates)
             except Exception as e:

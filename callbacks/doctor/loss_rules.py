@@ -170,7 +170,7 @@ def chunk_noise(losses: Sequence[float], chunk: int = 5) -> float:
     return math.sqrt(math.pi / 2) * step_noise(losses) / math.sqrt(chunk)
 
 
-def check_oscillation(
+def check_oscillation(  # one piece: the two signs, their evidence and text share a dozen values
     tracker: LossTracker,
     step: int,
     *,
@@ -220,7 +220,6 @@ def check_oscillation(
     >>> check_oscillation(t, 100).code
     'oscillation'
     """
-    # one piece: the two signs, the probe's confirmation, the evidence and the text share a dozen values.
     th = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
     initial = tracker.initial
     chunks = [c for c in tracker.chunks if math.isfinite(c)]
