@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -365,18 +366,37 @@ def finish_run(ctx: RunContext, cfg, model, test_metrics: dict[str, float], hist
     Hyperband segment, `train(segment=True)`): nothing reads its curves before
     the last segment, and drawing them cost 0.7-1.4 s per segment.
 
+    After a `fit` that trained nothing (`trained_nothing`) the run's files stay as they
+    are: `metrics` are the ones `metrics.json` holds.
+
     Example:
     >>> run = finish_run(ctx, cfg, model, {"test_accuracy": 0.99})  # doctest: +SKIP
     """
     full = read_history_csv(ctx.run_dir / "history.csv")
     if not full and history is not None:
         full = {k: [float(x) for x in v] for k, v in history.history.items()}
+    if trained_nothing(history):
+        metrics_file = ctx.run_dir / "metrics.json"
+        metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
+        return RunResult(model=model, history=full, metrics=metrics, run_dir=ctx.run_dir, config=cfg)
     metrics = {k: float(v) for k, v in test_metrics.items()}
     if ctx.is_chief:
         atomic_write_json(ctx.run_dir / "metrics.json", metrics)
         if plots:
             plot_history(full, ctx.run_dir / "curves.png")
     return RunResult(model=model, history=full, metrics=metrics, run_dir=ctx.run_dir, config=cfg)
+
+
+def trained_nothing(history) -> bool:
+    """Whether a recipe's `fit` trained no epoch: a resume of a run that has all its epochs,
+    or that stopped early (`Checkpoint` says so in one line, with how to train longer). The
+    recipe then neither evaluates nor exports again, and `finish_run` leaves the run's files.
+
+    Example:
+    >>> trained_nothing(None)
+    False
+    """
+    return history is not None and not history.epoch
 
 
 #: `steps_per_execution` the recipes use on a GPU or TPU when the config leaves it `None`.

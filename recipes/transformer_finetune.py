@@ -560,12 +560,13 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, model_
                 callbacks=callbacks, verbose=verbose, shuffle=False,  # the pipeline shuffles (seeded)
             )
             test = {}
-            if data_.test is not None and not segment:
+            trained = not harness.trained_nothing(history)  # a resume with no epoch left: nothing to redo
+            if data_.test is not None and not segment and trained:
                 _say(cfg, f"Evaluating on the test split ({len(data_.splits.test[1])} examples) ...")
                 test = model.evaluate(data_.test, verbose=verbose, return_dict=True,
                                       steps=quick.test_steps())  # TRAINWELL_QUICK: a few test batches
         metrics = {f"test_{k}": v for k, v in test.items()}
-        if cfg.export and ctx.is_chief and not segment:
+        if cfg.export and ctx.is_chief and not segment and trained:
             _say(cfg, f"Exporting the model and its tokenizer to {ctx.run_dir / EXPORT_DIR} ...")
             export_model(model, preprocessor, data_.class_names, ctx.run_dir / EXPORT_DIR)
         model.preprocessor = preprocessor

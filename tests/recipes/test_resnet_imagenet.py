@@ -100,6 +100,12 @@ def test_train_end_to_end_on_digits(tmp_path):
     assert manifest["backend"] == "tensorflow"  # test_jax_backend.py checks "jax"
     assert json.loads((run.run_dir / "metrics.json").read_text()) == pytest.approx(run.metrics)
     assert run.model.output.dtype == "float32"
+    # A rerun of the finished run trains nothing: no evaluation again, metrics.json left as it is.
+    written = (run.run_dir / "metrics.json").stat().st_mtime_ns
+    again = recipe.train(**{**TINY, "width": 8, "base_lr": 0.4, "warmup_epochs": None, "augment": None},
+                         run_dir=str(tmp_path / "run"))
+    assert (run.run_dir / "metrics.json").stat().st_mtime_ns == written
+    assert again.metrics == json.loads((run.run_dir / "metrics.json").read_text()) and again.history == run.history
 
 
 def test_a_batch_larger_than_a_built_training_set_says_so():

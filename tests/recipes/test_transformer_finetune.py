@@ -150,6 +150,13 @@ def test_train_end_to_end_export_predict_and_label_mapping(tiny, tmp_path, capsy
     labels2, probs2 = recipe.predict(texts, model=run.model, class_names=["neg", "pos"])
     assert labels2 == labels and np.allclose(probs, probs2, atol=1e-5)
     assert recipe.predict([], run_dir=run.run_dir)[1].shape == (0, 2)
+    # A rerun of the finished run trains nothing: no evaluation, no export, metrics.json left as it is.
+    written = {p: p.stat().st_mtime_ns for p in [run.run_dir / "metrics.json", *(run.run_dir / "model").rglob("*")]}
+    again = recipe.train(**tiny_kw(tiny, run_dir=str(tmp_path / "run"), epochs=4, freeze_epochs=1.0, head_lr=1e-2,
+                                   early_stopping_patience=None, verbose="2"))
+    out = capsys.readouterr().out
+    assert "Evaluating" not in out and "Exporting" not in out and "nothing to train" in out
+    assert {p: p.stat().st_mtime_ns for p in written} == written and again.metrics == run.metrics
 
 
 @pytest.mark.slow
