@@ -24,7 +24,16 @@ Measured in one run, medians over `--repeats`:
 
 The target: async blocks the loop for < 10% of the sync save time. The JSON
 also gives the loop's full cost of an async save (blocked + copy-on-write).
-Usage: `python bench/checkpoint_io.py [--repeats 3]`. Prints one JSON object.
+
+`--case tiny`: the per-epoch commit of a sub-millisecond model (the MLP
+64-128-128-10 + Adam of `callback_overhead.py --case tiny`), where `fsync`
+dominates: `Checkpoint.on_epoch_end` timed inside a `fit` of one step an
+epoch, with the number of `os.fsync` calls and the time in them, against
+Keras's `BackupAndRestore.on_epoch_end` (medians over `--saves`, the first
+epoch not counted).
+
+Usage: `python bench/checkpoint_io.py [--repeats 3] [--case tiny --saves 30]`.
+Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -57,10 +66,77 @@ def _du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
+def tiny(saves: int) -> dict:
+    """`Checkpoint.on_epoch_end` of a tiny MLP in a `fit`, its `fsync`s, and `BackupAndRestore`'s."""
+    real_fsync = os.fsync
+    counter = [0, 0.0]
+
+    def counting_fsync(fd):
+        t = time.perf_counter()
+        real_fsync(fd)
+        counter[0] += 1
+        counter[1] += time.perf_counter() - t
+
+    def timed(cls):
+        class Timed(cls):
+            times, fsyncs, fsync_s = [], [], []
+
+            def on_epoch_end(self, epoch, logs=None):
+                counter[:] = [0, 0.0]
+                os.fsync = counting_fsync
+                t = time.perf_counter()
+                try:
+                    super().on_epoch_end(epoch, logs)
+                finally:
+                    os.fsync = real_fsync
+                if epoch > 0:  # the first save traces the compiled read
+                    self.times.append(time.perf_counter() - t)
+                    self.fsyncs.append(counter[0])
+                    self.fsync_s.append(counter[1])
+
+        return Timed
+
+    keras.utils.set_random_seed(0)
+    x = tf.random.normal((128, 64)).numpy()
+    y = (tf.range(128) % 10).numpy()
+    res: dict = {}
+    root = tempfile.mkdtemp(prefix="trainwell-bench-ckpt-tiny-")
+    try:
+        for name, cls, kwargs in (
+            ("ours", Checkpoint, {}),
+            ("keras_backup_and_restore", keras.callbacks.BackupAndRestore, {"delete_checkpoint": False}),
+        ):
+            model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
+                                      keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
+            model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            cb = timed(cls)(os.path.join(root, name), **kwargs)
+            model.fit(x, y, batch_size=128, epochs=saves + 1, verbose=0, callbacks=[cb])
+            res[f"{name}_epoch_end_ms"] = 1e3 * statistics.median(cb.times)
+            res[f"{name}_fsyncs_per_save"] = statistics.median(cb.fsyncs)
+            res[f"{name}_fsync_ms_per_save"] = 1e3 * statistics.median(cb.fsync_s)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {
+        "benchmark": "checkpoint_io",
+        "case": "tiny",
+        "model": "MLP 64-128-128-10 + Adam, one step an epoch",
+        "saves": saves,
+        **{k: round(v, 3) for k, v in res.items()},
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "keras": keras.__version__,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--case", choices=("resnet50", "tiny"), default="resnet50")
+    p.add_argument("--saves", type=int, default=30, help="--case tiny: timed epoch commits")
     args = p.parse_args()
+    if args.case == "tiny":
+        print(json.dumps(tiny(args.saves), indent=2))
+        return
 
     keras.utils.set_random_seed(0)
     t0 = time.perf_counter()
@@ -154,7 +230,7 @@ def main() -> None:
                 state["arrays_crc32"] = ckpt_files.zip_crcs(zf)
             ckpt_files.seal(state)
             seal_t.append(time.perf_counter() - t)
-            ckpt_files._VERIFIED.clear()
+            ckpt_files._verification.cache_clear()
             t = time.perf_counter()
             ckpt_mod.resume_checkpoint(os.path.join(root, "sync"))
             verify_t.append(time.perf_counter() - t)

@@ -5,9 +5,9 @@ index and checksums), `state` (arrays in and out of a model), `writer`
 (snapshot to committed files, async), `resume` (restore, and the resumed epoch's start) and
 `preemption` (SIGTERM). What stays here is the part that follows `fit`: its
 hooks, the thin wrapper around `model.train_function` that finds step
-boundaries, and the callback's own config and state. It stays one class of about
-700 lines because its hooks share the run's bookkeeping (position, pending epoch
-commit, current iterator); split further, they would pass it back and forth.
+boundaries, and the callback's own config and state. It stays one class because
+its hooks share the run's bookkeeping (position, pending epoch commit, current
+iterator); split further, they would pass it back and forth.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from trainwell.callbacks.checkpoint.files import (
     list_checkpoints,
 )
 from trainwell.callbacks.checkpoint.preemption import PreemptionGuard
-from trainwell.callbacks.checkpoint.resume import ResumeMixin, order_rng_capture
+from trainwell.callbacks.checkpoint.resume import ResumeMixin, order_rng_capture, unwrap_hooks, wrap_hook
 from trainwell.callbacks.checkpoint.state import config_to_dict, load_checkpoint
 from trainwell.callbacks.checkpoint.writer import CheckpointWriter
 from trainwell.compat.backend import wrap_train_function
 from trainwell.compat.keras_internals import get_initial_epoch, set_initial_epoch
 from trainwell.compat.metrics import finite_value
-from trainwell.validation import is_int
+from trainwell.validation import invalid_argument, is_int
 
 
 class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallback):
@@ -90,6 +90,8 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
     #: Config fields a resume is meant to change (`trainwell resume RUN --set epochs=N`): not
     #: compared with the checkpoint's config.
     RESUME_FIELDS = ("epochs", "run_dir", "verbose")
+    _CONFIG = ("directory", "save_every", "keep_last", "keep_best", "monitor", "mode", "weights_only", "async_save",
+               "config", "resume", "warm_start_warmup_steps", "verbose")
 
     def __init__(
         self,
@@ -106,46 +108,25 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
         warm_start_warmup_steps=0,
         verbose=1,
     ):
-        if directory is None or (isinstance(directory, str) and not directory.strip()):
-            raise ValueError(
-                f"Invalid value for argument `directory`. Expected a non-empty path. Received: directory={directory!r}"
-            )
-        if not (save_every == "epoch" or (is_int(save_every) and save_every >= 1)):
-            raise ValueError(
-                "Invalid value for argument `save_every`. Expected 'epoch' or an int >= 1. "
-                f"Received: save_every={save_every!r}"
-            )
-        if not (is_int(keep_last) and keep_last >= 1):
-            raise ValueError(
-                f"Invalid value for argument `keep_last`. Expected an int >= 1. Received: keep_last={keep_last!r}"
-            )
-        if not (is_int(keep_best) and keep_best >= 0):
-            raise ValueError(
-                f"Invalid value for argument `keep_best`. Expected an int >= 0. Received: keep_best={keep_best!r}"
-            )
-        if not isinstance(monitor, str) or not monitor:
-            raise ValueError(
-                f"Invalid value for argument `monitor`. Expected a metric name. Received: monitor={monitor!r}"
-            )
-        if mode not in ("auto", "min", "max"):
-            raise ValueError(
-                "Invalid value for argument `mode`. Expected one of 'auto', 'min', 'max'. "
-                f"Received: mode={mode!r}"
-            )
-        for name, value in (("weights_only", weights_only), ("async_save", async_save), ("resume", resume)):
-            if not isinstance(value, bool):
-                raise ValueError(
-                    f"Invalid value for argument `{name}`. Expected a bool. Received: {name}={value!r}"
-                )
-        if not (is_int(warm_start_warmup_steps) and warm_start_warmup_steps >= 0):
-            raise ValueError(
-                "Invalid value for argument `warm_start_warmup_steps`. Expected an int >= 0. "
-                f"Received: warm_start_warmup_steps={warm_start_warmup_steps!r}"
-            )
-        if not (isinstance(verbose, bool) or (is_int(verbose) and verbose in (0, 1))):
-            raise ValueError(
-                f"Invalid value for argument `verbose`. Expected 0 or 1. Received: verbose={verbose!r}"
-            )
+        checks = (
+            ("directory", directory, "a non-empty path",
+             directory is not None and not (isinstance(directory, str) and not directory.strip())),
+            ("save_every", save_every, "'epoch' or an int >= 1",
+             save_every == "epoch" or (is_int(save_every) and save_every >= 1)),
+            ("keep_last", keep_last, "an int >= 1", is_int(keep_last) and keep_last >= 1),
+            ("keep_best", keep_best, "an int >= 0", is_int(keep_best) and keep_best >= 0),
+            ("monitor", monitor, "a metric name", isinstance(monitor, str) and bool(monitor)),
+            ("mode", mode, "one of 'auto', 'min', 'max'", mode in ("auto", "min", "max")),
+            ("weights_only", weights_only, "a bool", isinstance(weights_only, bool)),
+            ("async_save", async_save, "a bool", isinstance(async_save, bool)),
+            ("resume", resume, "a bool", isinstance(resume, bool)),
+            ("warm_start_warmup_steps", warm_start_warmup_steps, "an int >= 0",
+             is_int(warm_start_warmup_steps) and warm_start_warmup_steps >= 0),
+            ("verbose", verbose, "0 or 1", isinstance(verbose, bool) or (is_int(verbose) and verbose in (0, 1))),
+        )
+        for name, value, expected, ok in checks:
+            if not ok:
+                raise invalid_argument(name, expected, value)
         self.directory = os.fspath(directory)
         self.verbose = int(verbose)
         self.save_every = save_every if save_every == "epoch" else int(save_every)
@@ -163,32 +144,16 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
         self._lock = threading.RLock()
         self._worker: threading.Thread | None = None
         self._queue: queue.Queue | None = None
-        self._async_error: BaseException | None = None
         self._prev_sigterm = None
         self._sigterm_installed = False
         self._grace_timer = None
-        self._preempt_requested = False
-        self._preempt_from_peer = False
         self._in_fit = False
         super().__init__()
         self._reset_run_vars()
 
 
     def get_config(self) -> dict[str, Any]:
-        return {
-            "directory": self.directory,
-            "save_every": self.save_every,
-            "keep_last": self.keep_last,
-            "keep_best": self.keep_best,
-            "monitor": self.monitor,
-            "mode": self.mode,
-            "weights_only": self.weights_only,
-            "async_save": self.async_save,
-            "config": self.config,
-            "resume": self.resume,
-            "warm_start_warmup_steps": self.warm_start_warmup_steps,
-            "verbose": self.verbose,
-        }
+        return {name: getattr(self, name) for name in self._CONFIG}
 
 
     def reset_state(self) -> None:
@@ -244,35 +209,18 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
 
     def best_checkpoint(self) -> dict | None:
         """The best committed checkpoint by `monitor`, or None."""
-        self.wait()
-        with self._lock:
-            best = self._best_entries(self._entries)
-        return dict(best[0]) if best else None
+        best = self._best_entries(self.checkpoints)
+        return best[0] if best else None
 
 
     def checkpoint_for_epoch(self, epoch: int) -> dict | None:
         """The committed checkpoint taken right after (0-based) `epoch`, or None."""
-        self.wait()
-        with self._lock:
-            for e in reversed(self._entries):
-                if e.get("completed_epoch") == epoch:
-                    return dict(e)
-        return None
-
-
-    def wait(self) -> None:
-        """Blocks until a background write is done; raises its error, if any."""
-        if self._queue is not None:
-            self._queue.join()
-        err, self._async_error = self._async_error, None
-        if err is not None:
-            raise err
+        return next((e for e in reversed(self.checkpoints) if e.get("completed_epoch") == epoch), None)
 
 
     def flush(self) -> None:
         """Commits a pending end-of-epoch save now and waits for all writes."""
-        if self._pending_epoch is not None and self.model is not None:
-            self._save_pending_epoch()
+        self._save_pending_epoch()
         self.wait()
 
 
@@ -339,24 +287,22 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
         self._epoch_commit: dict | None = None
         self._last_written: tuple | None = None
         self._prev_initial_epoch = None
-        self._orig_train_function = None
         self._is_chief = True
         self._sync_strategy = None
         self._mode_resolved = None
-        self._warmup_last_set = None
+        self._async_error: BaseException | None = None
+        self._preempt_requested = False
+        self._preempt_from_peer = False
 
 
     def on_train_begin(self, logs=None) -> None:
         super().on_train_begin(logs)
-        self._unwrap_train_function(stale_only=True)
+        self._unwrap_train_function()
         self._reset_run_vars()
         self._in_fit = True
-        self._preempt_requested = False
-        self._async_error = None
         strategy = getattr(self.model, "distribute_strategy", None)
         self._is_chief = runtime.is_chief(strategy)
         self._sync_strategy = strategy if runtime.num_workers(strategy) > 1 else None
-        self._preempt_from_peer = False
         Path(self.directory).mkdir(parents=True, exist_ok=True)
         if self._is_chief:
             clean_stale_temporaries(Path(self.directory))
@@ -375,18 +321,23 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
                 raise
 
 
-    def _abort_fit(self) -> None:
-        """Cleanup when fit dies without on_train_end (an error in a step or in the restore)."""
+    def _leave_fit(self) -> None:
+        """Undoes what on_train_begin set up, but the SIGTERM handler (also when fit dies without on_train_end)."""
         self._in_fit = False
         self._end_resume()
-        self._unwatch_late_epoch_ends()
+        unwrap_hooks(self._watched)
         self._unwrap_train_function()
-        self._uninstall_sigterm()
         try:
             self._stop_worker()  # lets a queued write finish
         finally:
             if self.model is not None:
                 set_initial_epoch(self.model, self._prev_initial_epoch)
+
+
+    def _abort_fit(self) -> None:
+        """Cleanup when fit dies without on_train_end (an error in a step or in the restore)."""
+        self._leave_fit()
+        self._uninstall_sigterm()
 
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
@@ -425,9 +376,9 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
     def on_epoch_end(self, epoch, logs=None) -> None:
         params = self.params or {}
         steps = params.get("steps")
-        complete = self._data_exhausted or (steps is not None and self.step_in_epoch >= steps)
-        if not complete and not self.model.stop_training and steps is None:
-            complete = True  # unknown length and not stopped early: the data ran out.
+        # Of unknown length and not stopped early, an epoch ends when the data runs out.
+        complete = self._data_exhausted or (self.step_in_epoch >= steps if steps is not None
+                                            else not self.model.stop_training)
         if not complete or self.global_step <= self.last_save_step:
             self._pending_epoch = None
             return
@@ -438,7 +389,6 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
             # Saves every N steps: a snapshot of this epoch end, committed at on_train_end
             # only if a callback after this one stops the run (no step follows).
             self._pending_epoch = {
-                "epoch": int(epoch) + 1,
                 "completed_epoch": int(epoch),
                 "value": value,
                 "snapshot": self._capture_arrays(include_metrics=False),
@@ -496,51 +446,30 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
 
     def _watch_late_epoch_ends(self) -> None:
         """Wraps the other StatefulCallbacks' on_epoch_end to amend the epoch's checkpoint after them."""
-        ckpt = self
-        for cb in stateful_callbacks(self.model).values():
-            if cb is self:
-                continue
-            current = vars(cb).get("on_epoch_end")
-            if current is not None and hasattr(current, "_trainwell_checkpoint_watch"):
-                vars(cb).pop("on_epoch_end")  # left by a fit that died in a callback
-            elif current is not None:
-                continue  # the user's own instance attribute: leave it alone
-            orig = cb.on_epoch_end
 
-            def on_epoch_end(epoch, logs=None, _orig=orig):
-                _orig(epoch, logs)
-                c = ckpt._epoch_commit
+        def watched(orig):
+            def on_epoch_end(epoch, logs=None):
+                orig(epoch, logs)
+                c = self._epoch_commit
                 if c is not None and c["completed_epoch"] == int(epoch):
-                    ckpt._amend_epoch_commit()
+                    self._amend_epoch_commit()
 
-            on_epoch_end._trainwell_checkpoint_watch = True
-            cb.on_epoch_end = on_epoch_end
-            self._watched.append(cb)
+            return on_epoch_end
 
-
-    def _unwatch_late_epoch_ends(self) -> None:
-        for cb in self._watched:
-            current = vars(cb).get("on_epoch_end")
-            if current is not None and hasattr(current, "_trainwell_checkpoint_watch"):
-                vars(cb).pop("on_epoch_end")
-        self._watched = []
+        for cb in stateful_callbacks(self.model).values():
+            if cb is not self:
+                wrap_hook(cb, "on_epoch_end", watched, self._watched)
 
 
     def on_train_end(self, logs=None) -> None:
         try:
             self._end_resume()
             self._amend_epoch_commit()  # e.g. `stop_training` set by a later (non-trainwell) callback
-            if self._pending_epoch is not None:
-                self._save_pending_epoch()
+            self._save_pending_epoch()
             self.wait()
         finally:
-            self._in_fit = False
-            self._unwatch_late_epoch_ends()
-            self._stop_worker()
-            self._unwrap_train_function()
+            self._leave_fit()
             self._uninstall_sigterm()
-            if self.model is not None:
-                set_initial_epoch(self.model, self._prev_initial_epoch)
             self._pending_epoch = None
             self._epoch_commit = None
             super().on_train_end(logs)
@@ -554,23 +483,17 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
         if orig is None:
             model.make_train_function()
             orig = model.train_function
-        self._orig_train_function = orig
         train_function = wrap_train_function(model, orig, self._train_step)
         train_function._trainwell_checkpoint_original = orig
         train_function._trainwell_checkpoint_owner = self
         model.train_function = train_function
 
 
-    def _unwrap_train_function(self, stale_only: bool = False) -> None:
-        model = self.model
-        if model is None:
-            return
-        fn = getattr(model, "train_function", None)
-        # Unwrap every layer of our own wrapping (a crashed fit leaves one behind).
+    def _unwrap_train_function(self) -> None:
+        """Unwraps every layer of our own wrapping (a crashed fit leaves one behind)."""
+        fn = getattr(self.model, "train_function", None)
         while fn is not None and hasattr(fn, "_trainwell_checkpoint_original"):
-            fn = fn._trainwell_checkpoint_original
-            model.train_function = fn
-        self._orig_train_function = None
+            fn = self.model.train_function = fn._trainwell_checkpoint_original
 
 
     def _spe(self) -> int:
@@ -663,26 +586,21 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
 
 
     def _save_due(self) -> bool:
-        if self.global_step <= self.last_save_step:
-            return False
-        if self.save_every == "epoch":
-            return False  # committed in on_epoch_end
+        if self.save_every == "epoch" or self.global_step <= self.last_save_step:
+            return False  # with "epoch", committed in on_epoch_end
         return self.global_step - max(self.last_save_step, 0) >= self.save_every
 
 
     def _maybe_save(self) -> None:
-        pending = self._pending_epoch
-        if self._save_due():
-            if pending is not None:
-                value, completed = pending["value"], pending["completed_epoch"]
-            else:
-                value, completed = finite_value(self._last_batch_logs.get(self.monitor)), None
-            self._pending_epoch = None
-            if completed is None and self.step_in_epoch == 0 and self.epoch > 0:
-                completed = self.epoch - 1
-            self._save(value=value, completed_epoch=completed, hooks_done=True)
+        pending, self._pending_epoch = self._pending_epoch, None  # this step's state supersedes it
+        if not self._save_due():
+            return
+        if pending is not None:
+            value, completed = pending["value"], pending["completed_epoch"]
         else:
-            self._pending_epoch = None  # the fresh state of the next step supersedes it
+            value = finite_value(self._last_batch_logs.get(self.monitor))
+            completed = self.epoch - 1 if self.step_in_epoch == 0 and self.epoch > 0 else None
+        self._save(value=value, completed_epoch=completed, hooks_done=True)
 
 
     def _save_pending_epoch(self) -> None:
@@ -695,7 +613,7 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
             completed_epoch=p["completed_epoch"],
             hooks_done=False,
             arrays=p["snapshot"],
-            epoch=p["epoch"],
+            epoch=p["completed_epoch"] + 1,
             step_in_epoch=0,
         )
 

@@ -9,15 +9,17 @@ config, a manifest of the arrays). No pickle anywhere: the arrays are read back
 with `np.load(..., allow_pickle=False)`.
 
 A checkpoint is written into `directory/.tmp-ckpt-XXXX` (`write_npz`,
-`write_text`: each file fsynced), the directory is fsynced and committed with
-one `os.rename` to `directory/ckpt-<step>` (`commit_directory`); then the index
-`directory/checkpoint.json` is rewritten atomically. A loader therefore never
-sees a half-written checkpoint: a `.tmp-ckpt-*` directory is ignored (and
-removed when the next run starts, `clean_stale_temporaries`), and a committed
-checkpoint that is missing from the index (a crash between the rename and the
-index write) is found on disk and used. state.json records checksums (its own
-SHA-256, the CRC-32 of each array in arrays.npz) that every load checks; a
-resume skips a damaged checkpoint for the next older one (`resume_checkpoint`).
+`write_text`), then committed by `commit_directory`: each file and the
+temporary directory fsynced, one `os.rename` to `directory/ckpt-<step>`; the
+index `directory/checkpoint.json` is then rewritten atomically, and the one
+fsync of `directory` that ends it makes both renames durable. A loader
+therefore never sees a half-written checkpoint: a `.tmp-ckpt-*` directory is
+ignored (and removed when the next run starts, `clean_stale_temporaries`), and
+a committed checkpoint that is missing from the index (a crash between the
+rename and the index write) is found on disk and used. state.json records
+checksums (its own SHA-256, the CRC-32 of each array in arrays.npz) that every
+load checks; a resume skips a damaged checkpoint for the next older one
+(`resume_checkpoint`).
 
 Example:
 >>> import tempfile
@@ -27,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -38,6 +41,7 @@ import warnings
 import zipfile
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from trainwell.io import fsync_dir, remove_stale_temporaries
@@ -46,20 +50,10 @@ from trainwell.validation import is_int
 logger = logging.getLogger("trainwell.checkpoint")
 
 INDEX_FILE = "checkpoint.json"
-
-
 ARRAYS_FILE = "arrays.npz"
-
-
 STATE_FILE = "state.json"
-
-
 FORMAT_VERSION = 1
-
-
 TMP_PREFIX = ".tmp-ckpt-"
-
-
 _CKPT_RE = re.compile(r"^ckpt-(\d+)$")
 
 
@@ -84,12 +78,11 @@ class CheckpointCorruptError(ValueError):
 
 def encode_array(arr: np.ndarray) -> tuple[np.ndarray, str]:
     """Returns an array `np.save` can write without pickle, and its dtype name."""
-    name = arr.dtype.name
-    if arr.dtype.isbuiltin != 1 or arr.dtype.kind in "OV":  # e.g. ml_dtypes.bfloat16
-        if arr.dtype.kind == "O":
-            raise TypeError(f"cannot checkpoint an object array (dtype {arr.dtype})")
-        return arr.view(np.dtype(f"u{arr.dtype.itemsize}")), name
-    return arr, name
+    if arr.dtype.kind == "O":
+        raise TypeError(f"cannot checkpoint an object array (dtype {arr.dtype})")
+    if arr.dtype.isbuiltin != 1 or arr.dtype.kind == "V":  # e.g. ml_dtypes.bfloat16
+        return arr.view(np.dtype(f"u{arr.dtype.itemsize}")), arr.dtype.name
+    return arr, arr.dtype.name
 
 
 def _dtype_from_name(dtype_name: str) -> np.dtype:
@@ -97,8 +90,6 @@ def _dtype_from_name(dtype_name: str) -> np.dtype:
     try:
         dtype = np.dtype(dtype_name)
     except TypeError:
-        import ml_dtypes  # here: only a bfloat16/float8 array needs it
-
         dtype = np.dtype(getattr(ml_dtypes, str(dtype_name), None) or "O")
     if dtype.hasobject or (dtype.kind == "V" and dtype.isbuiltin != 2):  # only ml_dtypes' types are kind V
         raise CheckpointCorruptError(f"unsupported dtype {dtype_name!r} in the array manifest")
@@ -185,11 +176,7 @@ def list_checkpoints(directory: str | os.PathLike) -> list[dict]:
             by_name[child.name] = dict(meta["entry"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    out = []
-    for name, e in by_name.items():
-        e["name"] = name
-        e["path"] = str(directory / name)
-        out.append(e)
+    out = [dict(e, name=name, path=str(directory / name)) for name, e in by_name.items()]
     out.sort(key=lambda e: (int_or(e.get("seq"), 0), int_or(e.get("global_step"), 0)))
     return out
 
@@ -282,12 +269,8 @@ def _verify(path: Path) -> dict:
     return meta
 
 
-#: Verification results by checkpoint path and file identities, so the recipe (which
-#: positions its data pipeline) and `Checkpoint` (which loads) decide once, alike.
-_VERIFIED: dict[str, tuple[tuple, dict | str]] = {}
-
-
 def _file_ids(path: Path) -> tuple:
+    """Identities of a checkpoint's files: a rewritten or replaced file changes them."""
     out = []
     for name in (STATE_FILE, ARRAYS_FILE):
         try:
@@ -298,21 +281,22 @@ def _file_ids(path: Path) -> tuple:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=64)
+def _verification(path: str, file_ids: tuple) -> dict | str:
+    """`_verify(path)`'s state, or what is wrong; remembered while the files stay the same, so the
+    recipe (which positions its data pipeline) and `Checkpoint` (which loads) decide once, alike."""
+    try:
+        return _verify(Path(path))
+    except Exception as e:  # noqa: BLE001 - any failure to read a checkpoint means damage
+        return _damage(e)
+
+
 def _verified_state(path: Path) -> dict:
-    """`_verify(path)`, remembered while the files stay the same; raises CheckpointCorruptError."""
-    key, ids = str(path), _file_ids(path)
-    hit = _VERIFIED.get(key)
-    if hit is None or hit[0] != ids:
-        try:
-            result: dict | str = _verify(path)
-        except Exception as e:  # noqa: BLE001 - any failure to read a checkpoint means damage
-            result = _damage(e)
-        if len(_VERIFIED) > 64:
-            _VERIFIED.clear()
-        hit = _VERIFIED[key] = (ids, result)
-    if isinstance(hit[1], str):
-        raise CheckpointCorruptError(hit[1])
-    return hit[1]
+    """The verified state of the checkpoint at `path`; raises CheckpointCorruptError."""
+    result = _verification(str(path), _file_ids(path))
+    if isinstance(result, str):
+        raise CheckpointCorruptError(result)
+    return result
 
 
 def resume_checkpoint(directory: str | os.PathLike) -> dict | None:
@@ -451,49 +435,47 @@ def copy_checkpoint(src: str | os.PathLike, directory: str | os.PathLike, **entr
     except Exception as e:  # noqa: BLE001 - any failure to read a checkpoint means damage
         raise CheckpointCorruptError(f"Checkpoint {str(src)!r} is damaged or unreadable ({_damage(e)})") from e
     directory.mkdir(parents=True, exist_ok=True)
+    meta.setdefault("entry", {}).update(entry)
     tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=directory))
     try:
         shutil.copyfile(src / ARRAYS_FILE, tmp / ARRAYS_FILE)
-        with open(tmp / ARRAYS_FILE, "rb") as f:
-            os.fsync(f.fileno())
-        meta.setdefault("entry", {}).update(entry)
         write_text(tmp / STATE_FILE, json.dumps(meta, indent=1, sort_keys=True))
-        fsync_dir(tmp)
         commit_directory(tmp, directory / src.name)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    fsync_dir(directory)
     return directory / src.name
 
 
 def write_npz(path: Path, arrays: dict) -> None:
-    with open(path, "wb") as f:
-        np.savez(f, **arrays)
-        f.flush()
-        os.fsync(f.fileno())
+    np.savez(path, **arrays)
 
 
 def write_text(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    path.write_text(text, encoding="utf-8")
 
 
 def commit_directory(tmp: Path, final: Path) -> None:
-    """Commits the written, fsynced checkpoint `tmp` as `final` with one rename, then fsyncs the parent.
+    """Commits the checkpoint written in `tmp` as `final`: its files and `tmp` fsynced, then one rename.
 
-    A checkpoint already at `final` (a rerun of the same step) is moved aside
-    first and removed after the rename.
+    The rename is durable once `final.parent` is fsynced: the index's atomic
+    rewrite that follows a save does it, so one fsync covers both renames. A
+    checkpoint already at `final` (a rerun of the same step) is moved aside
+    first and removed once the new one is durable.
     """
+    for child in tmp.iterdir():
+        with open(child, "rb+") as f:
+            os.fsync(f.fileno())
+    fsync_dir(tmp)
     directory = final.parent
     old = None
     if final.exists():
         old = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=directory)) / "old"
         os.rename(final, old)
     os.rename(tmp, final)
-    fsync_dir(directory)
     if old is not None:
+        fsync_dir(directory)
         shutil.rmtree(old.parent, ignore_errors=True)
 
 

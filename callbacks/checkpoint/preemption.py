@@ -20,7 +20,6 @@ import signal
 import threading
 
 from trainwell import runtime
-from trainwell.compat.keras_internals import set_initial_epoch
 
 logger = logging.getLogger("trainwell.checkpoint")
 
@@ -88,11 +87,8 @@ class PreemptionGuard:
             timer.cancel()
         if not self._sigterm_installed:
             return
-        try:
-            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-                signal.signal(signal.SIGTERM, self._prev_sigterm if self._prev_sigterm is not None else signal.SIG_DFL)
-        except (ValueError, OSError):  # pragma: no cover
-            pass
+        if signal.getsignal(signal.SIGTERM) == self._on_sigterm:  # installed from this (the main) thread
+            signal.signal(signal.SIGTERM, self._prev_sigterm if self._prev_sigterm is not None else signal.SIG_DFL)
         self._sigterm_installed = False
 
 
@@ -132,12 +128,7 @@ class PreemptionGuard:
         if self.global_step > self.last_save_step:
             self._save(value=None, completed_epoch=None, hooks_done=True)
         self.wait()
-        self._stop_worker()
-        self._in_fit = False
-        self._unwrap_train_function()
-        self._end_resume()
-        if self.model is not None:
-            set_initial_epoch(self.model, self._prev_initial_epoch)
+        self._leave_fit()
         self._exit_preempted()
 
 

@@ -14,6 +14,7 @@ weights-only checkpoint it re-warms the learning rate over
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
@@ -73,6 +74,29 @@ def order_rng_restore(state: dict) -> None:
     np.random.set_state(("MT19937", np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
+def wrap_hook(cb, name: str, make, patched: list) -> None:
+    """Sets `cb.<name>` to `make(current hook)` as an instance attribute, recorded in `patched`.
+
+    One left by a fit that died in a callback is replaced; the user's own
+    instance attribute is left alone. `unwrap_hooks(patched)` removes them.
+    """
+    current = vars(cb).get(name)
+    if current is not None and not hasattr(current, "_trainwell_checkpoint_hook"):
+        return
+    vars(cb).pop(name, None)
+    hook = make(getattr(cb, name))
+    hook._trainwell_checkpoint_hook = True
+    setattr(cb, name, hook)
+    patched.append((cb, name))
+
+
+def unwrap_hooks(patched: list) -> None:
+    for cb, name in patched:
+        if hasattr(vars(cb).get(name), "_trainwell_checkpoint_hook"):
+            vars(cb).pop(name)
+    patched.clear()
+
+
 class ResumeMixin:
     """Mixin of `Checkpoint`: how a run resumes (see the module docstring)."""
 
@@ -98,20 +122,17 @@ class ResumeMixin:
             StatefulCallback.set_state(self, {})
         with self._lock:
             self._entries = entries  # disk is the source of truth for the list
-        self.global_step = int(pos["global_step"])
-        self.last_save_step = self.global_step
-        self.epoch = int(pos["epoch"])
-        self.step_in_epoch = int(pos["step_in_epoch"])
+        self.global_step = self.last_save_step = int(pos["global_step"])
+        self.epoch, self.step_in_epoch = int(pos["epoch"]), int(pos["step_in_epoch"])
         if weights_only:
             self._warmup = (
                 {"step": 0, "total": self.warm_start_warmup_steps, "base": None, "last_set": None, "kind": None}
                 if self.warm_start_warmup_steps > 0
                 else None
             )
-        entry = meta.get("entry", {})
         start_epoch = int(pos["epoch"])
         epochs = (self.params or {}).get("epochs")
-        stopped = bool(entry.get("stopped"))
+        stopped = bool(meta.get("entry", {}).get("stopped"))
         # A stop (early stopping, `stop_training`) ends the fit that stopped, not the run: the same
         # fit again trains nothing, one with more epochs than that fit had trains on from the stop.
         stopped_fit_epochs = pos.get("epochs")  # None in checkpoints written before it was recorded
@@ -122,13 +143,9 @@ class ResumeMixin:
             start_epoch = max(start_epoch, int(epochs))
         set_initial_epoch(model, start_epoch)
         self._announce_resume(path, pos, epochs, start_epoch, stopped, train_longer)
-        include_metrics = pos["step_in_epoch"] > 0
-        if model_fully_built(model):
-            self._apply_arrays(arrays, meta, path)
-            if include_metrics and any(k.startswith("metric:") for k in arrays):
-                self._pending_metrics = {"arrays": arrays, "path": path}
-        else:
-            self._deferred = (arrays, meta, path, include_metrics)
+        self._deferred = (arrays, meta, path)
+        if model_fully_built(model):  # else at the first step, which builds it
+            self._apply_deferred(iterator=None)
         if not weights_only:
             registry = stateful_callbacks(model)
             for key, state in (meta.get("callbacks") or {}).items():
@@ -221,12 +238,7 @@ class ResumeMixin:
     @staticmethod
     def _skip_batches(iterator, n: int) -> int:
         """Takes `n` batches from `iterator` without training on them; returns how many it got."""
-        for i in range(n):
-            try:
-                next(iterator)
-            except StopIteration:
-                return i
-        return n
+        return sum(1 for _ in itertools.islice(iterator, n))
 
 
     def _announce_resume(self, path: str, pos: dict, epochs, start_epoch: int, stopped: bool, train_longer: bool) -> None:
@@ -285,10 +297,8 @@ class ResumeMixin:
                 model.optimizer.build(model.trainable_variables)
         plan = Plan(model, include_optimizer=not weights_only and not self.weights_only)
         restore_model_arrays(plan, arrays, path)
-        if weights_only:
-            return
-        if self.weights_only:
-            return  # this run saves weights only; keep the optimizer fresh as configured
+        if weights_only or self.weights_only:
+            return  # a run that saves weights only keeps its optimizer fresh as configured
         restore_vars(plan.opt_vars, arrays, path, "optimizer", "opt:")
         restore_vars(plan.seed_vars, arrays, path, "seed generators", "seed:")
         rng_restore(arrays, meta.get("rng") or {})
@@ -307,12 +317,12 @@ class ResumeMixin:
 
 
     def _apply_deferred(self, iterator) -> None:
-        arrays, meta, path, include_metrics = self._deferred
+        arrays, meta, path = self._deferred
         self._deferred = None
         if not model_fully_built(self.model):
             self._element_spec_build(iterator)
         self._apply_arrays(arrays, meta, path)
-        if include_metrics and any(k.startswith("metric:") for k in arrays):
+        if meta["position"]["step_in_epoch"] > 0 and any(k.startswith("metric:") for k in arrays):
             self._pending_metrics = {"arrays": arrays, "path": path}
 
 
@@ -336,60 +346,45 @@ class ResumeMixin:
 
     def _mute_stateful_hooks(self) -> None:
         """Mutes the other StatefulCallbacks' hooks that ran before the checkpoint, until the first step."""
-        ckpt = self
         self._muting = True
+
+        def muted(orig):
+            return lambda *args, **kwargs: None if self._muting else orig(*args, **kwargs)
+
         for cb in stateful_callbacks(self.model).values():
-            if cb is self:
-                continue
-            for name in ("on_epoch_begin", "on_train_batch_begin"):
-                if name in vars(cb):
-                    continue
-                orig = getattr(cb, name)
-
-                def muted(*args, _orig=orig, **kwargs):
-                    if ckpt._muting:
-                        return None
-                    return _orig(*args, **kwargs)
-
-                setattr(cb, name, muted)
-                self._muted.append((cb, name))
+            if cb is not self:
+                wrap_hook(cb, "on_epoch_begin", muted, self._muted)
+                wrap_hook(cb, "on_train_batch_begin", muted, self._muted)
 
 
     def _end_resume(self) -> None:
         """Unmutes the hooks `_mute_stateful_hooks` muted; drops a resumed epoch start that did not come."""
         self._muting = False
-        for cb, name in self._muted:
-            vars(cb).pop(name, None)
-        self._muted = []
+        unwrap_hooks(self._muted)
         cancel_next_epoch_start(self._resumed_epoch_iterator)
         self._resumed_epoch_iterator = None
 
 
     def _apply_warmup(self, spe: int) -> None:
+        """Scales the learning rate (or, under a schedule, its multiplier) up over the warm-start steps."""
         w = self._warmup
         if not w:
             return
         sync_variables(self.model)  # it reads and sets the learning rate (a variable)
         opt = self.model.optimizer
-        total = int(w["total"])
-        s = int(w["step"])
-        factor = 1.0 if s >= total else (s + 1) / total
+        total, s = int(w["total"]), int(w["step"])
         if w.get("kind") is None:
-            lr = raw_learning_rate(opt)
-            w["kind"] = "multiplier" if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule) else "variable"
+            schedule = isinstance(raw_learning_rate(opt), keras.optimizers.schedules.LearningRateSchedule)
+            w["kind"] = "multiplier" if schedule else "variable"
         if w["kind"] == "variable":
-            current = float(to_numpy(opt.learning_rate))
-            if w["base"] is None or w["last_set"] is None or not math.isclose(current, w["last_set"], rel_tol=1e-6):
-                w["base"] = current  # someone else (a schedule callback) set it for this step
-            new = w["base"] * factor
-            opt.learning_rate = new
-            w["last_set"] = float(to_numpy(opt.learning_rate))
-        elif w["kind"] == "multiplier":
-            current = get_lr_multiplier(opt)
-            if w["base"] is None or w["last_set"] is None or not math.isclose(current, w["last_set"], rel_tol=1e-6):
-                w["base"] = current
-            set_lr_multiplier(opt, w["base"] * factor)
-            w["last_set"] = w["base"] * factor
+            get, put = (lambda: float(to_numpy(opt.learning_rate))), (lambda v: setattr(opt, "learning_rate", v))
+        else:
+            get, put = (lambda: get_lr_multiplier(opt)), (lambda v: set_lr_multiplier(opt, v))
+        current = get()
+        if w["base"] is None or w["last_set"] is None or not math.isclose(current, w["last_set"], rel_tol=1e-6):
+            w["base"] = current  # someone else (a schedule callback) set it for this step
+        put(w["base"] * (1.0 if s >= total else (s + 1) / total))
+        w["last_set"] = get()
         w["step"] = s + spe
         if s >= total:
             self._warmup = None

@@ -5,15 +5,16 @@ state into a committed checkpoint (`_save`): a snapshot of every array
 (`state.capture`, no copy), the JSON state, then the files written and
 committed through `files` (`write_npz`, `write_text`, `commit_directory`; the
 test suite stalls or fails a save by patching those), the index rewritten
-atomically, and the checkpoints beyond `keep_last`/`keep_best` removed. With
-`async_save` everything after the snapshot runs in one writer thread, in order.
-Only the chief writes into `directory`; other workers write to a scratch
-directory and delete it.
+atomically (its fsync of the directory makes the commit's rename durable too),
+and the checkpoints beyond `keep_last`/`keep_best` removed. With `async_save`
+everything after the snapshot runs in one writer thread, in order. Only the
+chief writes into `directory`; other workers write the same files to a scratch
+directory and delete it, uncommitted and unsynced.
 """
 
 from __future__ import annotations
 
-import errno as _errno
+import errno
 import os
 import queue
 import shutil
@@ -45,22 +46,21 @@ from trainwell.callbacks.checkpoint.state import Plan, capture, host, json_safe,
 from trainwell.compat.backend import sync_variables
 from trainwell.compat.learning_rate import get_lr_multiplier
 from trainwell.compat.metrics import finite_value, metric_direction
-from trainwell.io import atomic_write_json, atomic_write_text, fsync_dir
+from trainwell.io import atomic_write_json, atomic_write_text
 
 
 class CheckpointWriter:
     """Mixin of `Checkpoint`: how a checkpoint gets written (see the module docstring)."""
 
     def _capture_arrays(self, include_metrics: bool) -> tuple[dict, dict, dict]:
-        """Snapshots of the state (see `_read_snapshot`), names and RNG metadata."""
+        """Snapshots of the state (see `state.capture`), names and RNG metadata."""
         sync_variables(self.model)  # on JAX inside fit, the variables are filled at epoch ends only
         values, names = capture(self._plan(), weights_only=self.weights_only, include_metrics=include_metrics)
         rng_meta: dict = {}
         if not self.weights_only:
             rng_arrays, rng_meta = rng_capture()
-            for k, a in rng_arrays.items():
-                values[k] = a
-                names[k] = k
+            values.update(rng_arrays)
+            names.update((k, k) for k in rng_arrays)
         return values, names, rng_meta
 
 
@@ -91,21 +91,17 @@ class CheckpointWriter:
         model = self.model
         if epoch is None:
             epoch, step_in_epoch = self.epoch, self.step_in_epoch
-        if arrays is None:
-            arrays, names, rng_meta = self._capture_arrays(include_metrics=step_in_epoch > 0)
-        else:
-            arrays, names, rng_meta = arrays
+        arrays, names, rng_meta = arrays or self._capture_arrays(include_metrics=step_in_epoch > 0)
         if data_position is None:
             data_position = int(self._consumed) if hooks_done else 0
         step = int(self.global_step)
         with self._lock:
             seq = max([int_or(e.get("seq"), 0) for e in self._entries] + [0]) + 1
+        position = {"epoch": int(epoch), "step_in_epoch": int(step_in_epoch), "global_step": step}
         entry = {
             "name": f"ckpt-{step}",
             "seq": seq,
-            "epoch": int(epoch),
-            "step_in_epoch": int(step_in_epoch),
-            "global_step": step,
+            **position,
             "completed_epoch": completed_epoch,
             "monitor": self.monitor,
             "value": value,
@@ -119,9 +115,7 @@ class CheckpointWriter:
             "entry": entry,
             "weights_only": self.weights_only,
             "position": {
-                "epoch": int(epoch),
-                "step_in_epoch": int(step_in_epoch),
-                "global_step": step,
+                **position,
                 "data_position": int(data_position),
                 "hooks_done": bool(hooks_done),
                 "epochs": (self.params or {}).get("epochs"),  # of this fit: a stop ends this fit, not the run
@@ -143,28 +137,16 @@ class CheckpointWriter:
 
     def _submit(self, fn, *args) -> None:
         """Runs a write now, or queues it for the writer thread (in order) with `async_save`."""
-        if self.async_save:
-            self._start_worker()
-            self._queue.put((fn, args))  # no wait: a thread start would cost ~10 ms of GIL hand-over
-        else:
+        if not self.async_save:
             fn(*args)
-
-
-    def _start_worker(self) -> None:
-        if self._worker is not None and self._worker.is_alive():
             return
-        self._queue = queue.Queue()
-        self._worker = threading.Thread(
-            target=self._worker_loop, args=(self._queue,), name="trainwell-checkpoint-writer", daemon=True
-        )
-        self._worker.start()
-
-
-    def _stop_worker(self) -> None:
-        if self._worker is not None and self._worker.is_alive():
-            self._queue.put(None)
-            self._worker.join()
-        self._worker = None
+        if self._worker is None or not self._worker.is_alive():
+            self._queue = queue.Queue()
+            self._worker = threading.Thread(
+                target=self._worker_loop, args=(self._queue,), name="trainwell-checkpoint-writer", daemon=True
+            )
+            self._worker.start()
+        self._queue.put((fn, args))  # no wait: a thread start would cost ~10 ms of GIL hand-over
 
 
     def _worker_loop(self, q: queue.Queue) -> None:
@@ -181,38 +163,44 @@ class CheckpointWriter:
                 q.task_done()
 
 
+    def _stop_worker(self) -> None:
+        if self._worker is not None and self._worker.is_alive():
+            self._queue.put(None)
+            self._worker.join()
+        self._worker = None
+
+
+    def wait(self) -> None:
+        """Blocks until a background write is done; raises its error, if any."""
+        if self._queue is not None:
+            self._queue.join()
+        err, self._async_error = self._async_error, None
+        if err is not None:
+            raise err
+
+
     def _save_error(self, name: str, current, e: BaseException) -> Exception:
-        directory = str(self.directory)
+        failed = f"Could not save checkpoint {name!r}: writing {str(current)!r} failed"
+        intact = f"Previous checkpoints in {str(self.directory)!r} are intact"
         if isinstance(e, OSError):
-            return CheckpointSaveError(
-                e.errno if e.errno is not None else _errno.EIO,
-                f"Could not save checkpoint {name!r}: writing {str(current)!r} failed "
-                f"({e.strerror or e}). Previous checkpoints in {directory!r} are intact",
-                str(current),
-            )
-        return RuntimeError(
-            f"Could not save checkpoint {name!r}: writing {str(current)!r} failed ({e}). "
-            f"Previous checkpoints in {directory!r} are intact"
-        )
+            code = e.errno if e.errno is not None else errno.EIO
+            return CheckpointSaveError(code, f"{failed} ({e.strerror or e}). {intact}", str(current))
+        return RuntimeError(f"{failed} ({e}). {intact}")
 
 
     def _write(self, arrays: dict, names: dict, meta: dict, entry: dict) -> None:
         directory = Path(self.directory)
-        tmp = None
-        base = None
+        base = tmp = None
         current = directory
         try:
             encoded = {}
             for k, value in arrays.items():
                 a = host(value)
-                enc, dtype_name = encode_array(np.asarray(a, order="C"))
-                encoded[k] = enc
+                encoded[k], dtype_name = encode_array(np.asarray(a, order="C"))
                 meta["arrays"][k] = {"shape": list(a.shape), "dtype": dtype_name, "name": names.get(k, "")}
-            if self._is_chief:
-                base = directory
-            else:
-                # The pid in the name: a SIGKILLed worker's leftover is recognisable.
-                base = current = Path(tempfile.mkdtemp(prefix=f"trainwell-ckpt-scratch-{os.getpid()}-"))
+            # The pid in a scratch directory's name: a SIGKILLed worker's leftover is recognisable.
+            scratch = f"trainwell-ckpt-scratch-{os.getpid()}-"
+            base = current = directory if self._is_chief else Path(tempfile.mkdtemp(prefix=scratch))
             tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=base))
             current = tmp / ARRAYS_FILE
             files.write_npz(current, encoded)
@@ -221,8 +209,6 @@ class CheckpointWriter:
                 meta["arrays_crc32"] = zip_crcs(zf)  # computed by zipfile while it wrote them
             current = tmp / STATE_FILE
             files.write_text(current, seal(meta))
-            current = tmp
-            fsync_dir(tmp)
             if not self._is_chief:
                 return
             current = directory / entry["name"]
@@ -236,7 +222,7 @@ class CheckpointWriter:
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
-            if not self._is_chief and base is not None:
+            if base is not None and base != directory:
                 shutil.rmtree(base, ignore_errors=True)
 
 
@@ -273,9 +259,7 @@ class CheckpointWriter:
         directory = Path(self.directory)
         with self._lock:
             entries = [e for e in self._entries if e["name"] != entry["name"]]
-            e = dict(entry)
-            e["path"] = str(directory / entry["name"])
-            entries.append(e)
+            entries.append(dict(entry, path=str(directory / entry["name"])))
             keep = {x["name"] for x in entries[-self.keep_last:]}
             keep |= {x["name"] for x in self._best_entries(entries)[: self.keep_best]}
             kept = [x for x in entries if x["name"] in keep]

@@ -9,21 +9,24 @@ class Crash(Exception):
 
 
 class CrashAt(keras.callbacks.Callback):
-    """Raises `Crash` at the n-th train batch end (a stand-in for a dying process)."""
+    """At the n-th train batch end, raises `Crash` (a stand-in for a dying process) or calls `action()`."""
 
     error = Crash
 
-    def __init__(self, n):
+    def __init__(self, n, action=None):
         super().__init__()
-        self.n, self.seen = n, 0
+        self.n, self.seen, self.action = n, 0, action
 
     def on_train_batch_end(self, batch, logs=None):
         self.seen += 1
-        if self.seen == self.n:
+        if self.seen == self.n and self.action is not None:
+            self.action()
+        elif self.seen == self.n:
             raise Crash(f"crash at batch end {self.n}")
 
 
 @pytest.fixture
 def crash_at():
-    """`crash_at(n)`: a callback raising `crash_at.error` at the n-th train batch end."""
+    """`crash_at(n, action=None)`: a callback raising `crash_at.error` (or calling `action()`) at the n-th
+    train batch end."""
     return CrashAt

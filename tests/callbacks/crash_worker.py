@@ -113,7 +113,7 @@ def main(argv=None) -> int:
 
         real_commit = ckpt_files.commit_directory
 
-        def stall(tmp_dir, final):  # written and fsynced, not yet renamed into place
+        def stall(tmp_dir, final):  # written, not yet fsynced nor renamed into place
             calls["n"] += 1
             if calls["n"] == args.pause_at_save:
                 with open(args.marker, "w") as f:

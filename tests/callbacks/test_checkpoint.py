@@ -381,19 +381,6 @@ def test_mid_epoch_resume_with_steps_per_execution(tmp_path, reference_spe2, bui
     assert (counter.batches, counter.epoch_begins) == (ref_counter.batches, ref_counter.epoch_begins) == (15, 3)
 
 
-class SigtermAtBatchEnd(keras.callbacks.Callback):
-    """Sends this process SIGTERM at the n-th train batch end (the checkpoint saves at the next step, exits)."""
-
-    def __init__(self, n):
-        super().__init__()
-        self.n, self.seen = n, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen += 1
-        if self.seen == self.n:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
 class SeenProgbar(keras.callbacks.ProgbarLogger):
     """Keras's progress bar, recording the position it shows after each batch."""
 
@@ -435,7 +422,7 @@ def _csv_rows(path):
     return lines[0], [[float(x) for x in line.split(",")] for line in lines[1:]]
 
 
-def test_a_mid_epoch_resume_is_invisible_to_keras_callbacks(tmp_path):
+def test_a_mid_epoch_resume_is_invisible_to_keras_callbacks(tmp_path, crash_at):
     # The reference: one uninterrupted fit with Keras's TensorBoard (a summary per batch), CSVLogger,
     # progress bar, History and a callback that reads logs["loss"] at every batch end.
     ref_seen, ref_cbs = _keras_loggers(tmp_path / "ref")
@@ -445,7 +432,9 @@ def test_a_mid_epoch_resume_is_invisible_to_keras_callbacks(tmp_path):
     d, run = tmp_path / "ck", tmp_path / "run"
     seen1, cbs1 = _keras_loggers(run)
     with pytest.raises(SystemExit):
-        _fit(_model(), [*cbs1, Checkpoint(d, save_every=100), SigtermAtBatchEnd(14)], epochs=3, validate=True)
+        # SIGTERM at the 14th batch end: the checkpoint saves at the next step and exits.
+        sigterm = crash_at(14, action=lambda: os.kill(os.getpid(), signal.SIGTERM))
+        _fit(_model(), [*cbs1, Checkpoint(d, save_every=100), sigterm], epochs=3, validate=True)
     assert [e["global_step"] for e in list_checkpoints(d)] == [14]
     cbs1[0].on_train_end()  # the dead process's TensorBoard files, closed as its exit closes them
     seen2, cbs2 = _keras_loggers(run)
