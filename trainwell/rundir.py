@@ -143,7 +143,8 @@ def make_run_dir(run_dir: str | os.PathLike | None, prefix: str = "run", root: s
     return make_writable_dir(path, "run_dir" if run_dir is not None else None, what="run directory")
 
 
-def make_writable_dir(path: str | os.PathLike, name: str | None = None, what: str = "directory") -> Path:
+def make_writable_dir(path: str | os.PathLike, name: str | None = None, what: str = "directory",
+                      writable: bool = True) -> Path:
     """Makes `path` (and its missing parents) and checks that a file can be written in it.
 
     A directory that cannot be made or written (a read-only file system, permission
@@ -157,6 +158,8 @@ def make_writable_dir(path: str | os.PathLike, name: str | None = None, what: st
         name: The config field or option that gave it (named with "Received:"), or
             `None` for a default. Defaults to `None`.
         what: What the directory is, for the message. Defaults to `"directory"`.
+        writable: Check that a file can be written in it (`False`: a directory this
+            process only reads). Defaults to `True`.
 
     Returns:
         The path.
@@ -179,9 +182,10 @@ def make_writable_dir(path: str | os.PathLike, name: str | None = None, what: st
         if os.path.lexists(path) and not path.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
         path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".trainwell-write-check-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
+        if writable:
+            fd, probe = tempfile.mkstemp(prefix=".trainwell-write-check-", dir=path)
+            os.close(fd)
+            os.unlink(probe)
     except OSError as e:
         for p in missing:
             try:
@@ -246,9 +250,8 @@ def shared_run_dir(
     got = broadcast_from_chief(strategy, [stamp, suffix])  # every worker names the chief's directory
     s = f"{int(got[0]):014d}"
     name = f"{prefix}-{s[:8]}-{s[8:]}" + (f"-{int(got[1])}" if int(got[1]) else "")
-    path = Path(root) / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    # The other workers only read it (their checkpoint writes go to temporary directories).
+    return make_writable_dir(Path(root) / name, None, what="run directory", writable=chief)
 
 
 #: The lock file in a run directory (see `lock_run_dir`).

@@ -35,3 +35,16 @@ def test_git_commit(tmp_path):
     os.system(f"cd {tmp_path} && git init -q && git -c user.email=a@b -c user.name=a commit -q --allow-empty -m x")
     sha = rundir.git_commit(tmp_path)
     assert sha and len(sha.split("+")[0]) == 40
+
+
+def test_a_shared_run_dir_a_worker_cannot_make_is_one_line(tmp_path, monkeypatch):
+    # A worker other than the chief makes the chief's directory under `root`: here a file.
+    monkeypatch.setattr(rundir, "num_workers", lambda strategy: 2)
+    monkeypatch.setattr(rundir, "is_chief", lambda strategy: False)
+    monkeypatch.setattr(rundir, "broadcast_from_chief", lambda strategy, values: [20261204053000, 0])
+    (tmp_path / "runs").write_text("a file")
+    with pytest.raises(rundir.ConfigError) as info:
+        rundir.shared_run_dir(None, strategy=object(), root=str(tmp_path / "runs"))
+    msg = str(info.value)
+    assert "\n" not in msg and "run-20261204-053000" in msg and "is a file, not a directory" in msg
+    assert rundir.shared_run_dir(None, strategy=object(), root=str(tmp_path / "ok")).is_dir()
