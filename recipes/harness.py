@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from trainwell import rundir, runtime
+from trainwell.compat.devices import on_accelerator
 from trainwell.config import ConfigError
 from trainwell.data.base import DataError
 from trainwell.io import atomic_write_json, new_figure, remove_stale_temporaries, save_figure
@@ -408,25 +409,6 @@ def trained_nothing(history) -> bool:
 ACCELERATOR_STEPS_PER_EXECUTION = 8
 
 
-def _on_accelerator() -> bool:
-    """Whether the current strategy (TensorFlow) or distribution (JAX) computes on GPUs or TPUs."""
-    import keras  # lazy: Keras loads on first use, not with this module
-
-    if keras.backend.backend() == "jax":
-        import jax  # here: only the JAX backend has it
-
-        dist = keras.distribution.distribution()
-        devices = list(dist.device_mesh.devices.flat) if dist is not None else jax.devices()[:1]
-        return any(d.platform in ("gpu", "tpu") for d in devices)
-    import tensorflow as tf  # here: the TensorFlow backend's strategy
-
-    try:
-        devices = tf.distribute.get_strategy().extended.worker_devices
-    except (RuntimeError, NotImplementedError, AttributeError):  # the default strategy: where TF places ops
-        return bool(tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
-    return any(":GPU:" in d.upper() or ":TPU:" in d.upper() for d in devices)
-
-
 def steps_per_execution(value: int | None) -> int:
     """The recipes' `steps_per_execution`: `value`, or when `None`, 8 on a GPU/TPU and 1 on CPUs.
 
@@ -447,7 +429,7 @@ def steps_per_execution(value: int | None) -> int:
     """
     if value is not None:
         return int(value)
-    return ACCELERATOR_STEPS_PER_EXECUTION if _on_accelerator() else 1
+    return ACCELERATOR_STEPS_PER_EXECUTION if on_accelerator() else 1
 
 
 def log_learning_rate(model):

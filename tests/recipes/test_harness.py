@@ -103,7 +103,7 @@ def test_steps_per_execution_default_follows_the_device(monkeypatch):
     from trainwell.recipes import harness
 
     assert harness.steps_per_execution(None) == 1  # this machine: CPUs only
-    monkeypatch.setattr(harness, "_on_accelerator", lambda: True)
+    monkeypatch.setattr(harness, "on_accelerator", lambda: True)
     assert harness.steps_per_execution(None) == harness.ACCELERATOR_STEPS_PER_EXECUTION == 8
     assert harness.steps_per_execution(3) == 3
 
