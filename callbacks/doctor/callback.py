@@ -65,14 +65,12 @@ def _current_lr(optimizer) -> float | None:
 
 
 def _momentum(optimizer) -> float | None:
+    """The optimizer's `momentum` (SGD, RMSprop) or `beta_1` (Adam and kin), if one is > 0."""
     inner = inner_optimizer(optimizer)
     for attr in ("momentum", "beta_1"):
-        v = getattr(inner, attr, None)
-        if v is None:
-            continue
         try:
-            v = float(v.numpy()) if hasattr(v, "numpy") else float(v)
-        except (TypeError, ValueError):
+            v = float(keras.ops.convert_to_numpy(getattr(inner, attr)))
+        except (AttributeError, TypeError, ValueError):  # none, or not a number
             continue
         if v > 0:
             return v
@@ -274,7 +272,6 @@ class TrainingDoctor(StatefulCallback):
         self.checks = None if checks is None else list(checks)
         self.thresholds = None if thresholds is None else dict(thresholds)
         self.track_updates = track_updates
-        self._th = {**DEFAULT_THRESHOLDS, **(self.thresholds or {})}
         self._probe = None
         self._writer = None
         super().__init__()
@@ -372,14 +369,10 @@ class TrainingDoctor(StatefulCallback):
         self._probe_error = None
         self._train_bs = None
         self._last_scale = self.scale_history[-1][1] if self.scale_history else None
-        opt = getattr(self.model, "optimizer", None)
         if self._last_scale is None and self._is_lso():
-            try:
-                built = getattr(opt, "built", False)
-                self._last_scale = current_loss_scale(self.model) if built else float(opt.initial_scale)
-                self.scale_history.append([self.step, self._last_scale])
-            except Exception:  # pragma: no cover - another LossScaleOptimizer layout
-                self._last_scale = None
+            opt = self.model.optimizer
+            self._last_scale = current_loss_scale(self.model) if opt.built else float(opt.initial_scale)
+            self.scale_history.append([self.step, self._last_scale])
         batch = self.probe_batch
         try:
             it = fit_epoch_iterator(self.model)
