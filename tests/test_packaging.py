@@ -22,7 +22,8 @@ def test_non_editable_install_imports_from_another_directory(tmp_path):
     (wheel,) = wheel_dir.glob("trainwell-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"trainwell/recipes/resnet_imagenet.py", "trainwell/callbacks/checkpoint/__init__.py", "trainwell/runtime.py",
-            "trainwell/data/embedded.py", "trainwell/models/resnet.py"} <= names
+            "trainwell/data/embedded.py", "trainwell/models/resnet.py", "trainwell/cli/lr_find.py",
+            "trainwell/cli/__main__.py"} <= names
     assert not any(n.startswith(("recipes/", "callbacks/", "tests/")) for n in names)  # never top-level import names
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                        capture_output=True, text=True, timeout=300)

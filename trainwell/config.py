@@ -143,6 +143,44 @@ _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
 
 
+def _coerce_number(key: str, value: Any, tp: type, expected: str) -> int | float:
+    """`coerce` for an `int` or `float` field: a bool is not a number, a float must be finite."""
+    if isinstance(value, bool):
+        raise_invalid(key, value, expected)
+    if tp is int:
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip().replace("_", ""))
+            except ValueError:
+                try:
+                    f = float(value)
+                    if f.is_integer():
+                        return int(f)
+                except ValueError:
+                    pass
+        raise_invalid(key, value, expected)
+    number = None
+    if isinstance(value, (int, float)):
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond the float range
+            raise_invalid(key, value, "a finite number")
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            pass
+    if number is None:
+        raise_invalid(key, value, expected)
+    if not math.isfinite(number):  # nan, inf: no field of a recipe means them
+        raise_invalid(key, value, "a finite number")
+    return number
+
+
 def coerce(key: str, value: Any, tp: Any, from_string: bool = False) -> Any:
     """Coerces `value` to the annotated type `tp`, or raises `ConfigError`.
 
@@ -215,43 +253,8 @@ def coerce(key: str, value: Any, tp: Any, from_string: bool = False) -> Any:
         if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
             return value.strip().lower() in _TRUE
         raise_invalid(key, value, expected)
-    if tp is int:
-        if isinstance(value, bool):
-            raise_invalid(key, value, expected)
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.strip().replace("_", ""))
-            except ValueError:
-                try:
-                    f = float(value)
-                    if f.is_integer():
-                        return int(f)
-                except ValueError:
-                    pass
-        raise_invalid(key, value, expected)
-    if tp is float:
-        if isinstance(value, bool):
-            raise_invalid(key, value, expected)
-        number = None
-        if isinstance(value, (int, float)):
-            try:
-                number = float(value)
-            except OverflowError:  # an int beyond the float range
-                raise_invalid(key, value, "a finite number")
-        elif isinstance(value, str):
-            try:
-                number = float(value.strip())
-            except ValueError:
-                pass
-        if number is None:
-            raise_invalid(key, value, expected)
-        if not math.isfinite(number):  # nan, inf: no field of a recipe means them
-            raise_invalid(key, value, "a finite number")
-        return number
+    if tp in (int, float):
+        return _coerce_number(key, value, tp, expected)
     if tp is str:
         if isinstance(value, str):
             return value

@@ -324,6 +324,7 @@ def supervise(
     on_start: Callable[[list[subprocess.Popen]], None] | None = None,
     stop_grace_s: float = 0.0,
 ) -> int | None:
+    # one piece: the signal forwarding, start, wait loop and cleanup share one `try` (every exit kills the children)
     """Runs processes until `decide` returns a status or `timeout_s` passes: the one process supervisor.
 
     Both of trainwell's multi-process runs go through here: the workers of a
@@ -412,7 +413,39 @@ def supervise(
                 signal.signal(s, h)
 
 
-def launch(
+def _private_network(isolate_network: bool | None) -> PrivateNetwork | None:
+    """`launch`'s `isolate_network`: the namespace, or `None` (off, or unavailable and not required: a warning)."""
+    required = isolate_network is True
+    if isolate_network is None:
+        isolate_network = os.environ.get(ISOLATE_ENV, "1").strip() != "0"
+    if not isolate_network:
+        return None
+    try:
+        return PrivateNetwork()
+    except OSError as e:
+        if required:
+            raise
+        print(
+            f"trainwell launch: cannot isolate the workers' network ({e}); their gRPC ports (TensorFlow's "
+            "servers, JAX's coordinator) listen on every interface of this machine, without authentication.",
+            file=sys.stderr,
+        )
+        return None
+
+
+def _report_failure(first_failure: tuple[int, int, float], status: int, logs: Path, workers: int) -> None:
+    """The failed job's line on stderr: the first worker that failed, then the other workers' last log lines."""
+    i, c, _ = first_failure
+    print(f"trainwell launch: worker {i} exited with status {c}; job status {status}. Worker logs: {logs}",
+          file=sys.stderr)
+    for j in range(1, workers):
+        path = logs / f"worker-{j}.log"
+        if path.is_file():
+            tail = path.read_bytes()[-2000:].decode("utf-8", "replace")
+            print(f"--- worker {j} (last lines) ---\n{tail}", file=sys.stderr)
+
+
+def launch(  # one piece: 12 documented arguments; checks, workers started, supervised, reported
     command: Sequence[str],
     workers: int,
     *,
@@ -473,21 +506,7 @@ def launch(
         raise invalid_argument("peer_grace_s", "a number >= 0", peer_grace_s)
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise invalid_argument("timeout_s", "None or a number > 0", timeout_s)
-    required = isolate_network is True
-    if isolate_network is None:
-        isolate_network = os.environ.get(ISOLATE_ENV, "1").strip() != "0"
-    network = None
-    if isolate_network:
-        try:
-            network = PrivateNetwork()
-        except OSError as e:
-            if required:
-                raise
-            print(
-                f"trainwell launch: cannot isolate the workers' network ({e}); their gRPC ports (TensorFlow's "
-                "servers, JAX's coordinator) listen on every interface of this machine, without authentication.",
-                file=sys.stderr,
-            )
+    network = _private_network(isolate_network)
     prefix = network.prefix if network is not None else []
     own_logs = log_dir is None
     logs = Path(tempfile.mkdtemp(prefix="trainwell-workers-")) if own_logs else Path(log_dir)
@@ -527,17 +546,7 @@ def launch(
             if f is not None:
                 f.close()
         if status not in (0, None) and first_failure:
-            i, c, _ = first_failure[0]
-            print(
-                f"trainwell launch: worker {i} exited with status {c}; job status {status}. "
-                f"Worker logs: {logs}",
-                file=sys.stderr,
-            )
-            for j in range(workers):
-                path = logs / f"worker-{j}.log"
-                if j != 0 and path.is_file():
-                    tail = path.read_bytes()[-2000:].decode("utf-8", "replace")
-                    print(f"--- worker {j} (last lines) ---\n{tail}", file=sys.stderr)
+            _report_failure(first_failure[0], status, logs, workers)
         elif own_logs:
             shutil.rmtree(logs, ignore_errors=True)
 
@@ -570,6 +579,7 @@ def launch_distributed(
     argv: Sequence[str], workers: int, *, host: str = "127.0.0.1", port: int | None = None,
     timeout_s: float | None = None, env=None, chief_grace_s: float = 60.0, log_dir=None,
 ) -> int:
+    # one piece: a 31-line docstring; the body starts the chief, then the workers, and waits for both
     """Runs a search as KerasTuner's chief oracle plus `workers` worker processes.
 
     Each process runs `python -m trainwell.cli <argv>` with KerasTuner's

@@ -2,8 +2,7 @@
 
 Keras's `CategoricalCrossentropy(label_smoothing=0.1)` keeps the smoothing as a
 Python float: it is a constant of the traced train step, so a new value means a
-new model and a new trace (seconds for a small MLP, tens of seconds for a
-ResNet-50 on a GPU). Population-based training changes it at every exploit that
+new model and a new trace (costly for a large model). Population-based training changes it at every exploit that
 explores it. `CategoricalCrossentropy` here is Keras's, with the smoothing held
 in a variable on TensorFlow: assigning `loss.label_smoothing` takes effect at the
 next step of the already traced function, and PBT's model cache
@@ -15,11 +14,10 @@ The arithmetic is Keras's (`keras.losses.categorical_crossentropy`:
 float to the loss's dtype, as Keras's constants are): values and gradients are
 bit for bit Keras's when computed eagerly; in a traced train step TensorFlow's
 graph optimizer folds Keras's constants where this reads variables, and the
-results differ in the last bits (weights about 1e-8 apart after an epoch of a
-small model). Keras's own tests for the class run against this one
-(`tests/conformance/`). On the JAX backend Keras's train step reads a variable
-outside the model's state as a constant of the compiled function, so there the
-smoothing stays a Python float (as in Keras) and changing it needs a new trace.
+results differ in the last bits. Keras's own tests for the class run against this one
+(`tests/conformance/`). Where the compiled step does not read a variable outside
+the model's state at each step (JAX: `trainwell.compat.kernels.train_step_reads_outside_variables`),
+the smoothing stays a Python float (as in Keras) and changing it needs a new trace.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The `trainwell` command line.
 
-One module (~750 lines): every command's body is here, on the orchestration floor, so
-the command line reads in one place; the work itself is in the recipes, `trainwell.tuning`,
+Every command's body is in this package, on the orchestration floor: this module holds
+the parser and the commands, `trainwell.cli.lr_find` the `lr-find` command (its public
+names are re-exported here). The work itself is in the recipes, `trainwell.tuning`,
 `trainwell.launch` and `trainwell.callbacks.lr_finder`.
 
     trainwell train RECIPE [--config FILE] [--set key=value ...]
@@ -365,8 +366,8 @@ def cmd_tune(args) -> int:
     # lazy: KerasTuner and TensorFlow load when a search runs, not for `trainwell --help`
     import keras_tuner
 
-    from trainwell import tuning
-    from trainwell.compat.keras_tuner import has_chief_oracle, is_chief_oracle
+    from trainwell import tuning  # lazy: imports KerasTuner and Keras
+    from trainwell.compat.keras_tuner import has_chief_oracle, is_chief_oracle  # lazy: imports KerasTuner
 
     directory = getattr(args, "directory", None) or "tuning"
     workers = int(getattr(args, "workers", 0) or 0)

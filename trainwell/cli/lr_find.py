@@ -120,6 +120,7 @@ def write_config_value(path: str | os.PathLike, key: str, value: Any, comment: s
 
 
 def lr_find_main(recipe_module, cfg, args) -> int:
+    # one piece: a 44-line docstring (the recipe protocol); the body is the command, top to bottom
     """`trainwell lr-find RECIPE`: runs the LR range test on a recipe's model and data.
 
     The protocol a recipe module follows (the first that applies):

@@ -3,16 +3,16 @@
 Keras 3's `keras.layers.BatchNormalization` computes the batch moments and the
 normalisation with separate ops on every backend (keras-team/keras-core#225), where
 tf.keras and TF Model Garden ran one `FusedBatchNormV3` kernel per layer (oneDNN on
-CPUs, cuDNN on GPUs). On the TensorFlow backend without XLA the separate ops cost
-ResNet-50 training about 15% of its throughput on CPU here (`bench/resnet_throughput.py`,
-the `fusedbn` experiment: 0.85x -> 0.98x Model Garden per CPU-second).
+CPUs, cuDNN on GPUs). On the TensorFlow backend without XLA the separate ops make
+ResNet-50 training measurably slower (figures: bench/README.md, `resnet_throughput.py`).
+The kernel itself is reached through `trainwell.compat.kernels`.
 
 `FusedBatchNormalization` extends Keras's layer instead of replacing it: same
 arguments, variables (`gamma`, `beta`, `moving_mean`, `moving_variance`), config,
 weight files and numbers (the moving variance uses the biased batch variance, as
 Keras does); only the kernel differs, and only where the fused kernel applies
-(TensorFlow backend, a 4-D input normalised over its last axis, no mask, no
-renormalisation, not synchronized). Everywhere else it is Keras's layer.
+(a backend with the fused kernel, i.e. TensorFlow; a 4-D input normalised over its
+last axis, no mask, no renormalisation, not synchronized). Everywhere else it is Keras's layer.
 
 The ResNet builds this class on every backend (`fused=False` where the fused
 kernel is not wanted): a checkpoint names a layer by its class

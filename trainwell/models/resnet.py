@@ -139,6 +139,7 @@ def build_resnet(
     width: int = 64,
     fused_batchnorm: bool | None = None,
 ) -> keras.Model:
+    # one piece: a 45-line docstring; the body checks the arguments, then builds stem, stages and head in order
     """Builds a ResNet v1.5 classifier (18, 34: basic blocks; 50, 101, 152: bottleneck).
 
     Extends nothing in Keras: `keras.applications.ResNet*` are v1 with conv biases,

@@ -163,6 +163,38 @@ def plot_trials(rows: Sequence[dict], objective_name: str, path, direction: str 
     return tw_io.save_figure(fig, path)
 
 
+def _write_csv(rows: list[dict], objective_name: str, path: Path) -> None:
+    """`summary.csv`: one row per trial, a column per hyperparameter any trial has."""
+    names: list[str] = []
+    for r in rows:
+        for k in r["hyperparameters"]:
+            if k not in names:
+                names.append(k)
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["rank", "trial_id", "status", objective_name, *names, "reason"])
+    for r in rows:
+        w.writerow([r["rank"] or "", r["trial_id"], r["status"], "" if r["score"] is None else r["score"],
+                    *[r["hyperparameters"].get(k, "") for k in names], r["reason"]])
+    atomic_write_text(path, buf.getvalue())
+
+
+def _print_summary(summary: dict, objective, top_k: int, files: dict) -> None:
+    """The printed summary: counts, the table, failed trials' reasons, the files written."""
+    rows = summary["trials"]
+    print()
+    print(f"Search summary: {summary['num_completed']} completed, {summary['num_failed']} failed "
+          f"of {summary['num_trials']} trials ({objective.name}, {objective.direction})"
+          + (f"; TRAINWELL_QUICK={summary['quick']} smoke test: the scores mean nothing" if summary["quick"] else ""))
+    print(format_table(rows, objective.name, top_k))
+    for r in rows:
+        if r["status"] in ("FAILED", "INVALID") and r["reason"]:
+            print(f"  trial {r['trial_id']} {r['status'].lower()}: {r['reason']}")
+    if summary["best"] is None:
+        print("No trial completed: no best score, no best model.")
+    print("files: " + ", ".join(f"{k}={v}" for k, v in files.items()))
+
+
 def summarize(tuner, top_k: int = 10, export: bool = True, print_table: bool = True) -> SearchResult:
     """Prints and saves the summary table, plots the trials and exports the best model.
 
@@ -197,18 +229,7 @@ def summarize(tuner, top_k: int = 10, export: bool = True, print_table: bool = T
         summary["lineage"] = lineage
     atomic_write_json(project_dir / "summary.json", summary)
     files["summary_json"] = str(project_dir / "summary.json")
-    names: list[str] = []
-    for r in rows:
-        for k in r["hyperparameters"]:
-            if k not in names:
-                names.append(k)
-    buf = io.StringIO()
-    w = csv.writer(buf)
-    w.writerow(["rank", "trial_id", "status", objective.name, *names, "reason"])
-    for r in rows:
-        w.writerow([r["rank"] or "", r["trial_id"], r["status"], "" if r["score"] is None else r["score"],
-                    *[r["hyperparameters"].get(k, "") for k in names], r["reason"]])
-    atomic_write_text(project_dir / "summary.csv", buf.getvalue())
+    _write_csv(rows, objective.name, project_dir / "summary.csv")
     files["summary_csv"] = str(project_dir / "summary.csv")
     files["plot"] = str(plot_trials(rows, objective.name, project_dir / "trials.png", objective.direction))
     if lineage is not None:
@@ -224,17 +245,7 @@ def summarize(tuner, top_k: int = 10, export: bool = True, print_table: bool = T
             warnings.warn(f"Best model not exported: {e}")
     atomic_write_json(project_dir / "summary.json", {**summary, "files": files})
     if print_table:
-        print()
-        print(f"Search summary: {summary['num_completed']} completed, {summary['num_failed']} failed "
-              f"of {summary['num_trials']} trials ({objective.name}, {objective.direction})"
-              + (f"; TRAINWELL_QUICK={summary['quick']} smoke test: the scores mean nothing" if summary["quick"] else ""))
-        print(format_table(rows, objective.name, top_k))
-        for r in rows:
-            if r["status"] in ("FAILED", "INVALID") and r["reason"]:
-                print(f"  trial {r['trial_id']} {r['status'].lower()}: {r['reason']}")
-        if best is None:
-            print("No trial completed: no best score, no best model.")
-        print("files: " + ", ".join(f"{k}={v}" for k, v in files.items()))
+        _print_summary(summary, objective, top_k, files)
     best_config = None
     hm = getattr(tuner, "hypermodel", None)
     if best is not None and callable(getattr(hm, "space", None)) and hasattr(getattr(hm, "cfg", None), "replace"):
