@@ -75,8 +75,8 @@ __all__ = [
     "BEST_MODEL_DIR", "KeepConfiguredLearningRate", "MAX_CONSECUTIVE_FAILED_TRIALS", "META_PREFIXES", "PBTOracle",
     "PBTTuner", "RUN_SUBDIR", "RecipeBayesianOptimization", "RecipeHyperModel", "RecipeHyperband",
     "RecipeRandomSearch", "RecipeTunerMixin", "SEARCH_CONFIG_FILE", "SearchFailedError", "SearchResult", "TUNERS",
-    "atomic_keras_tuner_saves", "batch_size_choice", "check_project_config", "check_search", "copy_checkpoint", "format_table",
-    "has_checkpoint", "hp_values", "launch_distributed", "log_float", "log_range", "make_tuner", "plot_lineage",
-    "plot_trials", "recipe_hypermodel", "reconcile_reloaded_trials", "recover_interrupted_trials",
+    "atomic_keras_tuner_saves", "batch_size_choice", "check_project_config", "check_search", "copy_checkpoint",
+    "format_table", "has_checkpoint", "hp_values", "launch_distributed", "log_float", "log_range", "make_tuner",
+    "plot_lineage", "plot_trials", "recipe_hypermodel", "reconcile_reloaded_trials", "recover_interrupted_trials",
     "resolve_hypermodel", "search", "starts_from_copied_checkpoint", "summarize", "trial_rows",
 ]
