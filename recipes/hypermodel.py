@@ -26,6 +26,7 @@ import keras
 import keras_tuner
 
 from trainwell.callbacks.checkpoint import list_checkpoints, load_checkpoint
+from trainwell.validation import invalid_argument
 
 
 # --------------------------------------------------------------------------- search-space helpers
@@ -172,20 +173,13 @@ class RecipeHyperModel(keras_tuner.HyperModel):
         objective="val_accuracy", direction="max", static=(), name=None,
     ):
         if not callable(space):
-            raise ValueError(f"Invalid value for argument `space`. Expected a callable. Received: space={space!r}")
+            raise invalid_argument("space", "a callable", space)
         if direction not in ("max", "min"):
-            raise ValueError(
-                f"Invalid value for argument `direction`. Expected 'max' or 'min'. Received: direction={direction!r}"
-            )
+            raise invalid_argument("direction", "'max' or 'min'", direction)
         if not isinstance(objective, str) or not objective:
-            raise ValueError(
-                f"Invalid value for argument `objective`. Expected a metric name. Received: objective={objective!r}"
-            )
+            raise invalid_argument("objective", "a metric name", objective)
         if not hasattr(recipe, "train"):
-            raise ValueError(
-                f"Invalid value for argument `recipe`. Expected a module with `train(cfg, callbacks=...)`. "
-                f"Received: recipe={recipe!r}"
-            )
+            raise invalid_argument("recipe", "a module with `train(cfg, callbacks=...)`", recipe)
         super().__init__(name=name or getattr(recipe, "RECIPE", None), tunable=True)
         self.recipe = recipe
         self.cfg = cfg

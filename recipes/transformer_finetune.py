@@ -66,6 +66,7 @@ from trainwell.data.embedded import minilm_preset_dir
 from trainwell.data.sources import check_preset, check_text_source
 from trainwell.data.text import load_label_map, save_label_map
 from trainwell.recipes.transformer_serving import EXPORT_DIR, export_model, load_exported, predict  # noqa: F401 - the recipe's API
+from trainwell.validation import invalid_argument
 
 RECIPE = "transformer-finetune"
 NO_DECAY_NAMES = ("gamma", "beta", "bias")  # LayerNorm scale/offset and biases [BERT]
@@ -273,7 +274,7 @@ def layerwise_lr_scales(model, decay: float) -> dict[str, float]:
     (1.0, 0.8)
     """
     if not 0 < decay <= 1:
-        raise ValueError(f"Invalid value for argument `decay`. Expected a float in (0, 1]. Received: decay={decay!r}")
+        raise invalid_argument("decay", "a float in (0, 1]", decay)
     backbone = model.backbone
     in_backbone = {id(v) for v in backbone.trainable_variables}
     layer_re = re.compile(r"(?:^|/|_)layer_(\d+)(?:/|$)")

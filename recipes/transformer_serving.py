@@ -23,6 +23,7 @@ import numpy as np
 
 from trainwell.data.text import load_label_map, make_eval_dataset, save_label_map
 from trainwell.io import fsync_dir
+from trainwell.validation import invalid_argument
 
 #: The export's directory inside a run directory.
 EXPORT_DIR = "model"
@@ -107,7 +108,7 @@ def predict(texts: Sequence[str], run_dir=None, *, model=None, class_names=None,
     import keras  # lazy: as keras_hub above
 
     if isinstance(texts, str):
-        raise ValueError(f"Invalid value for argument `texts`. Expected a list of strings. Received: texts={texts!r}")
+        raise invalid_argument("texts", "a list of strings", texts)
     texts = list(texts)
     if model is None:
         if run_dir is None:

@@ -36,6 +36,7 @@ import yaml
 from trainwell.config import ConfigError, os_error_reason
 from trainwell.io import atomic_write_json, atomic_write_text
 from trainwell.runtime import broadcast_from_chief, is_chief, num_replicas, num_workers
+from trainwell.validation import invalid_argument
 
 
 def package_versions() -> dict[str, str]:
@@ -209,7 +210,7 @@ def _unusable_dir(path: Path, name: str | None, what: str, e: OSError, missing: 
     if name is None:
         hint = " Set `run_dir` to a directory you can write." if what == "run directory" else ""
         return ConfigError(body[0].upper() + body[1:] + hint)
-    return ConfigError(f"Invalid value for `{name}`: {body} Received: {name}={str(path)!r}")
+    return invalid_argument(name, body.rstrip("."), str(path), what="", error=ConfigError)
 
 
 def shared_run_dir(

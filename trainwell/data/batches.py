@@ -33,6 +33,8 @@ import math
 import warnings
 import weakref
 
+from trainwell.validation import invalid_argument
+
 __all__ = ["pad_partial_batches"]
 
 # dataset -> (examples, largest batch): counted once per dataset object (one pass over it).
@@ -72,7 +74,7 @@ def pad_partial_batches(dataset, multiple_of: int):
     [2, 2]
     """
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
-        raise ValueError(f"Invalid value for argument `multiple_of`. Expected an int >= 1. Received: multiple_of={multiple_of!r}")
+        raise invalid_argument("multiple_of", "an int >= 1", multiple_of)
     import tensorflow as tf  # here: a tf.data pipeline means TensorFlow is loaded already
 
     if not isinstance(dataset, tf.data.Dataset):

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from trainwell.data.base import DataError
+from trainwell.validation import invalid_argument
 
 # Package, file inside it, and the pinned install command (constraints.txt).
 _SOURCES = {
@@ -66,10 +67,7 @@ def embedded_path(name: str) -> Path:
     'digits.csv.gz'
     """
     if name not in _SOURCES:
-        raise ValueError(
-            f"Invalid value for argument `name`. Expected one of {', '.join(map(repr, _SOURCES))}. "
-            f"Received: name={name!r}"
-        )
+        raise invalid_argument("name", f"one of {', '.join(map(repr, _SOURCES))}", name)
     package, rel, install = _SOURCES[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -159,7 +157,7 @@ def stratified_split(
     """
     for arg, v in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
         if not 0 <= v < 1:
-            raise ValueError(f"Invalid value for argument `{arg}`. Expected a float in [0, 1). Received: {arg}={v!r}")
+            raise invalid_argument(arg, "a float in [0, 1)", v)
     if val_fraction + test_fraction >= 1:
         raise ValueError(
             "Invalid split: `val_fraction + test_fraction` must be < 1. "
@@ -304,8 +302,5 @@ def load(name: str, val_fraction: float = 0.1, test_fraction: float = 0.2, seed:
     10
     """
     if name not in _LOADERS:
-        raise ValueError(
-            f"Invalid value for argument `name`. Expected one of {', '.join(map(repr, _LOADERS))}. "
-            f"Received: name={name!r}"
-        )
+        raise invalid_argument("name", f"one of {', '.join(map(repr, _LOADERS))}", name)
     return _LOADERS[name](val_fraction=val_fraction, test_fraction=test_fraction, seed=seed)

@@ -37,6 +37,7 @@ from trainwell.config import ConfigError, close_matches, config_error, did_you_m
 from trainwell.data import text
 from trainwell.data.base import DataError, DataNotFoundError, resolve_path
 from trainwell.data.embedded import embedded_path
+from trainwell.validation import invalid_argument
 
 
 EMBEDDED_IMAGE_DATASETS = ("mnist5k", "digits")
@@ -71,7 +72,7 @@ def _as_config_error(field: str, value: str):
     try:
         yield
     except DataError as e:
-        raise ConfigError(f"Invalid value for `{field}`: {e} Received: {field}={value!r}") from None
+        raise invalid_argument(field, str(e).rstrip("."), value, what="", error=ConfigError) from None
 
 
 def _kind(source: str) -> tuple[str, str]:
