@@ -17,7 +17,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from trainwell.callbacks.base import StatefulCallback, stateful_callbacks
+from trainwell.callbacks.base import StatefulCallback, constructor_config, stateful_callbacks
 from trainwell.callbacks.checkpoint import Checkpoint, load_checkpoint
 from trainwell.compat.metrics import is_improvement, metric_direction, monitored_value
 from trainwell.validation import invalid_argument, is_int, is_number
@@ -150,18 +150,8 @@ class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
 
     # ------------------------------------------------------------ config/state
     def get_config(self) -> dict[str, Any]:
-        return {
-            "monitor": self.monitor,
-            "min_delta": self._min_delta_arg,
-            "patience": self.patience,
-            "verbose": self.verbose,
-            "mode": self.mode,
-            "baseline": self.baseline,
-            "restore_best_weights": self.restore_best_weights,
-            "start_from_epoch": self.start_from_epoch,
-            "warmup_epochs": self.warmup_epochs,
-            "divergence_threshold": self.divergence_threshold,
-        }
+        # Keras keeps `abs(min_delta)` (negated in "min" mode): the argument is kept as given.
+        return {**constructor_config(self), "min_delta": self._min_delta_arg}
 
     def reset_state(self) -> None:
         self.wait = 0
