@@ -64,7 +64,6 @@ from trainwell.config import (
     MAX_SEED,
     ConfigError,
     check_dir_path,
-    config_error,
     did_you_mean,
     os_error_reason,
     override_text,
@@ -370,9 +369,7 @@ def cmd_tune(args) -> int:
     from trainwell.compat.keras_tuner import has_chief_oracle, is_chief_oracle  # lazy: imports KerasTuner
 
     directory = getattr(args, "directory", None) or "tuning"
-    workers = int(getattr(args, "workers", 0) or 0)
-    if workers < 0:
-        raise config_error("--workers", workers, "expected an integer >= 0")
+    workers = int(getattr(args, "workers", 0) or 0)  # >= 0: the parser's `_int_arg(0)` refused the rest
     check_dir_path(directory, "--directory", write=True)  # a file, read-only, permission denied: one line
     hm = _hypermodel_from_args(args)
     check_data_ready(hm.cfg.dataset, getattr(hm.cfg, "data_dir", None))  # e.g. a TFDS set not prepared: one line
