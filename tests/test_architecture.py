@@ -22,7 +22,25 @@ The rules, each checked for every module of the package:
   *method* of theirs overridden (`def _apply_weight_decay(self, ...)`) or called on
   `self`/`super()` (a rename upstream would silently skip an override);
 - local-import: an import inside a function without a comment saying why (on its line,
-  on the first import of its run, on a comment line above the run, or on the `try:` guarding it).
+  on the first import of its run, on a comment line above the run, or on the `try:` guarding it);
+- backend-branch: outside the seam `trainwell.compat`, code that asks which Keras backend
+  runs in order to act differently. What differs between TensorFlow and JAX is a compat
+  call (docs/backends.md). A breach is, in code (docstrings, comments and messages are
+  text, not code, and never count):
+  - `import jax` / `from jax... import ...`, at module level or in a function;
+  - a call of `keras.backend.backend()` or `keras.config.backend()` (any use: the name
+    of the backend, e.g. for a manifest, is `trainwell.compat.backend_name()`);
+  - a call of compat's `is_jax()` (a bool whose only use is a branch);
+  - a call of compat's `backend_name()` inside a condition (the test of an `if`,
+    `while`, conditional expression, `assert` or comprehension filter) or a comparison;
+    recording it (the run manifest) is not a branch;
+  - reading `KERAS_BACKEND` from this process's environment (`os.environ[...]`,
+    `os.environ.get`, `os.getenv`, `in os.environ`). Reading it from a mapping that
+    is not `os.environ` is not: `trainwell.launch` reads the *workers'* environment it
+    composes, a fact about other processes, not a branch of this one; setting it is
+    not a read either.
+  The checker reads expressions, not data flow: `b = backend_name()` then `if b == ...`
+  passes it; a review catches that.
 
 A violation accepted for a while goes in KNOWN with its reason, one strict xfail per
 (rule, file), so it flips to a failure once fixed and its entry must then be deleted.
@@ -204,6 +222,7 @@ def violations(root: Path = ROOT, package_dirs: dict = PACKAGE_DIRS, floors: dic
                     found.append(("back-edge", rel, f"line {imp.line}: floor {own} imports {target} (floor {theirs}) {how}"))
         found += [("local-import", rel, what) for what in _uncommented_local_imports(tree, lines)]
         if not in_seam:
+            found += [("backend-branch", rel, what) for what in _backend_branches(tree)]
             found += [("private", rel, what) for what in _private_attributes(tree, private_names)]
             found += [("private", rel, what) for what in _private_methods_of_bases(tree, private_methods)]
     for cycle in _cycles(graph):
@@ -237,6 +256,67 @@ def _uncommented_local_imports(tree, lines) -> list[str]:
                 where = f"{fn.name}()"
                 out.append(f"line {node.lineno}: `{lines[node.lineno - 1].strip()}` inside {where} without a comment saying why")
     return out
+
+
+def _dotted(node) -> str:
+    """`a.b.c` for a Name/Attribute chain, else ""."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return ""
+
+
+def _calls(node, *names: str) -> bool:
+    """Whether `node` calls a function whose dotted name is, or ends with `.` and, one of `names`."""
+    if not isinstance(node, ast.Call):
+        return False
+    name = _dotted(node.func)
+    return any(name == n or name.endswith("." + n) for n in names)
+
+
+def _reads_keras_backend_env(node) -> bool:
+    """`os.environ.get("KERAS_BACKEND")`, `os.getenv(...)`, `os.environ["KERAS_BACKEND"]`, `"KERAS_BACKEND" in os.environ`."""
+    def is_name(n):
+        return isinstance(n, ast.Constant) and n.value == "KERAS_BACKEND"
+
+    def is_environ(n):
+        return _dotted(n) in ("os.environ", "environ")
+
+    if isinstance(node, ast.Call):
+        return _calls(node, "environ.get", "getenv") and bool(node.args) and is_name(node.args[0])
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.ctx, ast.Load) and is_environ(node.value) and is_name(node.slice)
+    return (isinstance(node, ast.Compare) and is_name(node.left)
+            and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) and any(map(is_environ, node.comparators)))
+
+
+def _backend_branches(tree) -> list[str]:
+    """The backend-branch breaches of one module (the module docstring says what counts)."""
+    out = []
+    conditions = []  # expressions whose value decides what runs
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "jax" for a in node.names):
+            out.append(f"line {node.lineno}: imports jax")
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "jax":
+            out.append(f"line {node.lineno}: imports from {node.module}")
+        elif _calls(node, "backend.backend", "config.backend"):
+            out.append(f"line {node.lineno}: asks Keras for its backend ({_dotted(node.func)}())")
+        elif _calls(node, "is_jax"):
+            out.append(f"line {node.lineno}: is_jax()")
+        elif _reads_keras_backend_env(node):
+            out.append(f"line {node.lineno}: reads KERAS_BACKEND from os.environ")
+        if isinstance(node, (ast.If, ast.While, ast.IfExp, ast.Assert)):
+            conditions.append(node.test)
+        elif isinstance(node, ast.comprehension):
+            conditions.extend(node.ifs)
+        elif isinstance(node, ast.Compare):
+            conditions.append(node)
+    lines = sorted({n.lineno for c in conditions for n in ast.walk(c) if _calls(n, "backend_name")})
+    return out + [f"line {n}: backend_name() decides what runs" for n in lines]
 
 
 def _private_attributes(tree, private_names) -> list[str]:
@@ -354,9 +434,18 @@ _CLEAN = {
     "recipes/r.py": "from trainwell.callbacks.cb import C\n",
     "recipes/other.py": "import os\n",
     "trainwell/cli.py": "from trainwell.recipes import r\n",
-    "trainwell/launch.py": "import os\n",
+    # not backend branches: the workers' environment read and this one's set, the backend's name
+    # recorded, a docstring and a comment
+    "trainwell/launch.py": "import os\n\n\ndef envs(base_env):\n    '''KERAS_BACKEND=jax: keras.config.backend() == 'jax'.'''\n"
+                           "    os.environ['KERAS_BACKEND'] = 'jax'\n"
+                           "    return base_env.get('KERAS_BACKEND') == 'jax'\n",
+    "trainwell/rundir.py": "from trainwell.compat import backend_name\n\n\ndef manifest():\n"
+                           "    return {'backend': backend_name()}  # if backend_name() == 'jax': import jax\n",
     "trainwell/compat/__init__.py": "from keras.src import ops\n\n\ndef lr(o):\n    return o._learning_rate\n\n\n"
                                     "class NoDecay(Base):\n    def _apply_weight_decay(self, v):\n        return self._lr(v)\n",
+    # the seam may branch on the backend
+    "trainwell/compat/backend.py": "import os\n\nimport jax\nimport keras\n\n\ndef is_jax():\n"
+                                   "    return keras.config.backend() == 'jax' or os.environ.get('KERAS_BACKEND') == 'jax'\n",
 }
 
 
@@ -372,6 +461,21 @@ _CLEAN = {
     ({"recipes/r.py": "class O(Base):\n    def f(self):\n        return super()._lr(self._lr(1))\n"}, "private"),
     ({"recipes/r.py": "def f():\n    import keras\n    return keras\n"}, "local-import"),
     ({"trainwell/newthing.py": "x = 1\n"}, "floor"),
+    ({"recipes/r.py": "import keras\n\n\ndef f():\n    return 1 if keras.backend.backend() == 'jax' else 2\n"},
+     "backend-branch"),
+    ({"trainwell/io.py": "import keras\n\n\ndef f():\n    name = keras.config.backend()\n    return name\n"},
+     "backend-branch"),
+    ({"callbacks/cb.py": "from trainwell.compat.backend import is_jax\n\nJAX = is_jax()\n"}, "backend-branch"),
+    ({"callbacks/cb.py": "from trainwell.compat import backend_name\n\n\ndef f():\n"
+                         "    if backend_name() != 'tensorflow':\n        return 1\n"}, "backend-branch"),
+    ({"callbacks/cb.py": "from trainwell import compat\n\nTF = compat.backend_name() == 'tensorflow'\n"},
+     "backend-branch"),
+    ({"recipes/r.py": "import os\n\nJAX = os.environ.get('KERAS_BACKEND') == 'jax'\n"}, "backend-branch"),
+    ({"recipes/r.py": "import os\n\nJAX = os.getenv('KERAS_BACKEND', '') == 'jax'\n"}, "backend-branch"),
+    ({"recipes/r.py": "import os\n\nJAX = os.environ['KERAS_BACKEND'] == 'jax'\n"}, "backend-branch"),
+    ({"recipes/r.py": "import os\n\nSET = 'KERAS_BACKEND' in os.environ\n"}, "backend-branch"),
+    ({"recipes/r.py": "def f():\n    import jax  # lazy: only on JAX\n    return jax.devices()\n"}, "backend-branch"),
+    ({"trainwell/io.py": "from jax import numpy as jnp\n"}, "backend-branch"),
 ])
 def test_the_checker_finds_each_kind_of_breach(tmp_path, planted, rule):
     floors = dict(FLOORS)
