@@ -61,10 +61,9 @@ def _check_peak(peak_lr: Any) -> float:
     return float(peak_lr)
 
 
-def _check_warmup(warmup_steps: Any, upper: float | None, upper_name: str) -> int | float:
-    if not is_number(warmup_steps) or warmup_steps < 0 or (upper is not None and warmup_steps > upper):
-        bound = f" and <= {upper_name} ({upper})" if upper is not None else ""
-        raise invalid_argument("warmup_steps", f"a number >= 0{bound}", warmup_steps)
+def _check_warmup(warmup_steps: Any, upper: float, upper_name: str) -> int | float:
+    if not is_number(warmup_steps) or not 0 <= warmup_steps <= upper:
+        raise invalid_argument("warmup_steps", f"a number >= 0 and <= {upper_name} ({upper})", warmup_steps)
     return _step_count(warmup_steps)
 
 
@@ -126,15 +125,12 @@ class _WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
     def _base(self, step):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _warmup(self, step):
-        w = float(self.warmup_steps) if self.warmup_steps > 0 else 1.0
-        return self.warmup_start + (self.peak_lr - self.warmup_start) * (step / w)
-
     def __call__(self, step):
         step = ops.cast(step, "float32")
         value = self._base(step)
         if self.warmup_steps > 0:
-            value = ops.where(step < float(self.warmup_steps), self._warmup(step), value)
+            warmup = self.warmup_start + (self.peak_lr - self.warmup_start) * (step / float(self.warmup_steps))
+            value = ops.where(step < float(self.warmup_steps), warmup, value)
         return ops.cast(value, "float32") * ops.cast(self.multiplier, "float32")
 
     def get_config(self) -> dict[str, Any]:
