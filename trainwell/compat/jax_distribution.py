@@ -19,13 +19,15 @@ import re
 import sys
 from typing import Any
 
+import keras
 import numpy as np
 
+from trainwell.data.batches import pad_partial_batches
 from trainwell.validation import invalid_argument
 
 __all__ = [
-    "KERAS_DISTRIBUTION_ENV", "JaxStrategy", "ensure_host_devices", "initialize_jax_processes", "make_strategy",
-    "is_keras_distribution", "process_group",
+    "KERAS_DISTRIBUTION_ENV", "JaxStrategy", "EvenBatchesDataParallel", "ensure_host_devices",
+    "initialize_jax_processes", "make_strategy", "is_keras_distribution", "process_group",
 ]
 
 #: Keras's own environment variables for `keras.distribution.initialize()` (JAX multi-process);
@@ -37,10 +39,9 @@ _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
 
 def is_keras_distribution(obj) -> bool:
-    """Whether `obj` is a `keras.distribution` `DataParallel`/`ModelParallel` (never imports Keras)."""
+    """Whether `obj` is a `keras.distribution` `DataParallel`/`ModelParallel`."""
     # Keras exports no base class of its distributions; these are the two it offers.
-    keras = sys.modules.get("keras")
-    return keras is not None and isinstance(obj, (keras.distribution.DataParallel, keras.distribution.ModelParallel))
+    return isinstance(obj, (keras.distribution.DataParallel, keras.distribution.ModelParallel))
 
 
 class JaxStrategy:
@@ -158,7 +159,6 @@ def initialize_jax_processes() -> None:
     """
     # lazy: JAX loads with Keras's JAX backend only
     import jax
-    import keras
 
     if jax.distributed.is_initialized():
         return
@@ -238,49 +238,34 @@ def _multiprocess_requested() -> bool:
 
 
 def _data_parallel(devices) -> JaxStrategy:
-    return JaxStrategy(_even_batches_data_parallel()(devices=list(devices)))
+    return JaxStrategy(EvenBatchesDataParallel(devices=list(devices)))
 
 
-_EVEN_BATCHES: list = []
+class EvenBatchesDataParallel(keras.distribution.DataParallel):
+    """Keras's `DataParallel` whose datasets split evenly: a short last batch is padded.
 
+    Keras's `DataParallel` splits each batch evenly over every process's
+    devices; an evaluation split whose size is not a multiple of the global
+    batch ends with a batch that does not split (several processes: the
+    processes get different numbers of batches and the last collective waits
+    for ever; one process: the split fails). Before Keras shards a
+    `tf.data.Dataset` over the processes, this pads such a dataset's batches
+    to one size with zero-weighted examples (`trainwell.data.batches.
+    pad_partial_batches`): every example is scored once and the loss and
+    `weighted_metrics` equal a one-process evaluation. Metrics compiled as
+    `metrics=` ignore sample weights (Keras) and count the padding.
+    `make_strategy` builds this for `"auto"`, `"cpu:N"` and `"multiworker"`.
 
-def _even_batches_data_parallel():
-    """The class `EvenBatchesDataParallel` (made on first use: Keras loads lazily)."""
-    if _EVEN_BATCHES:
-        return _EVEN_BATCHES[0]
-    # lazy: Keras loads on first use (and its base class with it), not with this module
-    import keras
+    Example:
+    >>> make_strategy("cpu:2").distribution  # doctest: +SKIP
+    <EvenBatchesDataParallel device_mesh=...>
+    """
 
-    from trainwell.data.batches import pad_partial_batches
-
-    class EvenBatchesDataParallel(keras.distribution.DataParallel):
-        """Keras's `DataParallel` whose datasets split evenly: a short last batch is padded.
-
-        Keras's `DataParallel` splits each batch evenly over every process's
-        devices; an evaluation split whose size is not a multiple of the global
-        batch ends with a batch that does not split (several processes: the
-        processes get different numbers of batches and the last collective waits
-        for ever; one process: the split fails). Before Keras shards a
-        `tf.data.Dataset` over the processes, this pads such a dataset's batches
-        to one size with zero-weighted examples (`trainwell.data.batches.
-        pad_partial_batches`): every example is scored once and the loss and
-        `weighted_metrics` equal a one-process evaluation. Metrics compiled as
-        `metrics=` ignore sample weights (Keras) and count the padding.
-        `make_strategy` builds this for `"auto"`, `"cpu:N"` and `"multiworker"`.
-
-        Example:
-        >>> make_strategy("cpu:2").distribution  # doctest: +SKIP
-        <EvenBatchesDataParallel device_mesh=...>
-        """
-
-        def distribute_dataset(self, dataset):
-            replicas = JaxStrategy(self).num_replicas_in_sync
-            if replicas > 1:
-                dataset = pad_partial_batches(dataset, replicas)
-            return super().distribute_dataset(dataset)
-
-    _EVEN_BATCHES.append(EvenBatchesDataParallel)
-    return EvenBatchesDataParallel
+    def distribute_dataset(self, dataset):
+        replicas = JaxStrategy(self).num_replicas_in_sync
+        if replicas > 1:
+            dataset = pad_partial_batches(dataset, replicas)
+        return super().distribute_dataset(dataset)
 
 
 def local_devices(platform: str) -> list:
