@@ -39,7 +39,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from trainwell.data.images import IMAGENET_MEAN, IMAGENET_STD, _inception_window, build_image_datasets  # noqa: E402
+from trainwell.data.image_ops import inception_window  # noqa: E402
+from trainwell.data.images import IMAGENET_MEAN, IMAGENET_STD, build_image_datasets  # noqa: E402
 
 NUM_IMAGES = 200
 CLASSES = 4
@@ -96,11 +97,11 @@ def measure(ds: tf.data.Dataset, epochs: int) -> tuple[float, float]:
 def decode_floor(root: str, repeats: int = 2) -> dict:
     """CPU ms per image of the unavoidable work, one image at a time in one tf.function:
     decoding the Inception crop (`decode_and_crop_jpeg` of a window drawn by the
-    pipeline's own `_inception_window`) and resizing it to 224 px; and, for reference,
+    pipeline's own `inception_window`) and resizing it to 224 px; and, for reference,
     a full decode + resize."""
     paths = sorted(tf.io.gfile.glob(os.path.join(root, "*", "*.jpg")))
     blobs = [tf.io.read_file(p) for p in paths]
-    windows = [tf.stack(_inception_window(tf.constant([0, i]))(tf.image.extract_jpeg_shape(b)))
+    windows = [tf.stack(inception_window(tf.constant([0, i]))(tf.image.extract_jpeg_shape(b)))
                for i, b in enumerate(blobs)]
 
     def cpu_ms(fn) -> float:

@@ -365,7 +365,7 @@ def finish_run(ctx: RunContext, cfg, model, test_metrics: dict[str, float], hist
 
     `plots=False` for a run that is one segment of a longer one (a PBT or
     Hyperband segment, `train(segment=True)`): nothing reads its curves before
-    the last segment, and drawing them cost 0.7-1.4 s per segment.
+    the last segment, and drawing them costs seconds per segment.
 
     After a `fit` that trained nothing (`trained_nothing`) the run's files stay as they
     are: `metrics` are the ones `metrics.json` holds.

@@ -42,9 +42,8 @@ from trainwell.validation import invalid_argument
 def package_versions() -> dict[str, str]:
     """Installed versions of the packages a run depends on (missing ones omitted).
 
-    Read once per process (the ten `importlib.metadata.version` look-ups took
-    15 ms on a 2-core VM, paid by every PBT segment's manifest otherwise); a
-    copy is returned.
+    Read once per process (every PBT segment writes a manifest; bench/README.md
+    has the cost of the look-ups); a copy is returned.
 
     Example:
     >>> "python" in package_versions()

@@ -75,7 +75,7 @@ def pad_partial_batches(dataset, multiple_of: int):
     """
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
         raise invalid_argument("multiple_of", "an int >= 1", multiple_of)
-    import tensorflow as tf  # here: a tf.data pipeline means TensorFlow is loaded already
+    import tensorflow as tf  # lazy: TensorFlow at import time (a tf.data dataset here means it is loaded)
 
     if not isinstance(dataset, tf.data.Dataset):
         return dataset
@@ -113,7 +113,7 @@ def _pad_unknown_length(dataset, multiple_of: int):
     real examples weigh 1: `weighted_metrics` stay exact, and the loss Keras reports counts the
     padded slots (it is lower than the unpadded loss). Without a readable batch size it is
     returned as it is."""
-    from trainwell.compat.tf_internals import dataset_batch_size  # here: TensorFlow is loaded already
+    from trainwell.compat.tf_internals import dataset_batch_size  # lazy: it imports TensorFlow
 
     batch = dataset_batch_size(dataset)
     if batch is None:
@@ -132,7 +132,7 @@ def _pad_unknown_length(dataset, multiple_of: int):
 def _padded(dataset, size: int, real_weight: float):
     """Each batch of `dataset` as `(x, y, sample_weight)` of `size` examples: the real ones weighted
     `real_weight` (times their own weight), then copies of the first weighted 0."""
-    import tensorflow as tf  # here: see pad_partial_batches
+    import tensorflow as tf  # lazy: TensorFlow at import time (see pad_partial_batches)
 
     def pad(t):
         # Copies of the batch's first example: real inputs (no all-zero image or fully masked
@@ -164,7 +164,7 @@ def _count(dataset) -> tuple[int, int]:
         return _COUNTS[dataset]
     except (KeyError, TypeError):
         pass
-    import tensorflow as tf  # here: see pad_partial_batches
+    import tensorflow as tf  # lazy: TensorFlow at import time (see pad_partial_batches)
 
     sizes = dataset.map(lambda *e: tf.cast(tf.shape(tf.nest.flatten(e)[0])[0], tf.int64))
     total, largest = sizes.reduce(

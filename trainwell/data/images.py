@@ -1,7 +1,8 @@
 """Image classification input pipelines: TFDS, image folders, ImageNet TFRecords, embedded, synthetic.
 
-One module (~1,200 lines) because every source feeds the same decode, augment, batch
-and shard steps, which must stay identical across sources for exact resume.
+Every source (`trainwell.data.image_sources`) feeds the same decode and augment
+(`trainwell.data.image_ops`), batch and shard steps (here), which must stay identical
+across sources for exact resume.
 
 One function, `build_image_datasets`, returns train/val/test `tf.data.Dataset`s of
 `(image, label)` batches plus their metadata (`ImageDatasets`). What it does is the
@@ -41,9 +42,8 @@ a TFRecord without image or label; a label out of range), and a record that fail
 replaced by a flagged placeholder, counted and filtered out. What the decoders still
 reject after that check (rare: damaged entropy-coded data) is dropped by
 `ignore_errors(log_warning=True)`: the run goes on and TensorFlow logs it, but it is
-not in the count. (A fully exact count needs each record in its own `ignore_errors`
-dataset, which cost 0.4-0.6 ms of CPU per image here, about a quarter of decoding.)
-The count grows as the datasets are iterated.
+not in the count (counting it too needs each record in its own `ignore_errors` dataset:
+too slow; bench/README.md). The count grows as the datasets are iterated.
 
 Batches per epoch: the training dataset yields exactly `ImageDatasets.steps` batches per iteration
 (times its share of the replicas under `input_context`) and has that cardinality, so Keras,
@@ -74,26 +74,25 @@ import json
 import logging
 import math
 import os
-import re
 import threading
 import zlib
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from trainwell.data.sources import (
-    AUGMENTATIONS,
-    DataError,
-    DataNotFoundError,
-    check_image_folder,
-    list_images,
-    resolve_path,
+from trainwell.data.image_ops import Transform, valid_image
+from trainwell.data.image_sources import (
+    IMAGENET_TRAIN_EXAMPLES,
+    IMAGENET_VAL_EXAMPLES,
+    SPLITS,
+    TFRECORD_IMAGE_KEY,
+    TFRECORD_LABEL_KEY,
+    Source,
+    Split,
+    open_source,
 )
-from trainwell.data import embedded
-from trainwell.data.base import open_tfds_builder
-from trainwell.data.embedded import stratified_split
+from trainwell.data.sources import AUGMENTATIONS, DataError
 from trainwell.validation import invalid_argument, is_int, is_number
 
 logger = logging.getLogger("trainwell.data")
@@ -109,19 +108,6 @@ GRAY_STD = (0.226,)
 SMALL_IMAGE_MAX = 64
 EVAL_CROP_FRACTION = 0.875
 
-# imagenet_to_gcs.py / TF Model Garden ImageNet TFRecord layout.
-TFRECORD_IMAGE_KEY = "image/encoded"
-TFRECORD_LABEL_KEY = "image/class/label"
-IMAGENET_TRAIN_EXAMPLES = 1_281_167
-IMAGENET_VAL_EXAMPLES = 50_000
-
-# TFDS datasets whose held-out split is called "validation" (and have no "test").
-# Used only when the builder's info has no split metadata (e.g. under tfds mocking).
-_TFDS_VALIDATION_ONLY = {"imagenet2012", "imagenette", "imagewang", "imagenet_resized", "imagenet2012_subset",
-                         "food101", "imagenet_a", "imagenet_r", "imagenet_lt", "stanford_online_products"}
-
-_SPLITS = ("train", "val", "test")
-
 
 # --------------------------------------------------------------------------- metadata
 class SkipCounter:
@@ -135,8 +121,8 @@ class SkipCounter:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._keys: dict[str, set[str]] = {s: set() for s in _SPLITS}
-        self._events: dict[str, int] = {s: 0 for s in _SPLITS}
+        self._keys: dict[str, set[str]] = {s: set() for s in SPLITS}
+        self._events: dict[str, int] = {s: 0 for s in SPLITS}
 
     def record(self, split: str, key: str) -> None:
         with self._lock:
@@ -251,519 +237,7 @@ def _num_workers_from_tf_config() -> int:
     return max(1, sum(len(cluster.get(k) or []) for k in ("chief", "worker")))
 
 
-def _carve(key: tf.Tensor, split_seed: int) -> tf.Tensor:
-    """A deterministic number in [0, 1) per record, from a hash of its bytes."""
-    h = tf.strings.to_hash_bucket_fast(key, 1 << 62)
-    mixed = tf.bitwise.bitwise_xor(h, tf.constant((split_seed * 0x9E3779B97F4A7C15) & ((1 << 62) - 1), tf.int64))
-    return tf.cast(tf.math.floormod(mixed, 1_000_003), tf.float64) / 1_000_003.0
-
-
 # --------------------------------------------------------------------------- image ops
-def _decode_window(image_bytes, channels: int, window_fn):
-    """Decodes only `window_fn(shape)` of a JPEG; other formats are decoded, then cropped."""
-    def jpeg():
-        y, x, h, w = window_fn(tf.image.extract_jpeg_shape(image_bytes))
-        return tf.image.decode_and_crop_jpeg(image_bytes, tf.stack([y, x, h, w]), channels=channels)
-
-    def other():
-        image = tf.io.decode_image(image_bytes, channels=channels, expand_animations=False)
-        y, x, h, w = window_fn(tf.shape(image))
-        return tf.slice(image, tf.stack([y, x, 0]), tf.stack([h, w, channels]))
-
-    image = tf.cond(tf.io.is_jpeg(image_bytes), jpeg, other)
-    image.set_shape([None, None, channels])
-    return image
-
-
-def _crop_array(image, window_fn):
-    y, x, h, w = window_fn(tf.shape(image))
-    return tf.slice(image, tf.stack([y, x, 0]), tf.stack([h, w, tf.shape(image)[2]]))
-
-
-def _inception_window(seed):
-    def fn(shape):
-        begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
-            tf.cast(shape, tf.int32),
-            bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
-            seed=seed,
-            min_object_covered=0.0,
-            aspect_ratio_range=(3.0 / 4.0, 4.0 / 3.0),
-            area_range=(0.08, 1.0),
-            max_attempts=10,
-            use_image_if_no_bounding_boxes=True,
-        )
-        return begin[0], begin[1], size[0], size[1]
-
-    return fn
-
-
-def _center_window(fraction: float):
-    def fn(shape):
-        h, w = tf.cast(shape[0], tf.int32), tf.cast(shape[1], tf.int32)
-        side = tf.maximum(1, tf.cast(tf.round(fraction * tf.cast(tf.minimum(h, w), tf.float32)), tf.int32))
-        return (h - side + 1) // 2, (w - side + 1) // 2, side, side
-
-    return fn
-
-
-def _tail_contains(image_bytes, seq: bytes, window: int = 1024):
-    n = tf.strings.length(image_bytes)
-    start = tf.maximum(n - window, 0)
-    tail = tf.io.decode_raw(tf.strings.substr(image_bytes, start, n - start), tf.uint8)
-    m = tf.maximum(tf.shape(tail)[0] - len(seq) + 1, 0)
-    hit = tf.ones([m], tf.bool)
-    for i, c in enumerate(seq):
-        hit = tf.logical_and(hit, tf.equal(tail[i : i + m], c))
-    return tf.reduce_any(hit)
-
-
-def _valid_image(image_bytes):
-    """Cheap structural check, in-graph: a known image signature and, for JPEG and PNG,
-    an end marker (EOI `FFD9`, `IEND`) in the last KiB. Catches empty, non-image
-    (HTML error pages, text), garbled-header and truncated files without decoding.
-    The common case (a JPEG ending in EOI) costs three small ops."""
-
-    def jpeg():
-        n = tf.strings.length(image_bytes)
-        last = tf.strings.substr(image_bytes, tf.maximum(n - 2, 0), tf.minimum(n, 2))
-        return tf.cond(
-            tf.equal(last, b"\xff\xd9"), lambda: tf.constant(True), lambda: _tail_contains(image_bytes, b"\xff\xd9")
-        )
-
-    def other():
-        n = tf.strings.length(image_bytes)
-        head = tf.strings.join([tf.strings.substr(image_bytes, 0, tf.minimum(n, 12)), "\0" * 12])
-
-        def starts(signature: bytes, pos: int = 0):
-            return tf.equal(tf.strings.substr(head, pos, len(signature)), signature)
-
-        png = tf.logical_and(starts(b"\x89PNG\r\n\x1a\n"), _tail_contains(image_bytes, b"IEND"))
-        webp = tf.logical_and(starts(b"RIFF"), starts(b"WEBP", 8))
-        return tf.reduce_any(tf.stack([png, starts(b"GIF8"), starts(b"BM"), webp]))
-
-    return tf.cond(tf.io.is_jpeg(image_bytes), jpeg, other)
-
-
-class _Transform:
-    """Per-example decode + augmentation, for one policy. Images come out float32 in
-    [0, 255]; `normalise` runs on whole batches (one vectorised op instead of three per
-    image)."""
-
-    def __init__(self, *, image_size, channels, augment, eval_crop_fraction, mean, std, num_classes, one_hot,
-                 crop_padding=None):
-        self.size = image_size
-        self.channels = channels
-        self.augment = augment
-        self.eval_crop = eval_crop_fraction
-        self.crop_padding = max(1, int(round(image_size / 8))) if crop_padding is None else crop_padding
-        # Tiled to the full image: broadcasting a 3-vector over the channel axis runs a
-        # scalar loop in Eigen; broadcasting an [S, S, C] image over the batch axis is
-        # vectorised (0.15 vs 0.55 ms of CPU per 224-px image here).
-        tile = [image_size, image_size, 1]
-        self.offset = tf.tile(tf.constant([[[255.0 * m for m in mean]]], tf.float32), tile)
-        self.scale = tf.tile(tf.constant([[[1.0 / (255.0 * d) for d in std]]], tf.float32), tile)
-        self.num_classes = num_classes
-        self.one_hot = one_hot
-
-    def normalise(self, images, labels):
-        return (images - self.offset) * self.scale, labels
-
-    def label(self, label):
-        label = tf.cast(label, tf.int32)
-        return tf.one_hot(label, self.num_classes, dtype=tf.float32) if self.one_hot else label
-
-    def label_ok(self, label):
-        return tf.logical_and(label >= 0, label < self.num_classes)
-
-    def _resize(self, image):
-        image = tf.image.resize(image, [self.size, self.size], method="bilinear")
-        image.set_shape([self.size, self.size, self.channels])
-        return image
-
-    def _decode(self, payload, window, encoded):
-        return _decode_window(payload, self.channels, window) if encoded else _crop_array(payload, window)
-
-    def train_image(self, payload, seed, *, encoded: bool):
-        crop_seed, flip_seed, pad_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 3))
-        if self.augment == "inception":
-            image = self._resize(self._decode(payload, _inception_window(crop_seed), encoded))
-            return tf.image.stateless_random_flip_left_right(image, flip_seed)
-        window = _center_window(1.0 if self.augment != "none" else self.eval_crop)
-        image = self._resize(self._decode(payload, window, encoded))
-        if self.augment in ("pad_crop", "pad_crop_flip"):
-            pad = self.crop_padding
-            image = tf.pad(image, [[pad, pad], [pad, pad], [0, 0]])
-            image = tf.image.stateless_random_crop(image, [self.size, self.size, self.channels], pad_seed)
-            if self.augment == "pad_crop_flip":
-                image = tf.image.stateless_random_flip_left_right(image, flip_seed)
-        return image
-
-    def eval_image(self, payload, *, encoded: bool):
-        return self._resize(self._decode(payload, _center_window(self.eval_crop), encoded))
-
-    def placeholder(self):
-        return tf.zeros([self.size, self.size, self.channels], tf.float32)
-
-
-# --------------------------------------------------------------------------- sources
-@dataclasses.dataclass
-class _Split:
-    """Records of one split: a function returning a dataset of (payload, label, key)."""
-    make: Any  # (shard: tuple[int, int] | None, ordered: bool = False) -> tf.data.Dataset of (payload, label, key)
-    count: int | None
-    kind: str  # "path" (folder), "example" (TFRecord), "bytes" (TFDS), "array" (uint8 image)
-    num_files: int = 0
-
-
-@dataclasses.dataclass
-class _Source:
-    splits: dict[str, _Split | None]
-    num_classes: int
-    class_names: list[str]
-    channels: int
-    shards_itself: bool = False  # tfds: input_context is passed to the reader
-    unreadable: dict[str, list[str]] = dataclasses.field(default_factory=dict)
-
-
-def _split_fractions(val_fraction, test_fraction, has_val, has_test):
-    """Which splits are carved from train: returns (val_from_train, test_from_train)."""
-    if has_test:
-        return (0.0 if has_val else val_fraction), 0.0
-    if has_val:  # the validation split becomes test
-        return val_fraction, 0.0
-    return val_fraction, test_fraction
-
-
-def _embedded_source(name, *, val_fraction, test_fraction, split_seed, seed):
-
-    splits = embedded.load(name, val_fraction=val_fraction, test_fraction=test_fraction, seed=split_seed)
-
-    def make_split(xy):
-        x, y = xy
-        if len(y) == 0:
-            return None
-        x = np.asarray(x, np.uint8)
-        y = np.asarray(y, np.int64)
-
-        def make(shard, ordered=False):
-            xs, ys = (x, y) if shard is None else (x[shard[1] :: shard[0]], y[shard[1] :: shard[0]])
-            keys = np.array([f"{name}[{i}]" for i in range(len(ys))])
-            return tf.data.Dataset.from_tensor_slices((xs, ys, keys))
-
-        return _Split(make, len(y), "array")
-
-    return _Source(
-        {"train": make_split(splits.train), "val": make_split(splits.val), "test": make_split(splits.test)},
-        splits.num_classes,
-        list(splits.class_names),
-        channels=int(splits.train[0].shape[-1]),
-    )
-
-
-def _list_class_dir(root: Path) -> tuple[dict[str, list[str]], list[str]]:
-    """`{class: [image paths]}` of `root`, and the image paths that cannot be read."""
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    out, unreadable = {}, []
-    for c in classes:
-        files = []
-        for path in list_images(root / c)[0]:
-            (files if os.access(path, os.R_OK) else unreadable).append(path)
-        out[c] = files
-    return out, unreadable
-
-
-def _folder_source(path, *, val_fraction, test_fraction, split_seed, seed, data_dir):
-    root = Path(resolve_path(path, data_dir))
-    check_image_folder(root)  # exists, 2+ classes with images, not every image corrupt
-    sub = {p.name.lower(): p for p in root.iterdir() if p.is_dir()}
-    split_dirs = {}
-    if "train" in sub:
-        split_dirs["train"] = sub["train"]
-        for name in ("val", "validation"):
-            if name in sub:
-                split_dirs["val"] = sub[name]
-                break
-        if "test" in sub:
-            split_dirs["test"] = sub["test"]
-    else:
-        split_dirs["train"] = root
-    listed = {k: _list_class_dir(v) for k, v in split_dirs.items()}
-    listing = {k: v[0] for k, v in listed.items()}
-    class_names = sorted(c for c, files in listing["train"].items() if files)
-    index = {c: i for i, c in enumerate(class_names)}
-
-    def flat(split):
-        paths, labels = [], []
-        for c, files in listing[split].items():
-            if not files:
-                continue
-            if c not in index:
-                raise DataError(
-                    f"Class folder {c!r} of {str(split_dirs[split])!r} does not exist in the training folder "
-                    f"{str(split_dirs['train'])!r} (source 'folder:{path}')."
-                )
-            paths.extend(files)
-            labels.extend([index[c]] * len(files))
-        return np.array(paths, dtype=object), np.array(labels, np.int64)
-
-    has_val, has_test = "val" in split_dirs, "test" in split_dirs
-    val_f, test_f = _split_fractions(val_fraction, test_fraction, has_val, has_test)
-    tp, tl = flat("train")
-    arrays = {}
-    if val_f > 0 or test_f > 0:
-
-        idx = stratified_split(tl, val_f, test_f, split_seed)
-        arrays["train"] = (tp[np.sort(idx["train"])], tl[np.sort(idx["train"])])
-        if val_f > 0:
-            arrays["val"] = (tp[np.sort(idx["val"])], tl[np.sort(idx["val"])])
-        if test_f > 0:
-            arrays["test"] = (tp[np.sort(idx["test"])], tl[np.sort(idx["test"])])
-    else:
-        arrays["train"] = (tp, tl)
-    if has_test:
-        arrays["test"] = flat("test")
-        if has_val:
-            arrays["val"] = flat("val")
-    elif has_val:
-        arrays["test"] = flat("val")
-
-    def make_split(split):
-        if split not in arrays or len(arrays[split][1]) == 0:
-            return None
-        p, y = arrays[split]
-
-        def make(shard, ordered=False):
-            ps, ys = (p, y) if shard is None else (p[shard[1] :: shard[0]], y[shard[1] :: shard[0]])
-            # File names as the bytes the OS gave (os.fsencode): a name that is not UTF-8
-            # is read like any other instead of failing the tensor conversion.
-            ps = np.array([os.fsencode(x) for x in ps], dtype=object)
-            return tf.data.Dataset.from_tensor_slices((ps, ys, ps))
-
-        return _Split(make, len(y), "path", num_files=len(y))
-
-    # Unreadable files (permissions, dangling links) are skipped and counted at listing time.
-    as_split = {"train": "train", "val": "val" if has_test else "test", "test": "test"}
-    unreadable = {as_split[k]: v[1] for k, v in listed.items() if v[1]}
-    return _Source({s: make_split(s) for s in _SPLITS}, len(class_names), class_names, channels=3,
-                   unreadable=unreadable)
-
-
-def _tfrecord_source(pattern, *, val_fraction, test_fraction, split_seed, seed, data_dir, num_classes,
-                     num_examples, label_offset, cycle_length):
-    full = resolve_path(pattern, data_dir)
-    if os.path.isdir(full):
-        full = os.path.join(full, "*")
-    files = sorted(f for f in tf.io.gfile.glob(full) if not tf.io.gfile.isdir(f))
-    if not files:
-        parent = os.path.dirname(full) or "."
-        if not tf.io.gfile.exists(parent):
-            raise DataNotFoundError(f"TFRecord directory not found: {parent!r} (source 'tfrecord:{pattern}').")
-        raise DataNotFoundError(f"No TFRecord files match {full!r} (source 'tfrecord:{pattern}').")
-    base = {f: os.path.basename(f) for f in files}
-    by_split = {
-        "train": [f for f in files if base[f].startswith("train")],
-        "validation": [f for f in files if base[f].startswith(("validation", "val-", "val_"))],
-        "test": [f for f in files if base[f].startswith("test")],
-    }
-    if not any(by_split.values()):  # no train-/validation- prefixes: everything is training data
-        by_split["train"] = files
-    if not by_split["train"]:
-        raise DataError(f"No training shards (train-*) among the {len(files)} files matching {full!r}.")
-    has_val, has_test = bool(by_split["validation"]), bool(by_split["test"])
-    val_f, test_f = _split_fractions(val_fraction, test_fraction, has_val, has_test)
-    label_offset = 1 if label_offset is None else label_offset
-
-    imagenet_layout = (
-        len(by_split["train"]) == 1024
-        and all(re.search(r"-of-01024$", base[f]) for f in by_split["train"])
-        and len(by_split["validation"]) == 128
-    )
-
-    def record_filter(lo, hi):
-        if lo <= 0.0 and hi >= 1.0:
-            return None
-        def keep(record, f):
-            u = _carve(record, split_seed)
-            return tf.logical_and(u >= lo, u < hi)
-
-        return keep
-
-    def reader(shard_files, keep, shuffle_files):
-        def make(shard, ordered=False):
-            fl = list(shard_files)
-            record_shard = None
-            if shard is not None:
-                if len(fl) >= shard[0]:
-                    fl = fl[shard[1] :: shard[0]]
-                else:
-                    record_shard = shard
-            ds = tf.data.Dataset.from_tensor_slices(fl)
-            if shuffle_files and not ordered:
-                ds = ds.shuffle(len(fl), seed=seed, reshuffle_each_iteration=True)
-            ds = ds.interleave(
-                lambda f: tf.data.TFRecordDataset(f, buffer_size=8 << 20).map(lambda r: (r, f)),
-                cycle_length=min(cycle_length, len(fl)),
-                block_length=1,
-                num_parallel_calls=AUTOTUNE,
-                deterministic=True,
-            )
-            if keep is not None:
-                ds = ds.filter(keep)
-            if record_shard is not None:
-                ds = ds.shard(*record_shard)
-            return ds.map(lambda r, f: (r, tf.constant(0, tf.int64), f))
-
-        return make
-
-    counts_given = num_examples is not None
-
-    def count(shard_files, keep, known):
-        if counts_given:
-            return known
-        if imagenet_layout and known is not None:
-            return known
-        ds = tf.data.TFRecordDataset(shard_files, num_parallel_reads=min(cycle_length, len(shard_files)))
-        if keep is not None:
-            ds = ds.filter(lambda r: keep(r, ""))
-        try:
-            return int(ds.reduce(np.int64(0), lambda c, _: c + 1).numpy())
-        except tf.errors.DataLossError:
-            raise _not_a_tfrecord(shard_files, pattern) from None
-
-    num_examples = num_examples or {}
-    train_keep = record_filter(val_f + test_f, 1.0)
-    val_keep = record_filter(0.0, val_f) if val_f > 0 else None
-    test_keep = record_filter(val_f, val_f + test_f) if test_f > 0 else None
-    n_imagenet_train = IMAGENET_TRAIN_EXAMPLES if imagenet_layout else None
-    splits: dict[str, _Split | None] = {s: None for s in _SPLITS}
-    known_train = num_examples.get("train", None if n_imagenet_train is None else round(n_imagenet_train * (1 - val_f - test_f)))
-    splits["train"] = _Split(reader(by_split["train"], train_keep, True), count(by_split["train"], train_keep, known_train),
-                             "example", num_files=len(by_split["train"]))
-    if val_f > 0:
-        known = num_examples.get("val", None if n_imagenet_train is None else round(n_imagenet_train * val_f))
-        splits["val"] = _Split(reader(by_split["train"], val_keep, False), count(by_split["train"], val_keep, known),
-                               "example", num_files=len(by_split["train"]))
-    elif has_val and has_test:
-        splits["val"] = _Split(reader(by_split["validation"], None, False),
-                               count(by_split["validation"], None, num_examples.get("val")),
-                               "example", num_files=len(by_split["validation"]))
-    if has_test:
-        splits["test"] = _Split(reader(by_split["test"], None, False), count(by_split["test"], None, num_examples.get("test")),
-                                "example", num_files=len(by_split["test"]))
-    elif has_val:
-        known = num_examples.get("test", IMAGENET_VAL_EXAMPLES if imagenet_layout else None)
-        splits["test"] = _Split(reader(by_split["validation"], None, False), count(by_split["validation"], None, known),
-                                "example", num_files=len(by_split["validation"]))
-    elif test_f > 0:
-        splits["test"] = _Split(reader(by_split["train"], test_keep, False),
-                                count(by_split["train"], test_keep, num_examples.get("test")),
-                                "example", num_files=len(by_split["train"]))
-    n_classes = num_classes or 1000
-    return _Source(splits, n_classes, [str(i) for i in range(n_classes)], channels=3)
-
-
-def _not_a_tfrecord(files: list[str], pattern: str) -> DataError:
-    """One line naming the first of `files` that TensorFlow cannot read as TFRecords (read one by one)."""
-    for f in files:
-        try:
-            tf.data.TFRecordDataset(f).reduce(np.int64(0), lambda c, _: c + 1)
-        except tf.errors.DataLossError as e:
-            why = str(e.message).split("}}")[-1].strip().split(" (")[0].split(" [Op:")[0]  # "corrupted record at 0"
-            return DataError(f"Not a TFRecord file, or a damaged one: {f!r} ({why}; source 'tfrecord:{pattern}').")
-    return DataError(f"Unreadable TFRecord data among the {len(files)} files of source 'tfrecord:{pattern}'.")
-
-
-def _tfds_source(name, *, val_fraction, test_fraction, split_seed, seed, data_dir, input_context, cycle_length):
-    # lazy: TFDS loads on first use, not with this module
-    import tensorflow_datasets as tfds
-
-    builder = open_tfds_builder(name, data_dir)
-    info = builder.info
-    image_keys = [k for k, f in info.features.items() if isinstance(f, tfds.features.Image)]
-    label_keys = [k for k, f in info.features.items() if isinstance(f, tfds.features.ClassLabel)]
-    if not image_keys or not label_keys:
-        raise DataError(
-            f"TFDS dataset {name!r} is not an image classification dataset: it needs an Image and a ClassLabel "
-            f"feature. Features: {list(info.features)}."
-        )
-    image_key = "image" if "image" in image_keys else image_keys[0]
-    label_key = "label" if "label" in label_keys else label_keys[0]
-    label_feature = info.features[label_key]
-    shape = info.features[image_key].shape
-    channels = int(shape[-1]) if shape and shape[-1] in (1, 3) else 3
-
-    known = dict(info.splits.items()) if info.splits else {}
-    if known:
-        available = set(known)
-    else:
-        base_name = name.split(":")[0].split("/")[0]
-        available = {"train", "validation"} if base_name in _TFDS_VALIDATION_ONLY else {"train", "test"}
-    if "train" not in available:
-        raise DataError(f"TFDS dataset {name!r} has no 'train' split. Splits: {sorted(available)}.")
-    has_val, has_test = "validation" in available, "test" in available
-    val_f, test_f = _split_fractions(val_fraction, test_fraction, has_val, has_test)
-    n_train = known["train"].num_examples if "train" in known else None
-
-    def slice_(lo, hi):
-        if lo <= 0 and hi >= 1:
-            return "train"
-        if n_train:
-            a, b = int(round(lo * n_train)), int(round(hi * n_train))
-            return f"train[{a}:{b}]"
-        return f"train[{int(round(lo * 100))}%:{int(round(hi * 100))}%]"
-
-    split_names = {"train": slice_(val_f + test_f, 1.0)}
-    if val_f > 0:
-        split_names["val"] = slice_(0.0, val_f)
-    elif has_val and has_test:
-        split_names["val"] = "validation"
-    if has_test:
-        split_names["test"] = "test"
-    elif has_val:
-        split_names["test"] = "validation"
-    elif test_f > 0:
-        split_names["test"] = slice_(val_f, val_f + test_f)
-
-    def make_split(split):
-        if split not in split_names:
-            return None
-        tfds_split = split_names[split]
-        count = None
-        if known:
-            try:
-                count = int(known[tfds_split].num_examples) if tfds_split in known else int(info.splits[tfds_split].num_examples)
-            except Exception:  # pragma: no cover - unusual split strings
-                count = None
-
-        def make(shard, ordered=False):
-            read_config = tfds.ReadConfig(
-                shuffle_seed=seed,
-                input_context=input_context,
-                add_tfds_id=True,
-                try_autocache=False,
-                interleave_cycle_length=cycle_length,
-            )
-            try:
-                ds = builder.as_dataset(
-                    split=tfds_split,
-                    shuffle_files=(split == "train" and not ordered),
-                    decoders={image_key: tfds.decode.SkipDecoding()},
-                    read_config=read_config,
-                )
-            except (AssertionError, FileNotFoundError, tf.errors.NotFoundError) as e:
-                raise DataNotFoundError(
-                    f"TFDS dataset {name!r} is not prepared in data_dir {str(builder.data_dir)!r}: "
-                    f"{str(e).strip().rstrip('.')}. "
-                    f"Prepare it first (e.g. `tfds build {name} --data_dir DIR`; ImageNet needs a manual download)."
-                ) from None
-            return ds.map(lambda ex: (ex[image_key], ex[label_key], ex["tfds_id"]))
-
-        return _Split(make, count, "bytes")
-
-    splits = {s: make_split(s) for s in _SPLITS}
-    return _Source(splits, int(label_feature.num_classes), list(label_feature.names), channels, shards_itself=True)
-
-
 # --------------------------------------------------------------------------- pipeline
 def _skip_recorder(skips: SkipCounter, split: str, hashed_key: bool):
     """Returns `on_error(key, payload) -> False` that records a skipped image (runs in Python)."""
@@ -789,6 +263,7 @@ def _drop_flag(image, label, ok):
 
 
 def build_image_datasets(
+    # one piece: a docstring that is the reference of every argument, then the build steps in order.
     source: str,
     image_size: int,
     global_batch_size: int,
@@ -904,7 +379,7 @@ def build_image_datasets(
     if source.partition(":")[0].strip().lower() == "synthetic":
         return _synthetic(source, image_size, global_batch_size, batch_size, seed, num_classes or 1000, one_hot,
                           synthetic_examples)
-    src = _open_source(
+    src = open_source(
         source, data_dir=data_dir, num_classes=num_classes, num_examples=num_examples, label_offset=label_offset,
         cycle_length=cycle_length, input_context=input_context if shard else None,
         val_fraction=val_fraction, test_fraction=test_fraction, split_seed=split_seed, seed=seed,
@@ -915,7 +390,7 @@ def build_image_datasets(
     if eval_crop_fraction is None:
         eval_crop_fraction = EVAL_CROP_FRACTION if image_size > SMALL_IMAGE_MAX else 1.0
     mean, std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else (GRAY_MEAN, GRAY_STD)
-    transform = _Transform(image_size=image_size, channels=channels, augment=augment,
+    transform = Transform(image_size=image_size, channels=channels, augment=augment,
                            eval_crop_fraction=eval_crop_fraction, mean=mean, std=std,
                            num_classes=src.num_classes, one_hot=one_hot, crop_padding=crop_padding)
     skips = SkipCounter()
@@ -928,7 +403,7 @@ def build_image_datasets(
         label_offset=1 if label_offset is None else label_offset,
     )
 
-    counts = {s: (src.splits[s].count if src.splits[s] is not None else 0) for s in _SPLITS}
+    counts = {s: (src.splits[s].count if src.splits[s] is not None else 0) for s in SPLITS}
     if counts["train"] == 0:
         raise DataError(f"The training split of {source!r} is empty.")
     steps = _steps(counts, global_batch_size)
@@ -1001,25 +476,7 @@ def _check_arguments(*, source, image_size, global_batch_size, augment, val_frac
     return augment
 
 
-def _open_source(source, *, data_dir, num_classes, num_examples, label_offset, cycle_length, input_context,
-                 val_fraction, test_fraction, split_seed, seed) -> _Source:
-    """The `_Source` that `source` names (not `"synthetic"`); an unknown name raises `invalid_argument`'s error."""
-    kind, _, rest = source.partition(":")
-    kind = kind.strip().lower()
-    common = dict(val_fraction=val_fraction, test_fraction=test_fraction, split_seed=split_seed, seed=seed)
-    if source in ("mnist5k", "digits") or (kind == "embedded" and rest in ("mnist5k", "digits")):
-        return _embedded_source(rest or source, **common)
-    if kind == "folder" and rest:
-        return _folder_source(rest, data_dir=data_dir, **common)
-    if kind == "tfrecord" and rest:
-        return _tfrecord_source(rest, data_dir=data_dir, num_classes=num_classes, num_examples=num_examples,
-                                label_offset=label_offset, cycle_length=cycle_length, **common)
-    if kind == "tfds" and rest:
-        return _tfds_source(rest, data_dir=data_dir, input_context=input_context, cycle_length=cycle_length, **common)
-    raise invalid_argument("source", "'tfds:NAME', 'folder:PATH', 'tfrecord:GLOB', 'mnist5k', 'digits' or 'synthetic'", source)
-
-
-def _shard_options(src: _Source, shard, deterministic: bool) -> tf.data.Options:
+def _shard_options(src: Source, shard, deterministic: bool) -> tf.data.Options:
     """The datasets' options: determinism and the auto-shard policy (OFF when sharded by `input_context`)."""
     options = tf.data.Options()
     options.deterministic = deterministic
@@ -1048,10 +505,10 @@ def _steps(counts: dict[str, int | None], global_batch_size: int) -> dict[str, i
 
 @dataclasses.dataclass
 class _Pipeline:
-    """Turns a source's `_Split`s into batched `(image, label)` datasets: read, check, decode and augment, batch."""
+    """Turns a source's `Split`s into batched `(image, label)` datasets: read, check, decode and augment, batch."""
 
-    src: _Source
-    transform: _Transform
+    src: Source
+    transform: Transform
     skips: SkipCounter
     shard: tuple[int, int] | None
     options: tf.data.Options
@@ -1089,7 +546,7 @@ class _Pipeline:
             return parse
         return lambda payload, label: (payload, label)
 
-    def records(self, rec: _Split, ordered: bool = False):
+    def records(self, rec: Split, ordered: bool = False):
         """`rec`'s `(payload, label, key)` records of this pipeline's shard; `ordered`: files unshuffled."""
         return rec.make(self.shard if (self.shard is not None and not self.src.shards_itself) else None, ordered)
 
@@ -1105,7 +562,7 @@ class _Pipeline:
         def fn(payload, label, key, *extra):
             image_bytes, label = read(payload, label)
             label = tf.cast(label, tf.int32)
-            ok = tf.logical_and(_valid_image(image_bytes), transform.label_ok(label))
+            ok = tf.logical_and(valid_image(image_bytes), transform.label_ok(label))
             image = tf.cond(ok, lambda: make_image(image_bytes, *extra), transform.placeholder)
             flag = tf.cond(ok, lambda: tf.constant(True), lambda: on_error(key, image_bytes))
             return image, transform.label(label), flag
@@ -1145,7 +602,7 @@ class _Pipeline:
         ds = ds.map(self.transform.normalise, num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE)
         return ds.with_options(self.options_of(split))
 
-    def augmented(self, rec: _Split, *, top_up: bool = False):
+    def augmented(self, rec: Split, *, top_up: bool = False):
         """`(image, label, ok)` of the training records: (cached,) shuffled, augmented with a
         per-element seed. `top_up`: the records in their stored order (no shuffle, no cache,
         no seed generator drawn from, skips not counted again), augmented with other seeds."""
@@ -1188,7 +645,7 @@ class _Pipeline:
         return ds.map(lambda p, y, k, s: (transform.train_image(p, s, encoded=False), transform.label(y)),
                       num_parallel_calls=AUTOTUNE)
 
-    def train(self, rec: _Split, batches: int | None = None):
+    def train(self, rec: Split, batches: int | None = None):
         """The training dataset: (cached,) shuffled, augmented with a per-element seed, batched.
 
         With `batches`, exactly that many full batches per iteration: an epoch short of them
@@ -1209,7 +666,7 @@ class _Pipeline:
             ds = ds.concatenate(self.drop_flagged(self.augmented(rec, top_up=True)).repeat())
         return self.finish(ds, "train", batches=batches)
 
-    def evaluation_examples(self, split, rec: _Split):
+    def evaluation_examples(self, split, rec: Split):
         """`(image, label)` of each readable example of an evaluation split, once, in order
         (centre crop, no shuffle)."""
         ds = self.records(rec)
@@ -1220,13 +677,13 @@ class _Pipeline:
         fn = self.checked(split, rec.kind, lambda image_bytes: transform.eval_image(image_bytes, encoded=True))
         return self.drop_flagged(ds.map(fn, num_parallel_calls=AUTOTUNE), train=False)
 
-    def readable(self, split, rec: _Split) -> int:
+    def readable(self, split, rec: Split) -> int:
         """How many examples an evaluation split of encoded images scores: one pass of
         `evaluation_examples` (what the check flags and what the decoders reject is not
         counted, and the skipped images are counted in `skips` from here on)."""
         return int(self.evaluation_examples(split, rec).reduce(np.int64(0), lambda n, _: n + 1))
 
-    def evaluation(self, split, rec: _Split, examples: int | None = None):
+    def evaluation(self, split, rec: Split, examples: int | None = None):
         """A validation or test dataset: every readable example once (the last batch may be short),
         in batches whose number is its cardinality, so Keras reads no further and does not warn
         that the data ran out.

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from trainwell.data import DataError
-from trainwell.data import images as im
+from trainwell.data import image_ops
 from trainwell.data.images import GRAY_MEAN, GRAY_STD, IMAGENET_MEAN, IMAGENET_STD, build_image_datasets
 from trainwell.data.sources import check_image_folder, image_problem
 
@@ -297,7 +297,7 @@ def test_pad_crop_never_flips_but_pad_crop_flip_does():
     kw = dict(image_size=16, channels=1, eval_crop_fraction=1.0, mean=(0.0,), std=(1.0,), num_classes=2, one_hot=False)
     left_brighter = {}
     for policy in ("pad_crop", "pad_crop_flip"):
-        t = im._Transform(augment=policy, **kw)
+        t = image_ops.Transform(augment=policy, **kw)
         sides = []
         for s in range(24):
             out = t.train_image(tf.constant(image), tf.constant([s, 7], tf.int64), encoded=False).numpy()
@@ -366,7 +366,7 @@ def test_structural_check_catches_truncated_and_non_images(tmp_path):
         "empty": (b"", False), "html": (b"<html>404 not found</html>", False), "gif": (b"GIF89a...;", True),
         "one byte": (b"\xff", False),
     }
-    check = tf.function(im._valid_image)
+    check = tf.function(image_ops.valid_image)
     got = {k: bool(check(tf.constant(v))) for k, (v, _) in cases.items()}
     assert got == {k: want for k, (_, want) in cases.items()}
     # The Python mirror that checks folders when a config is built agrees with the in-graph check.
