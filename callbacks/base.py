@@ -100,10 +100,7 @@ class StatefulCallback(keras.callbacks.Callback):
         registry = getattr(model, _REGISTRY_ATTR, None)
         if registry is None:
             registry = {}
-            try:
-                object.__setattr__(model, _REGISTRY_ATTR, registry)
-            except Exception:  # pragma: no cover
-                setattr(model, _REGISTRY_ATTR, registry)
+            object.__setattr__(model, _REGISTRY_ATTR, registry)  # not a tracked layer attribute
         registry[self.key] = self
 
     def on_train_begin(self, logs=None) -> None:
