@@ -11,7 +11,7 @@ with `np.load(..., allow_pickle=False)`.
 A checkpoint is written into `directory/.tmp-ckpt-XXXX` (`write_npz`,
 `write_text`), then committed by `commit_directory`: each file and the
 temporary directory fsynced, one `os.rename` to `directory/ckpt-<step>`; the
-index `directory/checkpoint.json` is then rewritten atomically, and the one
+index `directory/checkpoint.json` is then replaced (`write_index`), and the one
 fsync of `directory` that ends it makes both renames durable. A loader
 therefore never sees a half-written checkpoint: a `.tmp-ckpt-*` directory is
 ignored (and removed when the next run starts, `clean_stale_temporaries`), and
@@ -459,8 +459,8 @@ def write_text(path: Path, text: str) -> None:
 def commit_directory(tmp: Path, final: Path) -> None:
     """Commits the checkpoint written in `tmp` as `final`: its files and `tmp` fsynced, then one rename.
 
-    The rename is durable once `final.parent` is fsynced: the index's atomic
-    rewrite that follows a save does it, so one fsync covers both renames. A
+    The rename is durable once `final.parent` is fsynced: `write_index`, which
+    follows it in a save, does it, so one fsync covers both renames. A
     checkpoint already at `final` (a rerun of the same step) is moved aside
     first and removed once the new one is durable.
     """
@@ -477,6 +477,25 @@ def commit_directory(tmp: Path, final: Path) -> None:
     if old is not None:
         fsync_dir(directory)
         shutil.rmtree(old.parent, ignore_errors=True)
+
+
+def write_index(directory: Path, index: dict) -> None:
+    """Replaces `directory`'s index (a temporary, one rename), then fsyncs `directory`.
+
+    The index's own bytes are not fsynced: it is a cache of the committed
+    checkpoints' `entry` records, and `list_checkpoints` reads those from disk
+    when the index is missing or unreadable. The temporary is named as
+    `trainwell.io`'s are, so `clean_stale_temporaries` removes a killed one.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{INDEX_FILE}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+        os.replace(tmp, directory / INDEX_FILE)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(directory)
 
 
 def clean_stale_temporaries(directory: Path) -> None:

@@ -209,17 +209,7 @@ class ResumeMixin:
                         "%s with shuffle=True in a way a checkpoint cannot replay (docs/checkpoint.md).",
                         self.epoch + 1, what,
                     )
-            if skip and self._order_rng:
-                # The interrupted run's iterator drew its order (a shuffled PyDataset's) at its first
-                # batch from the global RNGs as they were then; this one draws it from the same states.
-                now = order_rng_capture()
-                order_rng_restore(self._order_rng)
-                try:
-                    taken = self._skip_batches(data_iterator, skip)
-                finally:
-                    order_rng_restore(now)
-            else:
-                taken = self._skip_batches(data_iterator, skip)
+            taken = self._skip_batches(data_iterator, skip)
             self._last_iterator, self._consumed = data_iterator, taken
             if taken < skip:
                 self._alert(
@@ -235,10 +225,18 @@ class ResumeMixin:
             self._mute_stateful_hooks()
 
 
-    @staticmethod
-    def _skip_batches(iterator, n: int) -> int:
-        """Takes `n` batches from `iterator` without training on them; returns how many it got."""
-        return sum(1 for _ in itertools.islice(iterator, n))
+    def _skip_batches(self, iterator, n: int) -> int:
+        """Takes `n` batches from `iterator` without training on them; returns how many it got.
+
+        The interrupted run's iterator drew its order (a shuffled PyDataset's) at its first
+        batch from the global RNGs as they were then; this one draws it from the same states.
+        """
+        now = order_rng_capture()
+        order_rng_restore(self._order_rng or now)
+        try:
+            return sum(1 for _ in itertools.islice(iterator, n))
+        finally:
+            order_rng_restore(now)
 
 
     def _announce_resume(self, path: str, pos: dict, epochs, start_epoch: int, stopped: bool, train_longer: bool) -> None:

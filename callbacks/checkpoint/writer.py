@@ -4,8 +4,8 @@
 state into a committed checkpoint (`_save`): a snapshot of every array
 (`state.capture`, no copy), the JSON state, then the files written and
 committed through `files` (`write_npz`, `write_text`, `commit_directory`; the
-test suite stalls or fails a save by patching those), the index rewritten
-atomically (its fsync of the directory makes the commit's rename durable too),
+test suite stalls or fails a save by patching those), the index replaced
+(`write_index`: its fsync of the directory makes the commit's rename durable too),
 and the checkpoints beyond `keep_last`/`keep_best` removed. With `async_save`
 everything after the snapshot runs in one writer thread, in order. Only the
 chief writes into `directory`; other workers write the same files to a scratch
@@ -46,7 +46,7 @@ from trainwell.callbacks.checkpoint.state import Plan, capture, host, json_safe,
 from trainwell.compat.backend import sync_variables
 from trainwell.compat.learning_rate import get_lr_multiplier
 from trainwell.compat.metrics import finite_value, metric_direction
-from trainwell.io import atomic_write_json, atomic_write_text
+from trainwell.io import atomic_write_text
 
 
 class CheckpointWriter:
@@ -264,8 +264,8 @@ class CheckpointWriter:
             keep |= {x["name"] for x in self._best_entries(entries)[: self.keep_best]}
             kept = [x for x in entries if x["name"] in keep]
             dropped = [x for x in entries if x["name"] not in keep]
-            atomic_write_json(
-                directory / INDEX_FILE,
+            files.write_index(
+                directory,
                 {
                     "format": FORMAT_VERSION,
                     "monitor": self.monitor,
@@ -291,6 +291,5 @@ class CheckpointWriter:
 
     def _resolve_mode(self, use_model: bool = True) -> str:
         """`trainwell.compat.metric_direction`: Keras's rule with the model, else by name; "min" if neither says."""
-        model = self.model if use_model else None
-        found = metric_direction(self.monitor, self.mode, model) if model is not None else None
+        found = metric_direction(self.monitor, self.mode, self.model) if use_model and self.model is not None else None
         return found or metric_direction(self.monitor, self.mode) or "min"

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -704,6 +705,44 @@ def test_failing_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     for k, v in loaded.items():
         assert np.array_equal(v, snap["arrays"][k]), k
     assert len(saved) == 4
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names an fd's file through /proc")
+def test_a_commit_fsyncs_each_file_and_directory_once_before_it_is_visible_and_rotated(tmp_path, monkeypatch):
+    # The order a power loss needs (POSIX: a rename is durable once its directory is fsynced), in 4
+    # fsyncs a save: the checkpoint's two files and its temporary directory before the rename, then
+    # the directory holding both renames (the checkpoint's and the index's, whose bytes are a cache)
+    # before an older checkpoint is removed.
+    d = (tmp_path / "ck").resolve()
+    events = []
+
+    def recording(kind, real, name_of):
+        def call(*args, **kwargs):
+            events.append((kind, name_of(*args)))
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(os, "fsync", recording("fsync", os.fsync, lambda fd: os.readlink(f"/proc/self/fd/{fd}")))
+    monkeypatch.setattr(os, "rename", recording("rename", os.rename, lambda src, dst: str(dst)))
+    monkeypatch.setattr(os, "replace", recording("rename", os.replace, lambda src, dst: str(dst)))
+    monkeypatch.setattr(shutil, "rmtree", recording("rmtree", shutil.rmtree, lambda path, **kw: str(path)))
+    _fit(_model(), [Checkpoint(d, save_every=4, keep_last=1, keep_best=0)], epochs=1)  # saves at steps 4, 8, 10
+    commits = [i for i, e in enumerate(events) if e[0] == "rename" and Path(e[1]).name.startswith("ckpt-")]
+    assert [Path(events[i][1]).name for i in commits] == ["ckpt-4", "ckpt-8", "ckpt-10"]
+    assert sum(e[0] == "fsync" for e in events) == 4 * len(commits)
+    start = 0
+    for i in commits:
+        synced = [Path(e[1]) for e in events[start:i] if e[0] == "fsync"]
+        assert sorted(p.name for p in synced if p.parent.name.startswith(".tmp-ckpt-")) == ["arrays.npz", "state.json"]
+        assert synced[-1].name.startswith(".tmp-ckpt-")  # the temporary directory, after its files
+        after = events[i + 1:]
+        index = after.index(("rename", str(d / "checkpoint.json")))
+        assert after[index + 1] == ("fsync", str(d))  # durable: both renames
+        removed = [k for k, e in enumerate(after) if e[0] == "rmtree" and Path(e[1]).name.startswith("ckpt-")]
+        assert all(k > index + 1 for k in removed[:1])
+        start = i + 1
+    assert [e["name"] for e in list_checkpoints(d)] == ["ckpt-10"]
 
 
 def test_failing_async_save_raises_on_next_call(tmp_path, monkeypatch):
