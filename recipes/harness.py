@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from trainwell import rundir, runtime
-from trainwell.compat.devices import on_accelerator
 from trainwell.config import ConfigError
 from trainwell.data.base import DataError
 from trainwell.io import atomic_write_json, new_figure, remove_stale_temporaries, save_figure
@@ -429,6 +428,8 @@ def steps_per_execution(value: int | None) -> int:
     """
     if value is not None:
         return int(value)
+    from trainwell.compat.devices import on_accelerator  # lazy: trainwell.compat imports Keras
+
     return ACCELERATOR_STEPS_PER_EXECUTION if on_accelerator() else 1
 
 
@@ -445,7 +446,7 @@ def log_learning_rate(model):
     # lazy: Keras and the callbacks load when a run starts, not with the harness
     import keras
 
-    from trainwell.callbacks.schedules import current_lr
+    from trainwell.callbacks.schedules import current_lr  # lazy: the callbacks import Keras
 
     def log(epoch, logs):
         if logs is not None:
@@ -493,6 +494,7 @@ def fail_on_empty_epoch():
 
 
 def standard_callbacks(
+    # one piece: the recipes' callback stack in its order (the order is behaviour), one step per callback
     cfg,
     run_dir: str | os.PathLike,
     *,
@@ -550,9 +552,11 @@ def standard_callbacks(
     # lazy: Keras and the callbacks load when a run starts, not with the harness
     import keras
 
-    from trainwell import quick
-    from trainwell.callbacks import Checkpoint, EarlyStopping, NaNRollback, TensorBoard, TrainingDoctor, WarmupCosine
-    from trainwell.callbacks.schedules import WarmupCosineDecay
+    from trainwell import quick  # lazy: it imports Keras
+    from trainwell.callbacks import (  # lazy: the callbacks import Keras
+        Checkpoint, EarlyStopping, NaNRollback, TensorBoard, TrainingDoctor, WarmupCosine,
+    )
+    from trainwell.callbacks.schedules import WarmupCosineDecay  # lazy: the callbacks import Keras
 
     run_dir = Path(run_dir)
     out: list = [fail_on_empty_epoch()]  # first: no other callback sees an epoch without a batch

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
+from pathlib import Path
 from typing import Literal, Optional
 
 from trainwell.config import (
@@ -386,7 +388,7 @@ def build_optimizer(cfg: Config, steps_per_epoch: int, learning_rate=None):
     # lazy: Keras/TensorFlow load on first use, not with this module
     import keras
 
-    from trainwell.callbacks.schedules import WarmupCosineDecay, WarmupStepDecay
+    from trainwell.callbacks.schedules import WarmupCosineDecay, WarmupStepDecay  # lazy: the callbacks import Keras
 
     total = max(1, cfg.epochs * steps_per_epoch)
     warmup = min(total, int(round(cfg.warmup_epochs * steps_per_epoch)))
@@ -509,8 +511,8 @@ def train(cfg: Config | None = None, *, callbacks=None, model_hook=None, segment
     # lazy: the harness and the quick switch import Keras; loaded when training starts
     from trainwell import quick
     from trainwell.compat import build_before_fit, raw_learning_rate
-    from trainwell.recipes import harness
-    from trainwell.callbacks import WarmupCosine
+    from trainwell.recipes import harness  # lazy: it imports Keras
+    from trainwell.callbacks import WarmupCosine  # lazy: the callbacks import Keras
 
     cfg = _cfg(cfg, overrides)
     with harness.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
@@ -613,12 +615,9 @@ def export_model(model, cfg: Config, run_dir=None, path="best_model"):
     >>> export_model(run.model, run.config, run.run_dir, "served")  # doctest: +SKIP
     >>> keras.models.load_model("served/model.keras").predict(load("digits").test[0])  # doctest: +SKIP
     """
-    import os  # lazy, as the other imports here: Keras and TensorFlow load on first use
-    from pathlib import Path
+    import keras  # lazy: Keras at import time
 
-    import keras
-
-    from trainwell.data.images import (
+    from trainwell.data.images import (  # lazy: it imports TensorFlow
         EVAL_CROP_FRACTION, GRAY_MEAN, GRAY_STD, IMAGENET_MEAN, IMAGENET_STD, SMALL_IMAGE_MAX,
     )
 

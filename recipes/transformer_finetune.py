@@ -485,6 +485,7 @@ def build_callbacks(cfg: Config, run_dir, schedule=None, chief: bool = True, has
 # --------------------------------------------------------------------------- train
 def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, model_hook=None, segment: bool = False,
           **overrides):
+    # one piece: a run's steps in their order inside one `setup_run` scope: data, model, callbacks, fit, test, export
     """Fine-tunes the recipe and returns a `trainwell.recipes.harness.RunResult`.
 
     Args:
@@ -514,8 +515,8 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, model_
     # lazy: the harness and the quick switch import Keras; loaded when training starts
     from trainwell import quick
     from trainwell.compat import build_before_fit, inner_optimizer, raw_learning_rate
-    from trainwell.recipes import harness
-    from trainwell.callbacks import StopAtStep, WarmupCosine
+    from trainwell.recipes import harness  # lazy: it imports Keras
+    from trainwell.callbacks import StopAtStep, WarmupCosine  # lazy: the callbacks import Keras
 
     if data is not None:
         overrides = {**overrides, "dataset": "memory"}

@@ -100,10 +100,11 @@ def test_rerun_of_a_run_without_checkpoint_says_it_starts_from_scratch(tmp_path,
 
 def test_steps_per_execution_default_follows_the_device(monkeypatch):
     # Issue 21: None -> 8 on a GPU/TPU strategy or distribution, 1 on CPUs; a value set is kept.
+    from trainwell.compat import devices
     from trainwell.recipes import harness
 
     assert harness.steps_per_execution(None) == 1  # this machine: CPUs only
-    monkeypatch.setattr(harness, "on_accelerator", lambda: True)
+    monkeypatch.setattr(devices, "on_accelerator", lambda: True)
     assert harness.steps_per_execution(None) == harness.ACCELERATOR_STEPS_PER_EXECUTION == 8
     assert harness.steps_per_execution(3) == 3
 

@@ -552,15 +552,19 @@ def load_text_splits(
         raw, where = _memory_source(source)
 
     texts = {k: _as_texts(v[0], where[k]) for k, v in raw.items()}
-    for k, t in texts.items():
-        if len(t) == 0:
-            raise DataError(f"No examples in {where[k]}.")
+    _check_not_empty(texts, where)
     names_arg = class_names if class_names is not None else names_from_source
     labels, names = _encode_labels({k: v[1] for k, v in raw.items()}, names_arg, where)
 
     train, val, test = _carve(texts, labels, val_fraction, test_fraction, seed, where)
     out = TextSplits(name=name, train=train, val=val, test=test, class_names=list(names))
     return _truncate(out, max_train_examples)
+
+
+def _check_not_empty(texts: dict, where: dict) -> None:
+    for k, t in texts.items():
+        if len(t) == 0:
+            raise DataError(f"No examples in {where[k]}.")
 
 
 def _check_split_arguments(val_fraction, test_fraction, max_train_examples, label_field) -> None:
