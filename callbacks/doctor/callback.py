@@ -581,10 +581,12 @@ class TrainingDoctor(StatefulCallback):
         self.compute_times.append(seconds * (self._train_bs / pb if self._train_bs and pb else 1.0))
 
     def _cpu_wait_per_step(self) -> float | None:
-        """CPU wait per step since the check about `len(step_times)` steps ago: the
-        largest run-queue delay any thread gathered, per step (see `check_input_bound`);
-        `None` at the first check (whose span would hold the tracing) and where the
-        statistics are not available."""
+        """CPU wait per step since the check about `len(step_times)` steps ago.
+
+        The largest run-queue delay any thread gathered, per step (see
+        `check_input_bound`); `None` at the first check (whose span would hold the
+        tracing) and where the statistics are not available.
+        """
         now = run_queue_delays()
         if now is None:
             return None
