@@ -254,6 +254,10 @@ def _skip_recorder(skips: SkipCounter, split: str, hashed_key: bool):
     return on_error
 
 
+def _drop_position(position, example):
+    return example
+
+
 def _flag_only(image, label, ok):
     return ok
 
@@ -596,7 +600,10 @@ class _Pipeline:
         train = split == "train"
         if self.cache and not train:  # evaluation output is deterministic: cache the decoded images
             ds = ds.cache("" if self.cache is True else f"{self.cache}_{split}")
-        ds = ds.batch(self.batch_size, drop_remainder=train)
+        if train:
+            ds = ds.batch(self.batch_size, drop_remainder=True)
+        else:
+            ds = _batch_with_even_tail(ds, int(ds.cardinality()), self.batch_size)
         if batches is not None:
             ds = ds.take(batches)  # a known cardinality (a `filter` leaves it unknown)
         ds = ds.map(self.transform.normalise, num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE)
@@ -690,12 +697,42 @@ class _Pipeline:
 
         Encoded images: `examples` is `readable`'s count (images skipped as corrupt are not
         scored, and nothing can stand in for them: an empty batch breaks convolutions on
-        TensorFlow's CPU kernels, a placeholder would be scored).
+        TensorFlow's CPU kernels, a placeholder would be scored). The last two batches share
+        what is left over (`_batch_with_even_tail`): no replica gets an empty batch.
         """
         ds = self.evaluation_examples(split, rec)
         if examples is not None:
             ds = ds.apply(tf.data.experimental.assert_cardinality(examples))
         return self.finish(ds, split)
+
+
+def _batch_with_even_tail(ds, n: int, batch: int):
+    """`ds`'s `n` examples in `ceil(n / batch)` batches: full ones, then the last two share the
+    remainder evenly (batches of 16 for 33 examples: 16, 9, 8 instead of 16, 16, 1).
+
+    A last batch smaller than the replicas leaves a replica an empty batch, which TensorFlow's
+    oneDNN convolutions reject ("input depth must be evenly divisible by filter depth").
+    One pass: each example's batch follows from its position (`group_by_window` closes each
+    batch when it is full; the examples come in order, so the batches do too).
+    """
+    if n < 0 or n <= batch or n % batch == 0:
+        return ds.batch(batch)  # unknown length, one batch, or no remainder: nothing to share
+    count = math.ceil(n / batch)
+    head, tail = (count - 2) * batch, batch + n % batch
+    sizes = tf.constant([batch] * (count - 2) + [(tail + 1) // 2, tail // 2], tf.int64)
+
+    def key(position, example):
+        first_tail = tf.cast(position - head >= sizes[-2], tf.int64)
+        return tf.where(position < head, position // batch, count - 2 + first_tail)
+
+    def batched(key, window):
+        return window.map(_drop_position).batch(batch)
+
+    def size(key):
+        return sizes[key]
+
+    ds = ds.enumerate().group_by_window(key_func=key, reduce_func=batched, window_size_func=size)
+    return ds.apply(tf.data.experimental.assert_cardinality(count))
 
 
 def _synthetic(source, image_size, global_batch_size, batch_size, seed, num_classes, one_hot, sizes):

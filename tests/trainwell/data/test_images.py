@@ -437,6 +437,19 @@ def test_an_evaluation_split_states_the_batches_of_its_readable_images(tmp_path)
     assert data.counts["test"] == 6 and data.steps["test"] == 1
     assert data.test.cardinality() == 1 and [len(y) for _, y in data.test] == [4]
     assert data.skipped["test"] == 1  # the truncated file, flagged by the check (already at the count)
+    # The last two batches share the remainder: 2 + 2, not 3 + 1.
+    assert [len(y) for _, y in build_image_datasets(f"folder:{tmp_path}", 8, 3, val_fraction=0.0).test] == [2, 2]
+
+
+def test_no_evaluation_batch_is_left_smaller_than_half_a_batch():
+    # A last batch of 1 leaves the second of 2 replicas an empty batch, which TensorFlow's oneDNN
+    # convolutions reject ("input depth must be evenly divisible by filter depth").
+    data = build_image_datasets("digits", 8, 89)  # 179 val and 359 test images: 1 and 3 left over
+    for split in ("val", "test"):
+        ds = getattr(data, split)
+        sizes = [len(y) for _, y in ds]
+        assert sum(sizes) == data.counts[split] and len(sizes) == data.steps[split] == ds.cardinality()
+        assert sizes[:-2] == [89] * (len(sizes) - 2) and min(sizes) >= 89 // 2, sizes
 
 
 def test_datasets_feed_keras_fit():
