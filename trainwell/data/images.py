@@ -54,7 +54,8 @@ endless (each worker's share of the files is unknown) and Keras counts the steps
 splits score each readable image once in `ceil(readable / batch)` batches, their cardinality:
 the images that read and decode are counted when the datasets are built (one pass of the
 evaluation pipeline, without batching), and evaluation splits are sharded by data, never by
-file, so every worker counts the same batches.
+file, so every worker counts the same batches. The last two batches share the remainder, so
+that no replica is left an empty batch.
 
 Multi-worker: pass `input_context` (from `strategy.distribute_datasets_from_function`)
 and each input pipeline reads its own share of the files (folders, TFRecords with at
