@@ -8,7 +8,7 @@ accumulators (`metric:...`); under a strategy with several replicas, every
 replica's copy of the variables each replica updates on its own (BatchNorm's
 moving statistics, and the metric accumulators: `replica:<key>`,
 `[replicas, *shape]`; `compat.replicas`).
-`capture` snapshots them in one compiled read (no copy);
+`capture` snapshots them in one compiled read (`compat.snapshot.read_function`);
 `restore_model_arrays`/`restore_vars` check every key and shape before
 assigning and raise `CheckpointMismatchError` naming the keys. `rng_capture` and
 `rng_restore` cover Python's, NumPy's, Keras's and TensorFlow's global RNGs.
@@ -37,7 +37,7 @@ from trainwell.callbacks.checkpoint.files import (
     read_checkpoint,
     resolve_checkpoint_path,
 )
-from trainwell.compat.backend import backend_name, compiled_read, copy_arrays, kept_on_model
+from trainwell.compat.backend import kept_on_model, strategy_scope
 from trainwell.compat.keras_internals import (
     keras_global_seed_state,
     model_fully_built,
@@ -51,6 +51,8 @@ from trainwell.compat.replicas import (
     replica_writer,
     variable_strategy,
 )
+from trainwell.compat.snapshot import read_function, set_tf_rng_state, tf_rng_state
+from trainwell.compat.snapshot import to_host as host  # noqa: F401  (the writer's name for it)
 
 def to_numpy(value) -> np.ndarray:
     if hasattr(value, "numpy"):
@@ -87,6 +89,7 @@ class Plan:
         # the metrics' accumulators): every replica's copy is kept, `replica:<key>` (`compat.replicas`).
         self.replica_keys: set[str] = set()
         self.strategy = getattr(model, "distribute_strategy", None)
+        self.model = model
         var_key_by_path: dict[str, str] = {}
         seen_sg: set[int] = set()
         for path, obj in walk_saveables(model, skip):
@@ -167,39 +170,20 @@ def _plan_items(plan: Plan, *, weights_only: bool, include_metrics: bool) -> lis
 
 
 def _read_snapshot(plan: Plan, items: list[tuple[str, Any]]) -> list:
-    """Immutable snapshots of the current values of `items`.
+    """Snapshots of the current values of `items`, in one compiled read kept in the plan.
 
-    One compiled function reads every variable (a few ms for ResNet-50's ~540
-    variables, against ~30 ms for one eager read each) and returns tensors.
-    Tensors are values: TensorFlow updates a variable whose buffer is still
-    referenced by a read tensor copy-on-write, so the snapshot stays as it was
-    while training goes on, and no copy is made here. `host` turns them into
-    NumPy arrays (zero-copy on the CPU) when the checkpoint is written.
-    On JAX the next train step deletes the arrays it is given, so the snapshot
-    is a device copy (one dispatch; `compat.backend.copy_arrays`).
+    `compat.snapshot.read_function`: values that stay as they are while
+    training goes on (on TensorFlow without a copy); `host` turns them into
+    NumPy arrays when the checkpoint is written.
     """
     keys = tuple(k for k, _ in items)
-    variables = [v for _, v in items]
-    if backend_name() != "tensorflow":
-        return copy_arrays([v.value for v in variables])
     try:
         fn = plan.readers.get(keys)
         if fn is None:
-            fn = plan.readers[keys] = compiled_read([v.value for v in variables])
+            fn = plan.readers[keys] = read_function(plan.model, [v for _, v in items])
         return list(fn())
-    except Exception:  # another backend, or something tf.function cannot read: copy now
-        return [to_numpy(v) for v in variables]
-
-
-def host(value) -> np.ndarray:
-    """A snapshot (tensor or array) as a NumPy array; keep `value` alive while using it."""
-    if backend_name() != "tensorflow":
-        return to_numpy(value)
-    try:
-        from trainwell.compat.tf_internals import host_array  # here: TensorFlow only, and only when writing
-    except ImportError:  # another backend
-        return to_numpy(value)
-    return host_array(value)
+    except Exception:  # something a compiled function cannot read: copy now
+        return [to_numpy(v) for _, v in items]
 
 
 def capture(plan: Plan, *, weights_only: bool, include_metrics: bool) -> tuple[dict, dict]:
@@ -307,15 +291,9 @@ def rng_capture() -> tuple[dict, dict]:
     state = keras_global_seed_state()
     if state is not None:
         arrays["rng:keras_global"] = to_numpy(state)
-    try:
-        from trainwell.compat.tf_internals import tf_global_generator  # here: TensorFlow only
-
-        g = tf_global_generator()
-        if g is not None:
-            arrays["rng:tf_global"] = g.state.numpy()
-            meta["tf_algorithm"] = int(g.algorithm)
-    except Exception:  # pragma: no cover
-        pass
+    tf_state = tf_rng_state()
+    if tf_state is not None:
+        arrays["rng:tf_global"], meta["tf_algorithm"] = tf_state
     return arrays, meta
 
 
@@ -333,14 +311,7 @@ def rng_restore(arrays: dict, meta: dict) -> None:
     if "rng:keras_global" in arrays:
         keras_global_seed_state(create=True).assign(arrays["rng:keras_global"])
     if "rng:tf_global" in arrays:
-        import tensorflow as tf  # here: only a checkpoint written under TensorFlow holds its RNG
-
-        alg = meta.get("tf_algorithm")
-        gen = tf.random.get_global_generator()
-        if alg is None or int(gen.algorithm) == int(alg):
-            gen.reset(arrays["rng:tf_global"])
-        else:
-            tf.random.set_global_generator(tf.random.Generator.from_state(arrays["rng:tf_global"], alg))
+        set_tf_rng_state(arrays["rng:tf_global"], meta.get("tf_algorithm"))
 
 
 def config_to_dict(config) -> dict | None:
@@ -397,7 +368,7 @@ def load_checkpoint(path: str | os.PathLike, model, include_optimizer: bool = Fa
     if include_optimizer and meta.get("weights_only"):
         raise ValueError(f"Checkpoint {str(ckpt)!r} is weights-only: it holds no optimizer state.")
     if include_optimizer and model.optimizer is not None and not model.optimizer.built:
-        with model.distribute_strategy.scope():
+        with strategy_scope(model):
             model.optimizer.build(model.trainable_variables)
     plan = Plan(model, include_optimizer=include_optimizer)
     restore_model_arrays(plan, arrays, str(ckpt))

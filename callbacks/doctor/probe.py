@@ -2,12 +2,11 @@
 
 `GradientProbe` compiles a function that computes gradient and activation
 statistics of a model on a fixed batch without touching its `train_step`, its
-weights, its metrics or its random state, and names the first layer that
-produced a non-finite value (forward or backward). The rules (`loss_rules`,
-`step_rules`) read the dict it returns. The gradients come from
-`trainwell.compat.gradients.loss_and_gradients` (a `tf.GradientTape` on
-TensorFlow, `jax.value_and_grad` over `stateless_call` on JAX); the statistics
-are `keras.ops`, the same on both backends.
+weights, its metrics or its random state (`trainwell.compat.snapshot.function_on_state`),
+and names the first layer that produced a non-finite value (forward or
+backward). The rules (`loss_rules`, `step_rules`) read the dict it returns. The
+gradients come from `trainwell.compat.gradients.loss_and_gradients`; the
+statistics are `keras.ops`, the same on both backends.
 """
 
 from __future__ import annotations
@@ -20,9 +19,9 @@ import numpy as np
 from keras import ops
 
 from trainwell.callbacks.doctor.findings import median
-from trainwell.compat.backend import StateReader, compile_function, copy_arrays, is_jax
-from trainwell.compat.gradients import loss_and_gradients, state_values
-from trainwell.compat.keras_internals import compute_loss
+from trainwell.compat.backend import StateReader, backend_tensor
+from trainwell.compat.gradients import loss_and_gradients
+from trainwell.compat.snapshot import Snapshot, function_on_state
 
 _ACT_KINDS = {
     "relu": "relu",
@@ -94,41 +93,24 @@ class GradientProbe:
     """
 
     def __init__(self, model, batch, track_updates: bool = True, activations: bool = True) -> None:
-
         self.model = model
-        self._jax = is_jax()
         x, y, sw = keras.utils.unpack_x_y_sample_weight(tuple(batch) if isinstance(batch, list) else batch)
-        conv = lambda t: None if t is None else keras.tree.map_structure(_to_tensor, t)  # noqa: E731
+        conv = lambda t: None if t is None else keras.tree.map_structure(backend_tensor, t)  # noqa: E731
         self.x, self.y, self.sw = conv(x), conv(y), conv(sw)
         first = next(iter(keras.tree.flatten(self.x)))
         self.batch_size = int(first.shape[0]) if len(first.shape) else 1
         self.trainable = list(model.trainable_variables)
-        self.state_vars = list(model.non_trainable_variables) + list(model.metrics_variables)
         self._groups = self._group_variables()
         self.act_layers: list = []
         self.act_kinds: list[str | None] = []
         self.aux = None
         if activations:
             self._build_aux()
-        self.shadows = None
+        self._shadow = Snapshot.of(model, self.trainable) if track_updates else None  # the weights before a step
         self._has_snapshot = False
-        self._weights = StateReader(model, self.trainable)
-        if track_updates and self._jax:
-            self.shadows = []  # copies of the state's arrays (the next step deletes the originals)
-        elif track_updates:
-            import tensorflow as tf  # here: the TensorFlow backend keeps its shadow copy in variables
-
-            self.shadows = [
-                tf.Variable(tf.zeros(v.shape, dtype=v.dtype), trainable=False, name="probe_shadow")
-                for v in self.trainable
-            ]
-            self._snapshot_fn = compile_function(self._snapshot_impl)
-        # TensorFlow: without AutoGraph (`compile_function`): the probe's loops are over
-        # Python lists, and Keras 3 does not convert layer or model code in `fit` either (a
-        # Python `if` on a tensor fails there), so a model that trains traces here. Building
-        # and first running the probe of a ResNet-18 (width 8) took 4.0 s without AutoGraph,
-        # 4.5-5.7 s with it. JAX: `jax.jit` of a stateless function of the state's values.
-        self._fn = compile_function(self._run_jax if self._jax else self._run_impl)
+        # Without AutoGraph: the probe's loops are over Python lists, and Keras 3 does not
+        # convert layer or model code in `fit` either, so a model that trains traces here.
+        self._fn = function_on_state(model, self._run_on)
 
     # ------------------------------------------------------------ structure
     def _group_variables(self):
@@ -189,26 +171,18 @@ class GradientProbe:
         self.act_kinds = [activation_kind(l) for l in layers]
 
     # ------------------------------------------------------------ compiled pieces
-    def _snapshot_impl(self):
-        for s, v in zip(self.shadows, self.trainable):
-            s.assign(v.value)
-        return True
-
     def snapshot(self) -> None:
         """Copies the trainable weights (call before the step whose update to measure)."""
-        if self.shadows is None:
-            return
-        if self._jax:
-            self.shadows = copy_arrays(self._weights())
-        else:
-            self._snapshot_fn()
-        self._has_snapshot = True
+        if self._shadow is not None:
+            self._shadow.take()
+            self._has_snapshot = True
 
-    def _gradients(self, loss_scale, state=None):
-        """`Gradients` on the probe batch, and the loss of the "null" model.
+    def _run_on(self, state, shadows, loss_scale, use_shadow):
+        """The statistics of a forward and backward pass on `state`'s values (`function_on_state`).
 
-        The null model predicts the batch mean of the predictions for every
-        example: a scale for the loss that does not depend on training.
+        The loss of the "null" model, which predicts the batch mean of the
+        predictions for every example, is a scale for the loss that does not
+        depend on training.
         """
         g = loss_and_gradients(
             self.model, self.x, self.y, self.sw, forward=self.aux, taps=self.act_layers if self.aux else (),
@@ -217,30 +191,11 @@ class GradientProbe:
         null_pred = keras.tree.map_structure(
             lambda t: ops.broadcast_to(ops.mean(t, axis=0, keepdims=True), ops.shape(t)), g.y_pred
         )
-        if state is None:
-            null = compute_loss(self.model, x=self.x, y=self.y, y_pred=null_pred, sample_weight=self.sw, training=False)
-        else:
-            null, _ = self.model.stateless_compute_loss(
-                *state, x=self.x, y=self.y, y_pred=null_pred, sample_weight=self.sw, training=False
-            )
-        return g, ops.cast(null, "float32")
-
-    def _run_impl(self, loss_scale, use_shadow):
-        """TensorFlow: the statistics, with the touched state variables put back."""
-        import tensorflow as tf  # here: the TensorFlow backend only
-
-        saved = [tf.identity(v.value) for v in self.state_vars]
-        g, null = self._gradients(loss_scale)
-        restores = [v.assign(s) for v, s in zip(self.state_vars, saved)]
-        with tf.control_dependencies([tf.group(*restores)] if restores else []):
-            grads = [gr.values if isinstance(gr, tf.IndexedSlices) else gr for gr in g.grads]
-            shadows = None if self.shadows is None else [s.read_value() for s in self.shadows]
-            return self._statistics(g, null, grads, [v.value for v in self.trainable], shadows, loss_scale, use_shadow)
-
-    def _run_jax(self, state, shadows, loss_scale, use_shadow):
-        """JAX: the statistics of a stateless forward and backward pass on `state`'s values."""
-        g, null = self._gradients(loss_scale, state)
-        return self._statistics(g, null, g.grads, state[0], shadows, loss_scale, use_shadow)
+        null, _ = self.model.stateless_compute_loss(
+            *state, x=self.x, y=self.y, y_pred=null_pred, sample_weight=self.sw, training=False
+        )
+        grads = [getattr(gr, "values", gr) for gr in g.grads]  # a sparse gradient (`tf.IndexedSlices`): its rows
+        return self._statistics(g, ops.cast(null, "float32"), grads, state[0], shadows, loss_scale, use_shadow)
 
     def _statistics(self, g, null, grads, weights, shadows, loss_scale, use_shadow):
         """The probe's per-variable and per-layer statistics, in `keras.ops`."""
@@ -306,14 +261,10 @@ class GradientProbe:
             layer that produced NaN/Inf, or `None`).
         """
         scale = self.loss_scale()
-        scale_t = ops.convert_to_tensor(scale, "float32")
-        if self._jax:
-            state = state_values(self.model)
-            # Without a snapshot the weights stand in for it (one compiled shape; the ratios are masked).
-            shadows = None if self.shadows is None else (self.shadows if self._has_snapshot else state[0])
-            raw = self._fn(state, shadows, scale_t, self._has_snapshot)
-        else:
-            raw = self._fn(scale_t, ops.convert_to_tensor(self._has_snapshot))
+        if self._shadow is not None and self._shadow.values is None:
+            self._shadow.take()  # stands in before the first snapshot (one compiled shape; the ratios are masked)
+        shadows = None if self._shadow is None else self._shadow.values
+        raw = self._fn(shadows, ops.convert_to_tensor(scale, "float32"), ops.convert_to_tensor(self._has_snapshot))
         r = {k: np.asarray(v) for k, v in raw.items()}
         self._has_snapshot = False
         loss = float(r["loss"])
@@ -437,11 +388,6 @@ def _safe_norms(ts: list) -> tuple:
     safe = ops.unstack(ops.where(ok, m, 1.0))
     sq = ops.stack([ops.sum(ops.square(t / d)) if int(np.prod(t.shape)) else zero for t, d in zip(ts, safe)])
     return ops.where(ok, m * ops.sqrt(sq), m), ops.isfinite(sq)
-
-
-def _to_tensor(t):
-    """A backend tensor of `t` (a NumPy array, or a `tf.Tensor` from a `tf.data` batch on JAX)."""
-    return ops.convert_to_tensor(np.asarray(t) if is_jax() else t)
 
 
 def _compute_dtype(layer) -> str:

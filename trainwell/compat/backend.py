@@ -51,12 +51,14 @@ import warnings
 from typing import Any, Callable
 
 import keras
+import numpy as np
 
 from trainwell.compat.versions import gate
 
 __all__ = [
     "backend_name",
     "is_jax",
+    "backend_tensor",
     "sync_variables",
     "StateReader",
     "wrap_train_function",
@@ -92,6 +94,18 @@ def is_jax() -> bool:
     True
     """
     return backend_name() == "jax"
+
+
+def backend_tensor(value):
+    """`value` (a NumPy array, or a `tf.Tensor` of a `tf.data` batch) as a tensor of the backend in use.
+
+    JAX takes no `tf.Tensor`: it goes through NumPy there.
+
+    Example:
+    >>> tuple(backend_tensor(np.ones((2, 3))).shape)
+    (2, 3)
+    """
+    return keras.ops.convert_to_tensor(np.asarray(value) if is_jax() else value)
 
 
 def _state_variables(model) -> tuple[list, list, list, list]:
