@@ -1,7 +1,8 @@
 """Snapshot/restore cost of `NaNRollback` against file-based saving, side by side.
 
-Ours: the callback's device-side copy (the values read as tensors in one compiled
-function, kept by TensorFlow's copy-on-write) of the model weights and the optimizer state. Baselines, in the same
+Ours: the callback's device-side copy (`trainwell.compat.snapshot.Snapshot`: the values
+read as tensors in one compiled function, kept by TensorFlow's copy-on-write) of the model
+weights and the optimizer state. Baselines, in the same
 run on the same model: `model.save_weights`/`load_weights` (.weights.h5, model
 weights only, so less state than ours) and `tf.train.Checkpoint(model,
 optimizer).write/read` (the same state as ours). Also the cost of one weight
@@ -27,7 +28,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from trainwell.callbacks.nan_rollback import NaNRollback, _raw  # noqa: E402
+from trainwell.callbacks.nan_rollback import NaNRollback  # noqa: E402
 
 
 class _Touch:
@@ -72,7 +73,7 @@ def main() -> None:
     cb = NaNRollback()
     cb.set_model(model)
     cb._build_machinery()
-    m = cb._machinery
+    snap, probe_full = cb._snapshot, cb._fns["probe_full"]
     last = model.weights[-1]
 
     def sync():
@@ -95,17 +96,17 @@ def main() -> None:
     # optimizer step) if that update cannot write in place. So each copy is also
     # timed together with an update of every state variable (`touch`), minus
     # the cost of `touch` alone: the effective cost added to training.
-    touch = tf.function(_Touch([_raw(v) for v in state_vars]), autograph=False)
+    touch = tf.function(_Touch([v.value for v in state_vars]), autograph=False)
     t_touch = _median_ms(touch, args.repeats, sync)
-    t_snap = _median_ms(lambda: (m["snapshot"](), touch()), args.repeats, sync)
-    t_restore = _median_ms(lambda: (m["restore"](), touch()), args.repeats, sync)
+    t_snap = _median_ms(lambda: (snap.take(), touch()), args.repeats, sync)
+    t_restore = _median_ms(lambda: (snap.restore(), touch()), args.repeats, sync)
     result["ours_device_copy"] = {
         "snapshot_effective_ms": round(t_snap - t_touch, 3),
         "restore_effective_ms": round(t_restore - t_touch, 3),
-        "snapshot_call_only_ms": _median_ms(m["snapshot"], args.repeats, sync),
-        "restore_call_only_ms": _median_ms(m["restore"], args.repeats, sync),
+        "snapshot_call_only_ms": _median_ms(snap.take, args.repeats, sync),
+        "restore_call_only_ms": _median_ms(snap.restore, args.repeats, sync),
         "update_all_state_ms": t_touch,
-        "weight_check_ms": _median_ms(lambda: m["probe_full"]().numpy(), args.repeats, lambda: None),
+        "weight_check_ms": _median_ms(lambda: probe_full().numpy(), args.repeats, lambda: None),
     }
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model.weights.h5")

@@ -843,14 +843,14 @@ class NaNRollback(StatefulCallback):
         return head + tail + f" Lower the learning rate, {self._clipping_advice()}, or check the input data."
 
     def _clipping_advice(self) -> str:
-        """Gradient clipping, as the optimizer has it (the recipes name their own settings)."""
+        """Gradient clipping, in the optimizer's terms when it clips already (a recipe may not offer the setting)."""
         opt = self.model.optimizer
         opt = getattr(opt, "inner_optimizer", opt)
         for name in ("global_clipnorm", "clipnorm", "clipvalue"):
             value = getattr(opt, name, None)
             if value is not None:
                 return f"clip the gradients harder (the optimizer's `{name}` is {value:g})"
-        return "clip the gradients (the optimizer's `global_clipnorm`, where you build it)"
+        return "clip the gradients"
 
     def _write_event(self, event: dict) -> None:
         if self.run_dir is None or not runtime.is_chief(self._strategy):

@@ -699,3 +699,30 @@ def test_inf_batch_and_spike_roll_back_on_jax():
     assert all(e["causes"] == ["loss_spike"] for e in spike)
     # `iterations` goes back with the rest of the optimizer state (read and restored through the live JAX state).
     assert (inf[0]["iterations_before"], inf[0]["iterations_after"]) == (6, 4)
+
+
+# --------------------------------------------------------------------------- what the lines say
+def test_a_rollback_during_warmup_says_the_schedule_was_scaled_not_lr_0_to_0(capsys):
+    """At the start of a warmup the LR is 0 before and after the cut: the line says what was cut."""
+    from trainwell.callbacks.schedules import WarmupCosineDecay
+
+    model = build()
+    model.compile(keras.optimizers.SGD(WarmupCosineDecay(0.1, total_steps=STEPS * 2, warmup_steps=8), momentum=0.9),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    cb = NaNRollback(snapshot_every=4)
+    fit(model, bad=[0], callbacks=[cb], epochs=1)
+    (ev,) = cb.events
+    assert (ev["restored_step"], ev["lr_before"], ev["lr_after"], ev["lr_factor"]) == (0, 0.0, 0.0, 0.5)
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("NaNRollback:")]
+    assert line.endswith("LR schedule scaled by 0.5 (LR 0 at this step).") and "LR 0 -> 0" not in line, line
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_the_stop_message_suggests_clipping_in_the_optimizers_terms(clip):
+    model = build()
+    model.compile(keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=clip),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(TrainingDivergedError) as info:
+        fit(model, bad=[5], callbacks=[NaNRollback(snapshot_every=4, max_rollbacks=0)], epochs=1)
+    advice = "clip the gradients" if clip is None else "clip the gradients harder (the optimizer's `global_clipnorm` is 1)"
+    assert str(info.value).endswith(f"Lower the learning rate, {advice}, or check the input data."), str(info.value)

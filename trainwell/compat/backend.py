@@ -24,8 +24,8 @@ The API:
   a sync (the NaN check reads a few every step; a sync writes every variable).
 - `wrap_train_function(fn, step)`: the train function with `step(run, iterator)`
   around it, the same on both trainers.
-- `compile_function(fn)`, `copy_arrays(values)`: one compiled dispatch; device
-  copies that outlive the next step.
+- `compile_function(fn)`: one compiled dispatch (`tf.function` or `jax.jit`).
+  Taking, restoring and computing on the state: `compat.snapshot`.
 - `strategy_scope(model)`: where variables for `model` are made (its
   `tf.distribute` strategy's scope on TensorFlow; no scope on JAX).
 - `build_before_fit(model, dataset)`: builds before `fit` from the data's element
@@ -63,8 +63,6 @@ __all__ = [
     "StateReader",
     "wrap_train_function",
     "compile_function",
-    "copy_arrays",
-    "compiled_read",
     "kept_on_model",
     "build_before_fit",
     "strategy_scope",
@@ -294,69 +292,6 @@ def compile_function(fn: Callable) -> Callable:
     return fn
 
 
-def copy_arrays(values: list) -> list:
-    """Device copies of `values` that stay valid after the next train step (one dispatch on JAX).
-
-    On JAX the train step deletes the arrays it is given (donation), so a
-    snapshot of the state must be a copy; on other backends tensors are values
-    and are returned as they are.
-
-    Args:
-        values: Arrays or tensors. Required.
-
-    Example:
-    >>> [tuple(a.shape) for a in copy_arrays([keras.ops.ones((2,))])]
-    [(2,)]
-    """
-    if not is_jax():
-        return list(values)
-    return list(_jax_copy()(list(values)))
-
-
-class _ReadValues:
-    """`[identity(v) for v in variables]`, for one `tf.function` (see `compiled_read`).
-
-    A callable object rather than a closure: TensorFlow's retracing detector,
-    keyed on a function's code, warned ("5 out of the last 14 calls ...
-    triggered tf.function retracing") when each new model traced its own.
-    """
-
-    def __init__(self, variables: list) -> None:
-        self.variables = variables
-
-    def __call__(self) -> list:
-        import tensorflow as tf  # here: only ever traced on TensorFlow
-
-        return [tf.identity(v) for v in self.variables]
-
-
-def compiled_read(variables: list) -> Callable:
-    """One compiled call (TensorFlow) returning the current values of `variables` as tensors.
-
-    A snapshot, without a copy: TensorFlow updates a variable whose buffer a
-    read tensor still holds copy-on-write, so the tensors keep the values they
-    had while training goes on (the copy is made by the next update, on the
-    device). One dispatch instead of one eager read per variable (a few ms
-    for ResNet-50's ~540 variables, against ~30 ms). What `Checkpoint`'s
-    capture and `NaNRollback`'s snapshot use.
-
-    Args:
-        variables: TensorFlow variables (a Keras variable's `.value`). Required.
-
-    Example:
-    >>> import keras
-    >>> v = keras.Variable([1.0, 2.0])
-    >>> read = compiled_read([v.value])
-    >>> before = read()[0]
-    >>> _ = v.assign([5.0, 6.0])
-    >>> [float(x) for x in before]
-    [1.0, 2.0]
-    """
-    import tensorflow as tf  # here: only the TensorFlow backend reads this way
-
-    return tf.function(_ReadValues(list(variables)), autograph=False)
-
-
 def kept_on_model(model, attr: str, key, make: Callable):
     """`make()`, kept on `model` under `attr` and made again when `key` changes.
 
@@ -387,18 +322,6 @@ def kept_on_model(model, attr: str, key, make: Callable):
     made = make()
     object.__setattr__(model, attr, (key, made))
     return made
-
-
-_COPY: list = []
-
-
-def _jax_copy():
-    if not _COPY:
-        import jax  # here: only the JAX backend has it
-        import jax.numpy as jnp
-
-        _COPY.append(jax.jit(lambda xs: [jnp.copy(x) for x in xs]))
-    return _COPY[0]
 
 
 @contextlib.contextmanager

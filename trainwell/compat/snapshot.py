@@ -54,7 +54,7 @@ from typing import Any, Callable
 import keras
 import numpy as np
 
-from trainwell.compat.backend import StateReader, compile_function, copy_arrays, is_jax, sync_variables
+from trainwell.compat.backend import StateReader, compile_function, is_jax, sync_variables
 
 __all__ = [
     "Snapshot",
@@ -224,6 +224,18 @@ class _Assign:
             v.value.assign(x)
 
 
+_COPY: list = []
+
+
+def _copies(values: list) -> list:
+    """Device copies of JAX arrays, in one dispatch (the next train step deletes the arrays it is given)."""
+    if not _COPY:
+        import jax  # lazy: only the JAX backend has it
+
+        _COPY.append(jax.jit(keep))
+    return list(_COPY[0](list(values)))
+
+
 class _AssignCopies:
     """Writes copies of `values` into `variables` after a sync, so the next step starts from them (JAX)."""
 
@@ -232,7 +244,7 @@ class _AssignCopies:
 
     def __call__(self, values) -> None:
         sync_variables(self.model)
-        for v, a in zip(self.variables, copy_arrays(values)):  # copies: `values` stay valid for another restore
+        for v, a in zip(self.variables, _copies(values)):  # copies: `values` stay valid for another restore
             v.assign(a)
 
 
