@@ -8,7 +8,11 @@ weights only, so less state than ours) and `tf.train.Checkpoint(model,
 optimizer).write/read` (the same state as ours). Also the cost of one weight
 check (one compiled finiteness reduction).
 
-Usage: python bench/nan_rollback_snapshot.py [--width 2048] [--repeats 20]
+`--hooks`: instead, the cost of the callback's batch hooks inside a `fit` against Keras's
+`TerminateOnNaN` (the sub-millisecond MLP of `callback_overhead.py --case tiny`, spe 1),
+microseconds per execution, the step's wait included (both wait for it).
+
+Usage: python bench/nan_rollback_snapshot.py [--width 2048] [--repeats 20] [--hooks [--rounds 5]]
 Prints one JSON object (times in milliseconds, medians over the repeats).
 """
 
@@ -54,11 +58,43 @@ def _median_ms(fn, repeats: int, sync) -> float:
     return round(statistics.median(times), 3)
 
 
+def hook_cost(rounds: int) -> dict:
+    """Median microseconds per execution in each callback's batch hooks, over `rounds` epochs."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(128 * 128, 64)).astype("float32"), rng.integers(0, 10, 128 * 128)
+    res: dict[str, list[float]] = {"nan_rollback": [], "terminate_on_nan": []}
+    models = {}
+    for kind in res:
+        keras.utils.set_random_seed(0)
+        models[kind] = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
+                                         keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
+        models[kind].compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    for r in range(rounds + 1):  # the first: tracing
+        for kind, times in res.items():
+            cb, spent = NaNRollback() if kind == "nan_rollback" else keras.callbacks.TerminateOnNaN(), []
+            for name in ("on_train_batch_begin", "on_train_batch_end"):
+                def timed(*a, _f=getattr(cb, name), **k):
+                    t0 = time.perf_counter()
+                    _f(*a, **k)
+                    spent.append(time.perf_counter() - t0)
+                setattr(cb, name, timed)
+            models[kind].fit(x, y, batch_size=128, epochs=1, verbose=0, callbacks=[cb], shuffle=False)
+            if r:
+                times.append(sum(spent) / 128 * 1e6)
+    return {k: {"median_us_per_execution": round(statistics.median(v), 1), "rounds": [round(t, 1) for t in v]}
+            for k, v in res.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=2048, help="hidden width of the MLP")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--hooks", action="store_true", help="the batch hooks' cost in a fit instead")
+    parser.add_argument("--rounds", type=int, default=5, help="with --hooks: timed epochs")
     args = parser.parse_args()
+    if args.hooks:
+        print(json.dumps(hook_cost(args.rounds), indent=2))
+        return
 
     keras.utils.set_random_seed(0)
     w = args.width

@@ -1,25 +1,20 @@
 """`NaNRollback`: detect a diverging step, restore the last good state, lower the LR.
 
-Keras ships `TerminateOnNaN`, which only stops, and only looks at `logs["loss"]`,
-the epoch's *running mean* of the loss; it misses NaN weights whose loss stays
-finite (on some CPUs oneDNN's ReLU maps NaN to 0) and it cannot bring the run back.
-`BackupAndRestore` restores whole epochs from files, which is too slow and too
-coarse to run every few dozen steps. `NaNRollback` does what large runs do by
-hand (PaLM, Chowdhery et al. 2022, sec. 5.1, restarted from a checkpoint about
-100 steps before a loss spike and skipped about 200-500 data batches): keep a
-device-side copy of the training state every `snapshot_every` steps
-(`trainwell.compat.snapshot`), and on a non-finite loss, non-finite weights, a
-collapsed loss scale or a loss spike, restore it, skip ahead and lower the
-learning rate.
+Keras's `TerminateOnNaN` only stops, and only reads the epoch's running mean of
+the loss; `BackupAndRestore` restores whole epochs from files. `NaNRollback`
+does what large runs do by hand (PaLM, Chowdhery et al. 2022, sec. 5.1): keep a
+device-side copy of the training state (`trainwell.compat.snapshot`), and on a
+non-finite loss, non-finite weights, a collapsed loss scale or a loss spike,
+restore it, skip ahead and lower the learning rate.
 
-Read top to bottom: the spike rule, the callback's arguments and state, the
-compiled functions it builds for a model (`_build_machinery`), the checks
-(computed inside the train step, `_step_values`; read in
-`on_train_batch_end`), then the rollback (`_diverged`) and its records.
+Read top to bottom: the spike rule, the check's values, the callback's
+arguments and state, its compiled functions (`_build_machinery`), the checks
+(`on_train_batch_end`), then the rollback (`_diverged`) and its records.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -31,7 +26,7 @@ import keras
 import numpy as np
 
 from trainwell import runtime
-from trainwell.callbacks.base import StatefulCallback
+from trainwell.callbacks.base import StatefulCallback, constructor_config
 from trainwell.compat.backend import add_step_output, kept_on_model, strategy_scope, sync_variables
 from trainwell.compat.keras_internals import loss_tracker
 from trainwell.compat.learning_rate import current_lr, learning_rate_variables, scale_learning_rate
@@ -115,8 +110,7 @@ class TrainingDivergedError(RuntimeError):
 def _json_float(x: float | None):
     if x is None:
         return None
-    x = float(x)
-    return x if math.isfinite(x) else str(x)
+    return float(x) if math.isfinite(x) else str(float(x))
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -124,19 +118,12 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise invalid_argument(name, f"an int >= {minimum}", value)
 
 
-def _is_lso(optimizer) -> bool:
-    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and getattr(optimizer, "built", False)
-
-
 def _all_finite(tensors: list):
     """Whether every element of `tensors` is finite, as one boolean scalar, in one pass over each.
 
-    The sum of a tensor is NaN or infinite when an element is (NaN propagates;
-    an infinity stays infinite or meets the opposite one and makes NaN), so one
-    reduction per tensor replaces `all(isfinite(w))`, whose boolean temporary
-    is a second pass over the weights. Sums are taken in at least float32 (a
-    float16 sum of finite weights overflows at 65504); a float32 sum overflows
-    only beyond 3.4e38, for weights that have diverged anyway.
+    A sum is NaN or infinite when an element is, so one reduction per tensor
+    replaces `all(isfinite(w))` and its boolean temporary. Sums are taken in at
+    least float32: a float16 sum of finite weights overflows at 65504.
     """
     ops = keras.ops
     sums = []
@@ -152,7 +139,8 @@ def _checked_variables(model) -> tuple[list, tuple[bool, int, bool]]:
     tracker, opt = loss_tracker(model), model.optimizer
     sums = [tracker.total, tracker.count] if tracker is not None else []
     floats = [w for w in model.weights if keras.backend.is_float_dtype(w.dtype)]
-    scale = [opt.dynamic_scale] if _is_lso(opt) else []
+    lso = isinstance(opt, keras.optimizers.LossScaleOptimizer) and getattr(opt, "built", False)
+    scale = [opt.dynamic_scale] if lso else []
     return sums + floats + scale, (bool(sums), len(floats), bool(scale))
 
 
@@ -173,14 +161,9 @@ def _check_values(values: list, layout: tuple[bool, int, bool], check_weights: b
     return out
 
 
-class _Probe:
-    """The check as a compiled function of its own: `_check_values` as one vector (one host read)."""
-
-    def __init__(self, layout: tuple[bool, int, bool], check_weights: bool) -> None:
-        self.layout, self.check_weights = layout, check_weights
-
-    def __call__(self, values):
-        return keras.ops.stack(_check_values(values, self.layout, self.check_weights))
+def _probe_vector(values: list, layout: tuple[bool, int, bool], check_weights: bool):
+    """`_check_values` as one vector, for a compiled check of its own (one host read)."""
+    return keras.ops.stack(_check_values(values, layout, check_weights))
 
 
 class _SnapshotBeforeApply:
@@ -204,35 +187,27 @@ class NaNRollback(StatefulCallback):
     TensorFlow until the next update) every `snapshot_every` steps and checks
     every step for:
 
-    - `"nonfinite_loss"`: a non-finite *batch* loss. `logs["loss"]` is the
-      epoch's running mean, so the batch value is recovered exactly from the loss
-      tracker's `total`/`count` variables (the mean of the batches since the last
-      callback: with `steps_per_execution=N`, of the last N batches).
+    - `"nonfinite_loss"`: a non-finite *batch* loss (recovered exactly from the
+      loss tracker's `total`/`count`: `logs["loss"]` is the epoch's mean).
     - `"nonfinite_weights"`: a NaN/Inf in the model's weights, checked by one
       reduction over all of them before every snapshot, at the end of every
       epoch (before a `Checkpoint` listed after this callback saves them),
       after every non-finite loss, and every `check_weights_every` steps if
-      set. Needed because on some x86 CPUs oneDNN's ReLU maps NaN to 0: after
-      a batch of `inf` inputs the weights are NaN while the loss stays finite.
-      By default such weights are found at the next snapshot or epoch end, and
-      the rollback lands on the snapshot before them, so no snapshot and no
-      checkpoint ever holds them; `check_weights_every=1` finds them at the
-      step they appear.
+      set: on some x86 CPUs oneDNN's ReLU maps NaN to 0, and NaN weights then
+      give a finite loss. The rollback lands on the snapshot before them, so
+      no snapshot and no checkpoint ever holds them.
     - `"loss_scale_collapse"` (mixed_float16): the `LossScaleOptimizer`'s scale
-      fell to `loss_scale_floor` or below. The optimizer's own skipped steps
-      (non-finite loss, scale halved, weights unchanged) are *not* divergence;
-      they are counted in the state as `loss_scale_skips`.
+      fell to `loss_scale_floor` or below. Its own skipped steps are *not*
+      divergence; they are counted in the state as `loss_scale_skips`.
     - `"loss_spike"`: a finite batch loss above `spike_threshold`: more than
       `spike_factor` times the largest of the last `spike_window` losses, and
       higher than any loss of the run before it (a batch with a huge gradient
-      wrecks a run without ever producing a NaN). Detection starts after
-      `SPIKE_MIN_HISTORY` (3) batches. The reference is the recent *maximum*
-      and the run's highest loss a floor, because near the end of a run healthy
-      batches reach many times the recent median, never the run's early highs
-      (`bench/spike_rollback.py`). A spike whose update the
-      `LossScaleOptimizer` skipped is not rolled back; it counts in
-      `loss_scale_skips`. Spikes never join the history; after a rollback the
-      history is the one the snapshot was taken with.
+      wrecks a run without ever producing a NaN). The reference is the recent
+      *maximum* and the run's highest loss a floor, because near the end of a
+      run healthy batches reach many times the recent median, never the run's
+      early highs (`bench/spike_rollback.py`). A spike whose update the
+      `LossScaleOptimizer` skipped is not rolled back (it counts in
+      `loss_scale_skips`); spikes never join the history.
 
     On divergence it restores the model weights and all optimizer variables
     (slots, `iterations`, the loss scale and its counter, EMA and gradient
@@ -240,53 +215,37 @@ class NaNRollback(StatefulCallback):
     `lr_factor` (`trainwell.compat.learning_rate.scale_learning_rate`, so LR
     schedules work too), and takes a fresh snapshot of that state.
 
-    What a rollback means for the data and the schedule:
-
-    - Data: the input pipeline is not rewound. The batches since the snapshot
-      are skipped and training continues with the *following* batches, as in
-      PaLM (a bad batch is not replayed).
-    - `iterations` is restored with the rest of the optimizer state, so the
-      optimizer stays self-consistent (Adam's bias correction matches its
-      moments). LR schedules are functions of `iterations`, so the schedule
-      position goes back with it: a run that rolled back `k` batches ends `k`
-      updates short of the schedule's end (the events record the batches
-      skipped).
-    - The learning-rate variable itself is not in the snapshot, so a rollback
-      never undoes an LR change made by another callback; only `lr_factor`
-      is applied.
-    - Batches whose loss was non-finite are taken out of the epoch's running
-      loss (`logs["loss"]` is updated for the callbacks that follow), so a
-      `TerminateOnNaN` listed after this callback does not stop a recovered run.
+    The input pipeline is not rewound: the batches since the snapshot are
+    skipped, as in PaLM. `iterations` goes back with the optimizer state, so an
+    LR schedule goes back with it and a run that rolled back `k` batches ends
+    `k` updates short of the schedule's end. The LR variable is not in the
+    snapshot: a rollback never undoes another callback's LR change. Batches
+    whose loss was non-finite are taken out of the epoch's running loss (and
+    `logs["loss"]`), so a `TerminateOnNaN` listed after this callback does not
+    stop a recovered run.
 
     After `max_rollbacks` rollbacks within `window_steps` steps, the next
     divergence restores the last good state once more (so `model` holds good
     weights) and raises `TrainingDivergedError`.
 
-    Each event (step, causes, batch loss, spike threshold, LR before and after,
-    batches skipped, `iterations` before and after) is printed as one line, kept in
-    `get_state()["events"]` (so it survives a restart through trainwell's
-    `Checkpoint`), appended to `run_dir/nan_rollback.jsonl` (by the chief only)
-    and counted in the epoch logs as `logs["nan_rollbacks"]` (cumulative).
+    Each event (step, causes, loss, LR before and after, batches skipped,
+    `iterations` before and after) is printed as one line, kept in
+    `get_state()["events"]` (it survives a restart through `Checkpoint`),
+    appended to `run_dir/nan_rollback.jsonl` (by the chief) and counted in the
+    epoch logs as `logs["nan_rollbacks"]`.
 
-    The per-step check costs no compiled call of its own: the loss tracker's
-    sums and the loss scale (and the weight check with `check_weights_every=1`)
-    are computed *inside the compiled train step*, after its update
-    (`trainwell.compat.backend.add_step_output`), carried outside the logs, and
-    read in `on_train_batch_end`, which waits for the step Keras's logs wait
-    for. A compiled call of its own remains for the loss tracker's sums once an
-    epoch, for the other weight checks, and for steps the train function ran
-    without the check (a Checkpoint's replay of a resumed epoch).
+    The per-step check costs no compiled call of its own: its values are
+    computed inside the compiled train step, after its update
+    (`trainwell.compat.backend.add_step_output`), and read in
+    `on_train_batch_end`, which waits for the step Keras's logs wait for.
 
-    Works under `tf.distribute.MirroredStrategy` (the snapshot holds the
-    primary replica's values; a restore writes every replica), with
-    `steps_per_execution > 1` (checks then run every N steps, when Keras calls
-    batch callbacks; steps are counted in batches) and on JAX. Under
-    multi-worker training each check's verdict is OR-reduced across the workers
-    (`trainwell.runtime.any_across_workers`) before anything is acted on, so
-    every worker rolls back at the same step, to the same snapshot, with the
-    same LR. (The class attribute `sync_across_workers`, `None` = on exactly
-    when there are several workers, exists so a test can show the workers
-    parting without it; leave it alone.)
+    Works under `tf.distribute` strategies (a restore writes every replica),
+    with `steps_per_execution > 1` (checks every N steps; steps are counted in
+    batches) and on JAX. Under multi-worker training each check's verdict is
+    OR-reduced across the workers (`trainwell.runtime.any_across_workers`), so
+    every worker rolls back at the same step, to the same snapshot. (The class
+    attribute `sync_across_workers`, `None` = on exactly when there are
+    several workers, exists so a test can show the workers parting without it.)
 
     Args:
         snapshot_every: Steps (batches) between snapshots. A rollback lands at
@@ -296,31 +255,25 @@ class NaNRollback(StatefulCallback):
             rollback; `1.0` keeps the LR (PaLM's choice: skip the batches only).
             Defaults to `0.5`.
         max_rollbacks: Rollbacks allowed within `window_steps` steps; the next
-            divergence raises `TrainingDivergedError`. `0` raises at the first
-            divergence. With the defaults, the LR is at most cut to 1/8 before
-            giving up: past that, a bug or bad data is likelier than a transient.
-            Defaults to `3`.
+            divergence raises `TrainingDivergedError` (`0`: the first one). The
+            LR is at most cut to 1/8 before giving up: past that, a bug or bad
+            data is likelier than a transient. Defaults to `3`.
         window_steps: Length in steps of the window in which rollbacks are
             counted; `None` counts the whole run. Defaults to `None`.
         spike_factor: Roll back when a batch loss exceeds this factor (> 1)
             times the largest of the last `spike_window` losses (and every
             earlier loss of the run); `None` disables spike detection. 5 lies
-            between the largest new high of healthy noisy runs and the smallest
-            spike that hurt accuracy (`bench/spike_rollback.py`, figures in
-            `bench/README.md`). With `steps_per_execution=N` a check sees the
-            mean of N batches, and `(spike_factor + N - 1) / N` is applied.
-            Defaults to `5.0`.
+            between healthy runs' new highs and the smallest spike that hurt
+            accuracy (`bench/spike_rollback.py`). Defaults to `5.0`.
         spike_window: Number of recent kept batch losses whose maximum is the
             reference; shorter windows follow a falling loss sooner. Defaults
             to `50`.
         check_weights_every: Steps between weight checks besides the ones
-            always made (before every snapshot, at every epoch end, after a
-            non-finite loss); `None` adds none. At `1` the check is part of the
-            train step (one reduction over the weights, no call of its own):
-            NaN weights behind a finite loss are found at the step they
-            appear, at a few % of a small model's step. Above 1 each check is a
-            separate compiled call. Defaults to `None`: such weights are found
-            at the next snapshot or epoch end, which costs nothing per step.
+            always made; `None` adds none. At `1` the check is part of the
+            train step (no call of its own; a few % of a small model's step),
+            and NaN weights behind a finite loss are found at the step they
+            appear. Above 1 each check is a compiled call of its own. Defaults
+            to `None`: such weights are found at the next snapshot or epoch end.
         loss_scale_floor: Under a `LossScaleOptimizer`, a loss scale at or
             below this value is a divergence. Keras starts at 2**15 and halves
             the scale at each overflow, so `1.0` means 15 more overflows than
@@ -385,17 +338,7 @@ class NaNRollback(StatefulCallback):
 
     # ------------------------------------------------------------------ config and state
     def get_config(self) -> dict[str, Any]:
-        return {
-            "snapshot_every": self.snapshot_every,
-            "lr_factor": self.lr_factor,
-            "max_rollbacks": self.max_rollbacks,
-            "window_steps": self.window_steps,
-            "spike_factor": self.spike_factor,
-            "spike_window": self.spike_window,
-            "check_weights_every": self.check_weights_every,
-            "loss_scale_floor": self.loss_scale_floor,
-            "run_dir": self.run_dir,
-        }
+        return constructor_config(self)
 
     def reset_state(self) -> None:
         self.step = 0  # batches consumed in this run (not optimizer iterations)
@@ -445,13 +388,10 @@ class NaNRollback(StatefulCallback):
     def _build_machinery(self) -> None:
         """The snapshot and the compiled checks, for the model's variables now.
 
-        The compiled functions hold only the model's variables, so they are kept
-        with the model (`kept_on_model`) while its variables stay the same: a
-        later `fit` of the same model (a PBT member's, a notebook's second
-        `fit`) does not trace them again. The snapshot's values live with this
-        callback and are freed at the end of `fit`. `read_probe` reads the
-        state together with the weight check that lets it in: one dispatch for
-        a due snapshot.
+        The compiled functions are kept with the model (`kept_on_model`) while
+        its variables stay the same, so a later `fit` of it does not trace them
+        again; the snapshot's values are this callback's, freed at the end of
+        `fit`. `read_probe`: a due snapshot's read with its weight check.
         """
         model = self.model
         variables = self._state_variables()
@@ -459,13 +399,15 @@ class NaNRollback(StatefulCallback):
         key = tuple(id(v) for v in variables + checked)
 
         def make() -> dict:
-            read, probe_full = read_function(model, variables), state_function(model, checked, _Probe(layout, True))
+            read = read_function(model, variables)
+            probe = {w: state_function(model, checked, functools.partial(_probe_vector, layout=layout, check_weights=w))
+                     for w in (True, False)}
             return {
                 "read": read,
                 "assign": assign_function(model, variables),
-                "probe_full": probe_full,
-                "probe_loss": state_function(model, checked, _Probe(layout, False)),
-                "read_probe": in_one_call(read, probe_full),  # each traced once, whichever runs first
+                "probe_full": probe[True],
+                "probe_loss": probe[False],
+                "read_probe": in_one_call(read, probe[True]),  # each traced once, whichever runs first
             }
 
         self._fns = kept_on_model(model, _FNS_ATTR, key, make)
@@ -518,11 +460,9 @@ class NaNRollback(StatefulCallback):
     def _probe(self, check_weights: bool, snapshot: bool = False) -> list[float]:
         """`[loss total, loss count, weights finite (1.0 or 0.0), loss scale]` after the last step.
 
-        From the train step's own outputs when it computed them (no call of its
-        own), else from a compiled call (`_probe_call`): when the step did not
-        run the check (Checkpoint's replay of a resumed epoch trains nothing),
-        or the weights are due and the step left them out. With `snapshot` (one
-        is due), that weight check reads the state too.
+        From the train step's own outputs, else (the step did not run the check,
+        or the weights are due and it left them out) from `_probe_call`, which
+        reads the state too when a `snapshot` is due.
         """
         out = self._out.take() if self._out is not None else None
         if out is not None:
@@ -539,12 +479,11 @@ class NaNRollback(StatefulCallback):
         return vals if out is None else [total, count, vals[2], scale]
 
     def _probe_call(self, check_weights: bool) -> list[float]:
-        """The check's values from a compiled call of its own and a host read.
+        """The check's values from a compiled call of their own, as `_probe` gives them.
 
-        When a snapshot is due (`_read_state`, set by `_probe`), the weight
-        check and the read of the state are one compiled call (`read_probe`):
-        the values wait in `_pending` for `_take_snapshot`, which takes them if
-        the check lets it, and are dropped at the end of the batch otherwise.
+        When a snapshot is due (`_read_state`), one call reads the state too:
+        the values wait in `_pending` for `_take_snapshot` (dropped at the end
+        of the batch if the check does not let them in).
         """
         if check_weights and self._read_state:
             self._pending, vals = self._fns["read_probe"]()
@@ -687,12 +626,9 @@ class NaNRollback(StatefulCallback):
         function is traced, it snapshots the freshly built state (eagerly), then
         adds the update to the graph.
         """
+        self._unhook_first_apply()  # one left by a fit that raised before its first update
         opt = self.model.optimizer
-        if opt is None:
-            return
-        if isinstance(vars(opt).get("apply"), _SnapshotBeforeApply):
-            del opt.apply  # left by a fit that raised before its first update
-        if "apply" not in vars(opt):
+        if opt is not None and "apply" not in vars(opt):
             opt.apply = _SnapshotBeforeApply(self, opt.apply)
 
     def _unhook_first_apply(self) -> None:

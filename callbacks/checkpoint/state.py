@@ -53,6 +53,7 @@ from trainwell.compat.replicas import (
 )
 from trainwell.compat.snapshot import read_function, set_tf_rng_state, tf_rng_state
 from trainwell.compat.snapshot import to_host as host  # noqa: F401  (the writer's name for it)
+from trainwell.validation import invalid_argument
 
 def to_numpy(value) -> np.ndarray:
     if hasattr(value, "numpy"):
@@ -323,10 +324,7 @@ def config_to_dict(config) -> dict | None:
         return dict(config.to_dict())
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         return dataclasses.asdict(config)
-    raise ValueError(
-        "Invalid value for argument `config`. Expected a dict, a dataclass or an object with "
-        f"`to_dict()`. Received: config={config!r}"
-    )
+    raise invalid_argument("config", "a dict, a dataclass or an object with `to_dict()`", config)
 
 
 def json_safe(obj):

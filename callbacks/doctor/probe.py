@@ -372,10 +372,8 @@ def _safe_norms(ts: list) -> tuple:
     up to float32's maximum give a finite norm; a tensor with inf or NaN gets its
     largest magnitude (inf or NaN) as norm. Finiteness is read from the scaled sum
     of squares (finite exactly when every entry is), so it costs no extra pass, and
-    the scalar steps run once on the stacked values rather than per tensor: the
-    probe of a ResNet-50 (161 variables, 3 lists of them) then traces and first runs
-    in 14 s of CPU instead of 25 s. (Stacking tensors of one shape saved 1 s more,
-    at the cost of a copy of the weights in memory: not done.)
+    the scalar steps run once on the stacked values rather than per tensor (a
+    trace of about half the CPU time for a ResNet-50: bench/README.md).
 
     Returns:
         `(norms, finite)`: float32 and bool vectors of `len(ts)`.
