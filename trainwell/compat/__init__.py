@@ -19,9 +19,12 @@ TensorFlow and JAX trainers), `metrics` (the one "is this better" rule),
 (TensorFlow only, not imported here), `keras_fixes` (the patches),
 `keras_tuner` (KerasTuner's internals), `replicas` (the state each
 `tf.distribute` replica keeps for itself, read from and written to every
-replica), and `distribution` / `jax_distribution` (strategies, devices and
-cross-worker collectives of each backend, behind `trainwell.runtime`). The names
-below are the public API.
+replica), `distribution` / `jax_distribution` (strategies, devices and
+cross-worker collectives of each backend, behind `trainwell.runtime`),
+`snapshot` (take, restore and read a model's training state), `devices` (what
+a strategy runs on), `kernels` (what compiled steps and kernels can do: fused
+BatchNorm, a loss's own variable read at each step) and `gradients` (the
+doctor's gradients). The names below are the public API.
 
 Example:
 >>> from trainwell.compat import metric_direction
