@@ -386,7 +386,7 @@ def lock_run_dir(run_dir: str | os.PathLike) -> RunDirLock:
         return held
     path = run_dir / LOCK_FILE
     try:
-        import fcntl  # POSIX only: where it is missing (Windows) the record itself is the lock
+        import fcntl  # optional: POSIX only; where it is missing (Windows) the record itself is the lock
     except ImportError:  # pragma: no cover - Windows
         fcntl = None
     for _ in range(3):
@@ -480,7 +480,7 @@ def write_manifest(
     >>> write_manifest(tempfile.mkdtemp(), {"epochs": 1}, seed=0).name
     'manifest.json'
     """
-    from trainwell.compat.backend import backend_name  # here: it imports Keras, which this module otherwise need not
+    from trainwell.compat.backend import backend_name  # lazy: it imports Keras, which this module otherwise need not
 
     run_dir = Path(run_dir)
     cfg_dict = _config_dict(config)

@@ -53,6 +53,7 @@ from typing import Any, Callable
 import keras
 import numpy as np
 
+from trainwell.compat.keras_internals import compiled_metrics_unbuilt, model_fully_built, symbolic_build
 from trainwell.compat.versions import gate
 
 __all__ = [
@@ -409,12 +410,6 @@ def build_before_fit(model, dataset) -> None:
     spec = getattr(dataset, "element_spec", None)
     if spec is None:
         return
-    from trainwell.compat.keras_internals import (  # here: the one seam for Keras's private names
-        compiled_metrics_unbuilt,
-        model_fully_built,
-        symbolic_build,
-    )
-
     optimizer = getattr(model, "optimizer", None)
     model_built = model_fully_built(model)
     if not compiled_metrics_unbuilt(model) and model_built and (optimizer is None or optimizer.built):
