@@ -143,12 +143,33 @@ def _holds_results(run_dir: str | os.PathLike) -> bool:
     return False
 
 
-def _end_run(run_dir: Path, fresh: str | None, lock) -> None:
-    """`RunContext.close()`: discard a fresh run directory without results, then unlock."""
+def _first_missing(path: Path) -> Path | None:
+    """The highest of `path` and its parents that does not exist yet (what making `path` creates)."""
+    top = None
+    for p in (path, *path.parents):
+        if os.path.lexists(p):
+            break
+        top = p
+    return top
+
+
+def _end_run(run_dir: Path, fresh: str | None, lock, made: Path | None = None) -> None:
+    """`RunContext.close()`: discard a fresh run directory without results, then unlock.
+
+    A directory this run created is removed with the parents it created (`made`: the
+    highest of them, e.g. `runs/` for a default run directory), where they are empty.
+    """
     try:
         if fresh and run_dir.is_dir() and not _holds_results(run_dir):
             if fresh == "created":
                 shutil.rmtree(run_dir, ignore_errors=True)
+                parent = run_dir.parent
+                while made is not None and made in (parent, *parent.parents):
+                    try:
+                        parent.rmdir()  # only if empty: another run may have started in it since
+                    except OSError:
+                        break
+                    parent = parent.parent
             else:  # it existed, empty: empty it again
                 for child in run_dir.iterdir():
                     if child.is_dir():
@@ -216,6 +237,7 @@ def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext
     chief = runtime.is_chief(strategy)
     given = Path(cfg.run_dir) if cfg.run_dir is not None else None
     fresh = "created" if given is None or not given.exists() else None
+    made = _first_missing(given if given is not None else Path("runs"))  # shared_run_dir's default root
     if given is not None and given.is_dir() and not any(given.iterdir()):
         fresh = "empty"  # e.g. named by `trainwell train --workers N` for its workers
     # Every worker must use the chief's run directory (not its own timestamp).
@@ -231,10 +253,10 @@ def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext
         _announce(cfg, run_dir, fresh)
         rundir.write_manifest(run_dir, cfg, strategy=strategy, precision=precision, seed=cfg.seed, recipe=recipe)
     except BaseException:
-        _end_run(run_dir, fresh if lock is not None else None, lock)  # without the lock, touch nothing
+        _end_run(run_dir, fresh if lock is not None else None, lock, made)  # without the lock, touch nothing
         raise
     ctx = RunContext(strategy=strategy, precision=precision, run_dir=run_dir, is_chief=True)
-    ctx._end = weakref.finalize(ctx, _end_run, run_dir, fresh, lock)
+    ctx._end = weakref.finalize(ctx, _end_run, run_dir, fresh, lock, made)
     return ctx
 
 

@@ -62,7 +62,7 @@ class Cfg:
 def _failed_run(run_dir, produce=None):
     """setup_run, then (optionally) some output, then an error before training completes."""
     def train():
-        ctx = recipe.setup_run(Cfg(run_dir=str(run_dir)), "resnet-imagenet")
+        ctx = recipe.setup_run(Cfg(run_dir=None if run_dir is None else str(run_dir)), "resnet-imagenet")
         if produce:
             produce(ctx.run_dir)
         raise RuntimeError("failed before its first step")
@@ -82,6 +82,19 @@ def test_a_run_that_fails_before_producing_anything_leaves_no_run_directory(tmp_
     _failed_run(run_dir, produce=lambda d: (d / "history.csv").write_text("epoch,loss\n0,1.0\n"))
     assert (run_dir / "history.csv").is_file() and (run_dir / "manifest.json").is_file()
     assert not (run_dir / ".trainwell.lock").exists()
+
+
+def test_a_failed_run_removes_the_parent_directories_it_made(tmp_path, monkeypatch):
+    # A config error found after the run directory was made (a damaged TFRecord file, say) left
+    # `runs/` behind for a default run directory, and `a/b/` for `run_dir=a/b/run`.
+    _failed_run(tmp_path / "a" / "b" / "run")
+    assert not (tmp_path / "a").exists()
+    monkeypatch.chdir(tmp_path)
+    _failed_run(None)
+    assert not (tmp_path / "runs").exists()
+    (tmp_path / "runs" / "other").mkdir(parents=True)  # what existed before is kept
+    _failed_run(None)
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["other"]
 
 
 def test_rerun_of_a_run_without_checkpoint_says_it_starts_from_scratch(tmp_path, capsys):
