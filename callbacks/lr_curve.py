@@ -14,7 +14,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import io
 import math
 import os
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from trainwell.callbacks.doctor import step_noise
-from trainwell.io import atomic_write_bytes
+from trainwell.io import new_figure, save_figure
 
 __all__ = ["LRFindResult", "suggest", "valley", "steep", "minimum", "peak", "judge_probes", "SUGGESTERS",
            "MIN_GAIN", "NOISE_Z"]
@@ -215,13 +214,8 @@ class LRFindResult:
         Example:
         >>> result.plot("lr_find.png")  # doctest: +SKIP
         """
-        # lazy: matplotlib loads on first use, not with this module
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=(6, 4), dpi=100)
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot(1, 1, 1)
+        fig, axes = new_figure(figsize=(6, 4))
+        ax = axes[0, 0]
         lrs = np.asarray(self.lrs, dtype=np.float64)
         raw = np.asarray(self.raw_losses, dtype=np.float64)
         sm = np.asarray(self.losses, dtype=np.float64)
@@ -251,9 +245,7 @@ class LRFindResult:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
         fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        return atomic_write_bytes(path, buf.getvalue())
+        return save_figure(fig, path)
 
 
 def suggest(lrs: Sequence[float], losses: Sequence[float], steps: int) -> dict[str, float]:

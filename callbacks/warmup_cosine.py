@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import io
 import os
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from trainwell.callbacks.schedules import (
 )
 from trainwell.compat.backend import compile_function, strategy_scope
 from trainwell.compat.learning_rate import current_lr, inner_optimizer, install_schedule, raw_learning_rate
-from trainwell.io import atomic_write_bytes
+from trainwell.io import new_figure, save_figure
 from trainwell.validation import invalid_argument, is_number
 
 _DECAYS = ("cosine", "linear")
@@ -191,19 +190,14 @@ class WarmupCosine(keras.callbacks.Callback):
             warmup = int(round(self.warmup_epochs * self._steps_per_epoch("`warmup_steps` from `warmup_epochs`")))
         else:
             warmup = 0
+        common = dict(peak_lr=peak_lr, total_steps=total, warmup_steps=warmup, min_lr=float(self.min_lr),
+                      warmup_start=float(self.warmup_start))
         if self.decay == "linear":
-            return WarmupLinearDecay(
-                peak_lr=peak_lr, total_steps=total, warmup_steps=warmup,
-                min_lr=float(self.min_lr), warmup_start=float(self.warmup_start),
-            )
+            return WarmupLinearDecay(**common)
         restart = None
         if self.restart_epochs is not None:
             restart = max(int(round(self.restart_epochs * self._steps_per_epoch("`restart_steps` from `restart_epochs`"))), 1)
-        return WarmupCosineDecay(
-            peak_lr=peak_lr, total_steps=total, warmup_steps=warmup, min_lr=float(self.min_lr),
-            warmup_start=float(self.warmup_start), restart_steps=restart,
-            t_mul=float(self.t_mul), m_mul=float(self.m_mul),
-        )
+        return WarmupCosineDecay(**common, restart_steps=restart, t_mul=float(self.t_mul), m_mul=float(self.m_mul))
 
     def _resolve_peak(self, current) -> float:
         if self.peak_lr is not None:
@@ -277,18 +271,12 @@ class WarmupCosine(keras.callbacks.Callback):
         """
         if self.schedule is None:
             raise ValueError("WarmupCosine.plot() needs an installed schedule: call it after `fit` has begun.")
-        # The Agg canvas directly: no pyplot, so the global backend is untouched.
-        # lazy: matplotlib is heavy at import time and only a plot needs it.
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
         s = self.schedule
         total = int(s.total_steps)
         steps = np.unique(np.linspace(0, total, num=min(total + 1, 2001)).round().astype(np.int64))
         values = np.asarray(ops.convert_to_numpy(s(steps)), dtype=np.float64)
-        fig = Figure(figsize=(6, 3.5), dpi=100)
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot(1, 1, 1)
+        fig, axes = new_figure(figsize=(6, 3.5))
+        ax = axes[0, 0]
         ax.plot(steps, values, lw=1.5)
         if s.warmup_steps:
             ax.axvline(s.warmup_steps, color="grey", ls=":", lw=1)
@@ -297,8 +285,6 @@ class WarmupCosine(keras.callbacks.Callback):
         ax.set_title(f"{type(s).__name__}: peak {s.peak_lr:g}, {total} steps")
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        return atomic_write_bytes(path, buf.getvalue())
+        return save_figure(fig, path)
 
 
