@@ -65,6 +65,7 @@ from trainwell.data import text
 from trainwell.data.embedded import minilm_preset_dir
 from trainwell.data.sources import check_preset, check_text_source
 from trainwell.data.text import load_label_map, save_label_map
+from trainwell.models.lora import enable_lora, merged_copy
 from trainwell.recipes.transformer_serving import EXPORT_DIR, export_model, load_exported, predict  # noqa: F401 - the recipe's API
 from trainwell.validation import invalid_argument
 
@@ -83,7 +84,8 @@ class Config(BaseConfig):
     length 128); [ELECTRA] Clark et al. 2020 (layer-wise LR decay 0.8);
     [ULMFiT] Howard & Ruder 2018 and [LP-FT] Kumar et al. 2022 (train the head first);
     [Prechelt] early stopping with the best weights; [HF] Hugging Face Trainer
-    (`group_by_length`).
+    (`group_by_length`); [LoRA] Hu et al. 2021 (rank 1-64 on the attention's query and
+    value projections, the rest of the backbone frozen).
 
     Example:
     >>> c = Config()
@@ -103,6 +105,9 @@ class Config(BaseConfig):
     preset: str = "minilm"  # keras-hub preset name, local preset dir, or "minilm" (embedded)
     sequence_length: int = 128  # [MG] GLUE seq_length 128
     dropout: float = 0.1  # [BERT] classifier dropout 0.1
+    lora_rank: Optional[int] = None  # None: full fine-tuning; [LoRA] 1-64 (8 is common), base weights frozen
+    lora_alpha: Optional[float] = None  # adapters scaled by lora_alpha / lora_rank; None: lora_rank (Keras's default)
+    lora_target_layers: Optional[list[str]] = None  # None: the backbone's default_lora_layer_names() (keras-hub: query, value)
     # -- data
     text_field: Optional[str] = None  # None: "text", "sentence", "review" or "content"
     label_field: str = "label"
@@ -147,6 +152,16 @@ class Config(BaseConfig):
         if self.sequence_length < 8:
             raise_invalid("sequence_length", self.sequence_length, "an integer >= 8")
         check_range(self, "dropout", 0.0, 1.0, hi_open=True)
+        if self.lora_rank is not None and self.lora_rank < 1:
+            raise_invalid("lora_rank", self.lora_rank, "null (full fine-tuning) or an integer >= 1")
+        check_positive(self, "lora_alpha")
+        if self.lora_alpha is not None and self.lora_rank is None:
+            raise_invalid("lora_alpha", self.lora_alpha, "null when lora_rank is null (no LoRA to scale)")
+        if self.lora_target_layers is not None:
+            if self.lora_rank is None:
+                raise_invalid("lora_target_layers", self.lora_target_layers, "null when lora_rank is null")
+            if not self.lora_target_layers or not all(str(n).strip() for n in self.lora_target_layers):
+                raise_invalid("lora_target_layers", self.lora_target_layers, "null or a non-empty list of layer names")
         if not self.label_field.strip():
             raise_invalid("label_field", self.label_field, "a non-empty field name")
         check_range(self, "val_fraction", 0.0, 1.0, hi_open=True)
@@ -233,6 +248,9 @@ def build_model(cfg: Config, num_classes: int):
     (every layer outside the backbone: dropout, logits) computes in float32, so the
     logits and the loss are float32. Tokenisation runs in the input pipeline
     (`trainwell.data.text`); `export_model` attaches the preprocessor for inference.
+    With `cfg.lora_rank`, the backbone is frozen and LoRA adapters are added to its
+    `cfg.lora_target_layers` (`trainwell.models.lora.enable_lora`); the head (every
+    layer outside the backbone) stays fully trainable.
 
     Example:
     >>> model = build_model(Config(), num_classes=2)  # doctest: +SKIP
@@ -251,6 +269,8 @@ def build_model(cfg: Config, num_classes: int):
             if layer is model.backbone or isinstance(layer, keras.layers.InputLayer):
                 continue
             layer.dtype_policy = "float32"
+    if cfg.lora_rank is not None:
+        enable_lora(model.backbone, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_layers)
     return model
 
 
@@ -570,9 +590,14 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, model_
         metrics = {f"test_{k}": v for k, v in test.items()}
         if cfg.export and ctx.is_chief and not segment and trained:
             _say(cfg, f"Exporting the model and its tokenizer to {ctx.run_dir / EXPORT_DIR} ...")
-            export_model(model, preprocessor, data_.class_names, ctx.run_dir / EXPORT_DIR)
+            export_model(_plain(model), preprocessor, data_.class_names, ctx.run_dir / EXPORT_DIR)
         model.preprocessor = preprocessor
         return harness.finish_run(ctx, cfg, model, metrics, history, plots=not segment)
+
+
+def _plain(model):
+    """`model` itself, or with LoRA its merged copy: the export loads in plain keras-hub, without adapters."""
+    return merged_copy(model) if any("lora_" in v.path for v in model.weights) else model
 
 
 def _say(cfg: Config, message: str) -> None:
@@ -597,7 +622,11 @@ def _tuning_space(hp, cfg: Config) -> dict:
     dropout = hp.Float("dropout", 0.0, max(0.3, cfg.dropout), default=cfg.dropout)
     batch = batch_size_choice(hp, cfg.batch_size, limit=cfg.max_train_examples)
     lld = hp.Float("layerwise_lr_decay", min(0.5, cfg.layerwise_lr_decay), 1.0, default=cfg.layerwise_lr_decay)
+    lora = {}
+    if cfg.lora_rank is not None:  # a LoRA config searches the rank too; full fine-tuning stays full
+        lora["lora_rank"] = hp.Choice("lora_rank", sorted({4, 8, 16, cfg.lora_rank}), default=cfg.lora_rank)
     return {
+        **lora,
         "peak_lr": peak_lr,
         "min_lr": min(cfg.min_lr, peak_lr),
         "weight_decay": weight_decay,
@@ -617,7 +646,7 @@ def _tuning_build(cfg: Config):
 
 def _tuning_export(model, cfg: Config, run_dir, path):
 
-    return export_model(model, build_preprocessor(cfg), load_label_map(run_dir), path)
+    return export_model(_plain(model), build_preprocessor(cfg), load_label_map(run_dir), path)
 
 
 def hypermodel(cfg: Config | None = None, **overrides):
@@ -625,7 +654,8 @@ def hypermodel(cfg: Config | None = None, **overrides):
 
     The space: peak LR (log, /5 to x5 of the config's), weight decay (log), warmup
     fraction, classifier dropout, batch size (half, same, double) and layer-wise LR
-    decay, each defaulting to the config. A trial runs `train()` in its own run
+    decay, each defaulting to the config; with `lora_rank` set, the LoRA rank too
+    (4, 8, 16 and the config's). A trial runs `train()` in its own run
     directory with the recipe's callbacks (NaN rollback, early stopping,
     checkpoints), `verbose="0"`, no TrainingDoctor unless `doctor` is overridden
     and no per-trial export (the search exports the best trial's model, with its

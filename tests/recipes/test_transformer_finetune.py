@@ -271,3 +271,129 @@ def test_embedded_minilm_loads_offline_with_its_pretrained_weights():
     x = recipe.build_preprocessor(cfg)(["a fine film", "dreadful"])
     assert x["token_ids"].shape == (2, 16)
     assert model.predict_on_batch(x).shape == (2, 2)
+
+
+# --------------------------------------------------------------------------- LoRA (issue 34.1)
+@pytest.mark.parametrize("bad, pattern", [
+    ({"lora_rank": 0}, "Received: lora_rank=0"),
+    ({"lora_alpha": 16.0}, "null when lora_rank is null.*Received: lora_alpha=16.0"),
+    ({"lora_rank": 8, "lora_alpha": -1.0}, "Received: lora_alpha=-1.0"),
+    ({"lora_rank": 8, "lora_target_layers": []}, "Received: lora_target_layers=\\[\\]"),
+    ({"lora_target_layers": ["query"]}, "null when lora_rank is null"),
+])
+def test_lora_config_validation(bad, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        recipe.Config(**bad)
+
+
+def _tiny_inputs(n=6):
+    rng = np.random.default_rng(1)
+    return {"token_ids": rng.integers(5, 20, (n, SEQ)).astype("int32"), "segment_ids": np.zeros((n, SEQ), "int32"),
+            "padding_mask": np.ones((n, SEQ), bool)}
+
+
+def test_lora_freezes_the_backbone_keeps_the_head_and_merges_into_a_plain_model(tiny):
+    import keras
+
+    from trainwell.models.lora import merged_copy
+
+    assert recipe.Config().lora_rank is None  # full fine-tuning by default
+    full = recipe.build_model(recipe.Config(**tiny_kw(tiny)), num_classes=2)
+    cfg = recipe.Config(**tiny_kw(tiny, lora_rank=4, lora_alpha=8.0))
+    model = recipe.build_model(cfg, num_classes=2)
+    trainable = {v.path for v in model.trainable_variables}
+    assert {"logits/kernel", "logits/bias"} <= trainable  # the head trains in full
+    adapters = {p for p in trainable if "lora_" in p}
+    assert len(adapters) == 2 * 2 * 2  # A and B on query and value (keras-hub's defaults) of 2 layers
+    assert not any(p.endswith(("query/kernel", "value/kernel", "embeddings", "intermediate_dense/kernel"))
+                   for p in trainable)  # base weights frozen
+    n_trainable = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    assert n_trainable < 0.25 * sum(int(np.prod(v.shape)) for v in full.trainable_variables)
+    # trained adapters (B starts at 0): the merged copy has no LoRA and predicts the same
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _tiny_inputs(), np.array([0, 1, 0, 1, 1, 0])
+    model.fit(x, y, epochs=3, verbose=0)
+    assert max(float(np.abs(v.numpy()).max()) for v in model.weights if "lora_kernel_b" in v.path) > 0
+    plain = merged_copy(model)
+    assert not any("lora" in v.path for v in plain.weights) and len(plain.weights) == len(full.weights)
+    base = {v.path: v.numpy() for v in full.weights}
+    q = "transformer_layer_0/self_attention_layer/query/kernel"
+    assert not np.allclose(next(v.numpy() for v in plain.weights if v.path == q), base[q])  # merged
+    np.testing.assert_allclose(plain.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-5)
+    # scale: alpha / rank = 2; explicit target names; one line when none matches
+    assert recipe.Config(**tiny_kw(tiny, lora_rank=2, lora_target_layers=["query"])).lora_target_layers == ["query"]
+    only_q = recipe.build_model(recipe.Config(**tiny_kw(tiny, lora_rank=2, lora_target_layers=["query"])), 2)
+    assert sum("lora_" in v.path for v in only_q.trainable_variables) == 2 * 2
+    with pytest.raises(ValueError, match="No layer of .* is named 'nope'"):
+        recipe.build_model(recipe.Config(**tiny_kw(tiny, lora_rank=2, lora_target_layers=["nope"])), 2)
+
+
+@pytest.mark.slow
+def test_lora_run_exports_a_merged_model_that_plain_keras_hub_loads(tiny, tmp_path):
+    kw = tiny_kw(tiny, run_dir=str(tmp_path / "run"), epochs=2, lora_rank=4, lora_alpha=8.0, max_train_examples=160,
+                 early_stopping_patience=None)
+    code = (  # plain keras-hub in a fresh interpreter: no trainwell import, no LoRA
+        "import json, sys, numpy as np, keras_hub\n"
+        f"m = keras_hub.models.TextClassifier.from_preset({str(tmp_path / 'run' / 'model')!r})\n"
+        "assert not any('lora' in v.path for v in m.weights), [v.path for v in m.weights]\n"
+        "assert 'trainwell' not in sys.modules\n"
+        "print(json.dumps(m.predict(['a great film', 'a dull mess', 'superb'], verbose=0).tolist()))\n"
+    )
+    run = recipe.train(**kw)
+    assert any("lora_" in v.path for v in run.model.weights)
+    r = _subprocess(code)
+    assert r.returncode == 0, r.stderr[-3000:]
+    exported = np.array(json.loads(r.stdout.strip().splitlines()[-1]))
+    unmerged = run.model.predict(["a great film", "a dull mess", "superb"], verbose=0)
+    assert np.abs(unmerged).max() > 0
+    np.testing.assert_allclose(exported, unmerged, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_lora_resume_after_sigkill_matches_uninterrupted_run(tiny, tmp_path):
+    kw = tiny_kw(tiny, epochs=2, checkpoint_every="3", deterministic=True, early_stopping_patience=None,
+                 export=False, max_train_examples=160, lora_rank=4, lora_alpha=8.0)
+    cfg = recipe.Config(**kw)
+    spe = recipe.build_data(cfg, recipe.build_preprocessor(cfg)).steps_per_epoch
+    ref = _subprocess(_train_code({**kw, "run_dir": str(tmp_path / "ref")}, tmp_path / "ref.npz"))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    crash_kw = {**kw, "run_dir": str(tmp_path / "crash")}
+    crashed = _subprocess(_train_code(crash_kw, tmp_path / "crash.npz", kill_at=spe + 5))
+    assert crashed.returncode == -9, crashed.stderr[-3000:]
+    index = json.loads((tmp_path / "crash" / "checkpoints" / "checkpoint.json").read_text())["checkpoints"]
+    assert spe < max(int(c["global_step"]) for c in index) < spe + 5  # a mid-epoch-2 checkpoint
+    resumed = _subprocess(_train_code(crash_kw, tmp_path / "crash.npz"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "HISTORY 2" in resumed.stdout
+    a, b = np.load(tmp_path / "ref.npz"), np.load(tmp_path / "crash.npz")
+    assert len(a.files) == len(b.files) == len(recipe.build_model(cfg, 2).weights)  # adapters included
+    for k in a.files:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.slow
+def test_a_search_tunes_lora_rank_and_the_trial_trains_at_that_rank(tiny, tmp_path):
+    import keras_tuner as kt
+
+    from trainwell import tuning
+    from trainwell.config import read_config_file
+
+    cfg = recipe.Config(**tiny_kw(tiny, epochs=1, lora_rank=8, max_train_examples=160))
+    hm = recipe.hypermodel(cfg)
+    hp = kt.HyperParameters()
+    hm.declare_hyperparameters(hp)
+    assert hp.values["lora_rank"] == 8 and "lora_rank" not in recipe._tuning_space(kt.HyperParameters(),
+                                                                                     recipe.Config(**tiny_kw(tiny)))
+    hp = kt.HyperParameters()
+    hp.Fixed("lora_rank", 4)
+    result = tuning.search(hm, "random", max_trials=1, directory=tmp_path / "t", hyperparameters=hp, verbose=0)
+    (row,) = result.rows
+    assert row["status"] == "COMPLETED" and row["hyperparameters"]["lora_rank"] == 4
+    run_dir = result.project_dir / f"trial_{row['trial_id']}" / "run"
+    assert read_config_file(run_dir / "config.yaml")["lora_rank"] == 4
+    best = result.files["best_model"]
+    import keras_hub
+
+    exported = keras_hub.models.TextClassifier.from_preset(str(best))
+    assert not any("lora" in v.path for v in exported.weights)  # the best model's export is merged
