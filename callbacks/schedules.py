@@ -92,23 +92,6 @@ def _check_restarts(restart_name: str, restart: Any, t_mul: Any, m_mul: Any) -> 
         )
 
 
-def _check_decay_args(peak_lr, total_steps, warmup_steps, min_lr, warmup_start):
-    """Validated `(peak_lr, total_steps, warmup_steps, min_lr, warmup_start)` of a decay schedule.
-
-    Step counts may be floats, as in Keras's `CosineDecay(decay_steps=1000.0)`.
-    """
-    peak_lr = _check_peak(peak_lr)
-    if not is_number(total_steps) or total_steps <= 0:
-        raise invalid_argument("total_steps", "a number > 0", total_steps)
-    total_steps = _step_count(total_steps)
-    warmup_steps = _check_warmup(warmup_steps, total_steps, "total_steps")
-    if not is_number(min_lr) or min_lr < 0 or min_lr > peak_lr:
-        raise invalid_argument("min_lr", f"a float in [0, peak_lr] = [0, {peak_lr}]", min_lr)
-    min_lr = float(min_lr)
-    warmup_start = _check_warmup_start(warmup_start)
-    return peak_lr, total_steps, warmup_steps, min_lr, warmup_start
-
-
 # ---------------------------------------------------------------- base class
 class _WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
     """Shared plumbing: the multiplier variable and the linear warmup."""
@@ -141,9 +124,35 @@ class _WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         return f"{type(self).__name__}({args})"
 
 
+class _DecaySchedule(_WarmupSchedule):
+    """A warmup, then a decay from `peak_lr` to `min_lr` at `total_steps`: the arguments both decays share.
+
+    Step counts may be floats, as in Keras's `CosineDecay(decay_steps=1000.0)`.
+    """
+
+    def __init__(
+        self,
+        peak_lr: float,
+        total_steps: int | float,
+        warmup_steps: int | float = 0,
+        min_lr: float = 0.0,
+        warmup_start: float = 0.0,
+    ) -> None:
+        peak_lr = _check_peak(peak_lr)
+        if not is_number(total_steps) or total_steps <= 0:
+            raise invalid_argument("total_steps", "a number > 0", total_steps)
+        total_steps = _step_count(total_steps)
+        warmup_steps = _check_warmup(warmup_steps, total_steps, "total_steps")
+        if not is_number(min_lr) or min_lr < 0 or min_lr > peak_lr:
+            raise invalid_argument("min_lr", f"a float in [0, peak_lr] = [0, {peak_lr}]", min_lr)
+        super().__init__(peak_lr, warmup_steps, _check_warmup_start(warmup_start))
+        self.total_steps = total_steps
+        self.min_lr = float(min_lr)
+
+
 # ---------------------------------------------------------------- schedules
 @keras.saving.register_keras_serializable(package="trainwell")
-class WarmupCosineDecay(_WarmupSchedule):
+class WarmupCosineDecay(_DecaySchedule):
     """Linear warmup, then cosine decay, with optional SGDR warm restarts.
 
     From `warmup_start` the LR rises linearly to `peak_lr` at `warmup_steps`
@@ -205,19 +214,14 @@ class WarmupCosineDecay(_WarmupSchedule):
         t_mul: float = 1.0,
         m_mul: float = 1.0,
     ) -> None:
-        peak_lr, total_steps, warmup_steps, min_lr, warmup_start = _check_decay_args(
-            peak_lr, total_steps, warmup_steps, min_lr, warmup_start
-        )
+        super().__init__(peak_lr, total_steps, warmup_steps, min_lr, warmup_start)
         if restart_steps is not None and (not is_int(restart_steps) or restart_steps < 1):
             raise invalid_argument("restart_steps", "None or an integer >= 1", restart_steps)
         _check_restarts("restart_steps", restart_steps, t_mul, m_mul)
-        super().__init__(peak_lr, warmup_steps, warmup_start)
-        self.total_steps = total_steps
-        self.min_lr = min_lr
         self.restart_steps = None if restart_steps is None else int(restart_steps)
         self.t_mul = float(t_mul)
         self.m_mul = float(m_mul)
-        self._decay_steps = float(total_steps - warmup_steps)
+        self._decay_steps = float(self.total_steps - self.warmup_steps)
         self._last_cycle = self._count_last_cycle()
 
     # Cycle k spans [S(k), S(k+1)) after warmup, S(k) = sum_{j<k} R * t_mul**j.
@@ -279,7 +283,7 @@ class WarmupCosineDecay(_WarmupSchedule):
 
 
 @keras.saving.register_keras_serializable(package="trainwell")
-class WarmupLinearDecay(_WarmupSchedule):
+class WarmupLinearDecay(_DecaySchedule):
     """Linear warmup, then linear decay to `min_lr` at `total_steps` (BERT style).
 
     The schedule of BERT (Devlin et al., 2019) and most transformer fine-tuning:
@@ -304,21 +308,6 @@ class WarmupLinearDecay(_WarmupSchedule):
     >>> round(float(s(550)) / 2e-5, 4)
     0.5
     """
-
-    def __init__(
-        self,
-        peak_lr: float,
-        total_steps: int | float,
-        warmup_steps: int | float = 0,
-        min_lr: float = 0.0,
-        warmup_start: float = 0.0,
-    ) -> None:
-        peak_lr, total_steps, warmup_steps, min_lr, warmup_start = _check_decay_args(
-            peak_lr, total_steps, warmup_steps, min_lr, warmup_start
-        )
-        super().__init__(peak_lr, warmup_steps, warmup_start)
-        self.total_steps = total_steps
-        self.min_lr = min_lr
 
     def _base(self, step):
         d = float(self.total_steps - self.warmup_steps) or 1.0

@@ -18,7 +18,6 @@ from trainwell.callbacks.schedules import (
     WarmupLinearDecay,
     _check_restarts,
     _check_warmup_start,
-    _step_count,
     is_trainwell_schedule,
 )
 from trainwell.compat.backend import compile_function, strategy_scope
@@ -179,19 +178,14 @@ class WarmupCosine(keras.callbacks.Callback):
         return int(steps)
 
     def _build_schedule(self, peak_lr: float):
-        if self.total_steps is not None:
-            total = _step_count(self.total_steps)
-        else:
-            epochs = (self.params or {}).get("epochs")
-            total = int(epochs) * self._steps_per_epoch("the total number of steps")
-        if self.warmup_steps is not None:
-            warmup = _step_count(self.warmup_steps)
-        elif self.warmup_epochs:
+        # Step counts as given: the schedule keeps an int an int and a float a float.
+        total, warmup = self.total_steps, self.warmup_steps
+        if total is None:
+            total = int((self.params or {}).get("epochs")) * self._steps_per_epoch("the total number of steps")
+        if warmup is None and self.warmup_epochs:
             warmup = int(round(self.warmup_epochs * self._steps_per_epoch("`warmup_steps` from `warmup_epochs`")))
-        else:
-            warmup = 0
-        common = dict(peak_lr=peak_lr, total_steps=total, warmup_steps=warmup, min_lr=float(self.min_lr),
-                      warmup_start=float(self.warmup_start))
+        common = dict(peak_lr=peak_lr, total_steps=total, warmup_steps=0 if warmup is None else warmup,
+                      min_lr=float(self.min_lr), warmup_start=float(self.warmup_start))
         if self.decay == "linear":
             return WarmupLinearDecay(**common)
         restart = None
