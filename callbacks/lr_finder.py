@@ -54,6 +54,7 @@ import keras
 import numpy as np
 
 from trainwell import quick
+from trainwell.callbacks.base import constructor_config
 from trainwell.callbacks.lr_curve import (  # the public names re-exported: lr_finder is where users find them
     MIN_GAIN,
     NOISE_Z,
@@ -251,8 +252,7 @@ class LRFinder(keras.callbacks.Callback):
 
     def get_config(self) -> dict[str, Any]:
         """Returns the constructor arguments."""
-        names = ("start_lr", "end_lr", "steps", "smooth", "diverge_factor", "restore", "method")
-        return {name: getattr(self, name) for name in names}
+        return constructor_config(self)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "LRFinder":
