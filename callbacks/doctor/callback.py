@@ -8,6 +8,7 @@ that gathered state, the judging elsewhere.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -108,13 +109,10 @@ def _batch_from_iterator(epoch_iterator):
             return np.asarray(a)[idx]
 
         return keras.tree.map_structure(take, inputs), bs
-    if kind == "dataset":
-        batch = next(iter(source.take(1)))
-        return _head(batch), train_bs or _batch_len(batch)
-    if kind == "pydataset":
-        batch = source[0]
-        return _head(batch), train_bs or _batch_len(batch)
-    return None, train_bs
+    if kind not in ("dataset", "pydataset"):
+        return None, train_bs
+    batch = next(iter(source.take(1))) if kind == "dataset" else source[0]
+    return _head(batch), train_bs or _batch_len(batch)
 
 
 def _head(batch, n: int = _AUTO_PROBE_SIZE):
@@ -404,14 +402,15 @@ class TrainingDoctor(StatefulCallback):
         self.tracker.new_epoch()
         self._epoch_begin_step = self.step
 
-    def _probe_due(self, after: int) -> bool:
-        return after // self.every_n_steps > self.step // self.every_n_steps or self.step == 0
+    def _probe_due(self, before: int, after: int) -> bool:
+        """Whether the steps from `before` to `after` reach a probe's step (every `every_n_steps`, and the first)."""
+        return after // self.every_n_steps > before // self.every_n_steps or before == 0
 
     def on_train_batch_begin(self, batch, logs=None) -> None:
         self._begin_batch = int(batch)
         if self._probe is not None and self.track_updates:
             spe = int(getattr(self.model, "steps_per_execution", 1) or 1)
-            if self._probe_due(self.step + spe):
+            if self._probe_due(self.step, self.step + spe):
                 try:
                     self._probe.snapshot()
                 except Exception:
@@ -451,7 +450,7 @@ class TrainingDoctor(StatefulCallback):
             if len(self.backoff_steps) != self._amp_checked_at:
                 self._amp_checked_at = len(self.backoff_steps)
                 self._check_amp()
-        if before // self.every_n_steps < self.step // self.every_n_steps or before == 0:
+        if self._probe_due(before, self.step):
             self._check()
 
     def _with_lr(self, rule, *args) -> Finding | None:
@@ -473,16 +472,14 @@ class TrainingDoctor(StatefulCallback):
 
     def _check_amp(self, nonfinite: dict | None = None) -> None:
         scales = [s for _, s in self.scale_history]
-        f = check_amp(scales, self.backoff_steps, self.step, window=self.window, nonfinite=nonfinite, thresholds=self._th)
+        amp = functools.partial(check_amp, scales, self.backoff_steps, self.step, window=self.window, thresholds=self._th)
+        f = amp(nonfinite=nonfinite)
         if f is not None and nonfinite is None and self._probe is not None:
             # Unstable: name the layer that overflows now (one extra probe, once).
             self._nonfinite = None
             self._run_probe(locate_only=True)
             if self._nonfinite is not None:
-                f = check_amp(
-                    scales, self.backoff_steps, self.step, window=self.window,
-                    nonfinite=self._nonfinite, thresholds=self._th,
-                )
+                f = amp(nonfinite=self._nonfinite)
         self._report(f)
 
     def _check(self) -> None:
@@ -561,13 +558,8 @@ class TrainingDoctor(StatefulCallback):
         if self.null_loss is None and math.isfinite(stats.get("null_loss", math.nan)):
             self.null_loss = stats["null_loss"]
         del self.probe_losses[:-50]
-        self.last_probe = {
-            "step": self.step,
-            "loss": stats["loss"],
-            "global_norm": stats["global_norm"],
-            "update_ratio": stats["update_ratio"],
-            "loss_scale": stats["loss_scale"],
-        }
+        kept = ("loss", "global_norm", "update_ratio", "loss_scale")
+        self.last_probe = {"step": self.step, **{k: stats[k] for k in kept}}
         if not stats["weights_finite"] and self._enabled("divergence"):
             self._report(check_divergence(self.tracker, self.step, weights_finite=False, thresholds=self._th))
         if self.first_global_norm is None and math.isfinite(stats["global_norm"]) and stats["global_norm"] > 0:
@@ -614,9 +606,7 @@ class TrainingDoctor(StatefulCallback):
     def _probe_rules(self, stats: dict[str, Any], lr: float | None) -> None:
         """The rules that read a probe's statistics: gradients, dead units, input bound."""
         lso = self._is_lso()
-        grad_stats = dict(stats)
-        if lso:
-            grad_stats["grads_finite"] = True  # float16 overflow is the loss scale's business
+        grad_stats = {**stats, "grads_finite": True} if lso else stats  # float16 overflow: the loss scale's business
         if stats["weights_finite"] and (self._enabled("vanishing_gradients") or self._enabled("exploding_gradients")):
             for f in check_gradients(grad_stats, self.step, first_global_norm=self.first_global_norm, lr=lr, thresholds=self._th):
                 if f.code == "exploding_gradients" and (
@@ -673,8 +663,7 @@ class TrainingDoctor(StatefulCallback):
         lines = [f"TrainingDoctor: {len(self.findings)} finding(s) in {self.step} steps:"]
         for f in self.findings:
             lines.append(f"  {f.line()}")
-            for fix in f.fixes[1:3]:
-                lines.append(f"      also: {fix}")
+            lines.extend(f"      also: {fix}" for fix in f.fixes[1:3])
         return "\n".join(lines)
 
     def report(self) -> dict[str, Any]:
@@ -701,47 +690,34 @@ class TrainingDoctor(StatefulCallback):
                 print(f"TrainingDoctor: could not write {_DIAGNOSTICS_FILE}: {e}", flush=True)
 
     def _write_tensorboard(self, stats: dict[str, Any]) -> None:
+        """Writes the probe's statistics as TensorBoard scalars (a failure turns the writing off, never training)."""
         if self._writer is None:
             return
+        values = {
+            "doctor/probe_loss": stats["loss"],
+            "doctor/global_grad_norm": stats["global_norm"],
+            "doctor/update_ratio": stats["update_ratio"],
+            "doctor/loss_scale": stats["loss_scale"] if self._is_lso() else None,
+            "doctor/step_ms": 1e3 * median(self.step_times) if self.step_times else None,
+        }
+        for l in stats["layers"]:
+            values[f"doctor/grad_norm/{l['name']}"] = l["grad_norm"]
+            values[f"doctor/update_ratio/{l['name']}"] = l.get("update_ratio")
+        values.update({f"doctor/dead_fraction/{k}": v for k, v in stats["dead"].items()})
+        values.update({f"doctor/saturation/{k}": v for k, v in stats["saturation"].items()})
         try:
-            self._write_scalars(stats)
+            import tensorflow as tf  # lazy: TensorFlow's summaries, only for a run directory
+            from tensorflow.core.framework import summary_pb2  # lazy: as above
+
+            # `tf.summary.write` with the scalars plugin's metadata is what
+            # `tf.summary.scalar` does, without needing the tensorboard package.
+            plugin = summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
+            meta = summary_pb2.SummaryMetadata(plugin_data=plugin).SerializeToString()
+            with self._writer.as_default():
+                for name, value in values.items():
+                    if value is not None and math.isfinite(float(value)):
+                        tf.summary.write(name, tf.constant(float(value), tf.float32), step=self.step, metadata=meta)
         except Exception as e:  # never let logging break training
             if self.verbose:
                 print(f"TrainingDoctor: TensorBoard logging disabled: {type(e).__name__}: {e}", flush=True)
             self._writer = None
-
-    def _write_scalars(self, stats: dict[str, Any]) -> None:
-        import tensorflow as tf  # lazy: TensorFlow's summaries, only for a run directory
-
-        meta = _scalar_metadata()
-
-        def scalar(name, value):
-            # `tf.summary.write` with the scalars plugin's metadata is what
-            # `tf.summary.scalar` does, without needing the tensorboard package.
-            if value is not None and math.isfinite(float(value)):
-                tf.summary.write(name, tf.constant(float(value), tf.float32), step=self.step, metadata=meta)
-
-        with self._writer.as_default():
-            scalar("doctor/probe_loss", stats["loss"])
-            scalar("doctor/global_grad_norm", stats["global_norm"])
-            scalar("doctor/update_ratio", stats["update_ratio"])
-            scalar("doctor/loss_scale", stats["loss_scale"] if self._is_lso() else None)
-            if self.step_times:
-                scalar("doctor/step_ms", 1e3 * median(self.step_times))
-            for l in stats["layers"]:
-                scalar(f"doctor/grad_norm/{l['name']}", l["grad_norm"])
-                if "update_ratio" in l:
-                    scalar(f"doctor/update_ratio/{l['name']}", l["update_ratio"])
-            for k, v in stats["dead"].items():
-                scalar(f"doctor/dead_fraction/{k}", v)
-            for k, v in stats["saturation"].items():
-                scalar(f"doctor/saturation/{k}", v)
-
-
-def _scalar_metadata() -> bytes:
-    """Serialized `SummaryMetadata` of TensorBoard's scalars plugin."""
-    from tensorflow.core.framework import summary_pb2  # lazy: TensorFlow's summaries, only for a run directory
-
-    return summary_pb2.SummaryMetadata(
-        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
-    ).SerializeToString()

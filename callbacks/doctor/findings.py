@@ -197,12 +197,13 @@ def unjson(v: Any) -> Any:
     return float(v) if v in ("nan", "inf", "-inf") else v
 
 
-def fmt(x: float) -> str:
-    if x is None:
-        return "n/a"
-    if not math.isfinite(x):
-        return str(x)
-    return f"{x:.3g}"
+def fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3g}"  # `.3g` writes nan and inf as str() does
+
+
+def known(**values: Any) -> dict[str, Any]:
+    """The evidence among `values` that is known (not `None`), in order."""
+    return {k: v for k, v in values.items() if v is not None}
 
 
 def median(xs: Iterable[float]) -> float:

@@ -15,7 +15,7 @@ import math
 import statistics
 from typing import Any, Sequence
 
-from trainwell.callbacks.doctor.findings import DEFAULT_THRESHOLDS, Finding, LossTracker, fmt, lr_text, median
+from trainwell.callbacks.doctor.findings import DEFAULT_THRESHOLDS, Finding, LossTracker, fmt, known, lr_text, median
 
 def check_divergence(
     tracker: LossTracker,
@@ -46,21 +46,16 @@ def check_divergence(
     th = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
     last = tracker.losses[-1] if tracker.losses else math.nan
     initial = tracker.initial
-    ev: dict[str, Any] = {"loss": last, "initial_loss": initial, "best_loss": tracker.best_median}
-    if lr is not None:
-        ev["lr"] = lr
+    ev: dict[str, Any] = {"loss": last, "initial_loss": initial, "best_loss": tracker.best_median, **known(lr=lr)}
     reason = None
     if not weights_finite:
         reason = "the weights hold NaN/Inf"
         ev["weights_finite"] = 0
     elif tracker.losses and not math.isfinite(last):
         reason = f"the loss became {last}"
-    elif (
-        len(tracker.losses) >= 3
-        and tracker.first
-        and median(tracker.recent(3)) > 1e3 * max(abs(tracker.first[0]), 1e-12)
+    elif len(tracker.losses) >= 3 and tracker.first and (
+        (now := median(tracker.recent(3))) > 1e3 * max(abs(tracker.first[0]), 1e-12)
     ):
-        now = median(tracker.recent(3))
         ev["recent_loss"] = now
         reason = f"the loss rose from {fmt(tracker.first[0])} to {fmt(now)} within {tracker.steps} steps"
     elif len(tracker.losses) >= 10 and math.isfinite(initial):
@@ -122,18 +117,11 @@ def zigzag(series: Sequence[float], swing: float, ratio: float) -> list[tuple[in
                 direction, ext_i, ext_v = 1, i, x
             elif big(hi_v, x) and x < hi_v and i == lo_i:
                 direction, ext_i, ext_v = -1, i, x
-        elif direction == 1:
-            if x > ext_v:
-                ext_i, ext_v = i, x
-            elif big(ext_v, x):
-                pts.append((ext_i, ext_v, "peak"))
-                direction, ext_i, ext_v = -1, i, x
-        else:
-            if x < ext_v:
-                ext_i, ext_v = i, x
-            elif big(ext_v, x):
-                pts.append((ext_i, ext_v, "trough"))
-                direction, ext_i, ext_v = 1, i, x
+        elif direction * (x - ext_v) > 0:  # further on the way up (down)
+            ext_i, ext_v = i, x
+        elif big(ext_v, x):  # a turn: the extreme reached is a peak (trough)
+            pts.append((ext_i, ext_v, "peak" if direction == 1 else "trough"))
+            direction, ext_i, ext_v = -direction, i, x
     return pts
 
 
@@ -262,10 +250,7 @@ def check_oscillation(  # one piece: the two signs, their evidence and text shar
         ev["probe_loss_rise"] = rise
     elif swings and probe_losses is not None:
         ev["probe_every_steps"] = probe_every  # too far apart to confirm (see above)
-    if lr is not None:
-        ev["lr"] = lr
-    if momentum is not None:
-        ev["momentum"] = momentum
+    ev.update(known(lr=lr, momentum=momentum))
     causes, fixes = _oscillation_causes_and_fixes(lr, momentum)
     return Finding(
         "oscillation",
@@ -356,11 +341,8 @@ def check_slow_convergence(
         "progress": progress,
         "window_progress": window_progress,
         "steps": tracker.steps,
+        **known(lr=lr, update_ratio=update_ratio),
     }
-    if lr is not None:
-        ev["lr"] = lr
-    if update_ratio is not None:
-        ev["update_ratio"] = update_ratio
     crawl = progress < th["slow_progress"]
     plateau = (
         not crawl

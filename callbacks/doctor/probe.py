@@ -243,10 +243,6 @@ class GradientProbe:
         }
 
     # ------------------------------------------------------------ public
-    def loss_scale(self) -> float:
-        """The current loss scale of the model's `LossScaleOptimizer` (1.0 without one)."""
-        return current_loss_scale(self.model)
-
     def run(self) -> dict[str, Any]:
         """Runs the probe and returns its statistics (plain Python numbers).
 
@@ -260,7 +256,7 @@ class GradientProbe:
             name), `update_ratio` (median over layers) and `nonfinite` (the first
             layer that produced NaN/Inf, or `None`).
         """
-        scale = self.loss_scale()
+        scale = current_loss_scale(self.model)
         if self._shadow is not None and self._shadow.values is None:
             self._shadow.take()  # stands in before the first snapshot (one compiled shape; the ratios are masked)
         shadows = None if self._shadow is None else self._shadow.values
@@ -311,10 +307,14 @@ class GradientProbe:
     def _locate(self, r, layers) -> dict[str, Any] | None:
         """The first layer that produced NaN/Inf: forward order, then backward order."""
         names = [l.name for l in self.act_layers]
+
+        def blame(i: int, where: str = "backward") -> dict[str, Any]:
+            layer = self.act_layers[i]
+            return {"layer": layer.name, "index": i, "pass": where, "compute_dtype": _compute_dtype(layer)}
+
         for i, ok in enumerate(r["afin"]):
             if not ok:
-                layer = self.act_layers[i]
-                out = {"layer": layer.name, "index": i, "pass": "forward", "compute_dtype": _compute_dtype(layer)}
+                out = blame(i, "forward")
                 if i > 0:
                     out["max_abs"] = float(r["amax"][i - 1])
                 return out
@@ -322,11 +322,6 @@ class GradientProbe:
         for l in layers:
             top = l["name"].split("/")[0]
             owner_ok[top] = owner_ok.get(top, True) and l["grads_finite"]
-
-        def blame(i: int) -> dict[str, Any]:
-            layer = self.act_layers[i]
-            return {"layer": layer.name, "index": i, "pass": "backward", "compute_dtype": _compute_dtype(layer)}
-
         n = len(names)
         for i in range(n - 1, -1, -1):
             out_ok, w_ok = bool(r["agfin"][i]), owner_ok.get(names[i], True)
@@ -339,9 +334,8 @@ class GradientProbe:
             # 16-bit output (a float32 consumer): then this layer's dtype is the cause.
             if i + 1 >= n:
                 return blame(i)
-            if "16" in _compute_dtype(self.act_layers[i]) and "16" not in _compute_dtype(self.act_layers[i + 1]):
-                return blame(i)
-            return blame(i + 1)
+            dtypes = _compute_dtype(self.act_layers[i]), _compute_dtype(self.act_layers[i + 1])
+            return blame(i if "16" in dtypes[0] and "16" not in dtypes[1] else i + 1)
         bad = [l for l in layers if not l["grads_finite"]]
         if bad:
             return {"layer": bad[-1]["name"], "index": -1, "pass": "backward", "compute_dtype": ""}

@@ -12,7 +12,7 @@ import math
 import os
 from typing import Any, Sequence
 
-from trainwell.callbacks.doctor.findings import DEFAULT_THRESHOLDS, Finding, fmt, lr_text, median
+from trainwell.callbacks.doctor.findings import DEFAULT_THRESHOLDS, Finding, fmt, known, lr_text, median
 
 def check_input_bound(
     step_times: Sequence[float],
@@ -119,9 +119,8 @@ def check_amp(
     span = max(int(window), 1)  # a fixed span: the first back-offs that find the scale's level are normal
     rate = len(recent) / span
     scale = scale_history[-1] if scale_history else math.nan
-    unstable = (len(recent) >= th["amp_min_backoffs"] and rate > th["amp_overflow_rate"]) or (
-        math.isfinite(scale) and scale < th["amp_min_scale"]
-    )
+    too_low = math.isfinite(scale) and scale < th["amp_min_scale"]
+    unstable = (len(recent) >= th["amp_min_backoffs"] and rate > th["amp_overflow_rate"]) or too_low
     located = bool(nonfinite and nonfinite.get("layer"))
     forward = located and nonfinite.get("pass") == "forward"
     if not (unstable or forward):
@@ -149,7 +148,7 @@ def check_amp(
         where = f' First non-finite values: layer "{layer}" ({nonfinite.get("pass")} pass).'
     return Finding(
         "amp_instability",
-        "error" if (located or (math.isfinite(scale) and scale < th["amp_min_scale"])) else "warning",
+        "error" if located or too_low else "warning",
         ev,
         fixes + [
             "keep the final softmax/logits and any normalisation statistics in float32",
@@ -245,13 +244,9 @@ def _exploding(layers: list[dict], stats: dict[str, Any], step: int, first_globa
     """Exploding gradients: non-finite ones behind a finite loss, a layer's gradient `explode_ratio` x its
     weight norm, or the global norm `explode_growth` x its first value."""
     gnorm = stats.get("global_norm", math.nan)
-    worst = None
-    for l in layers:
-        r = l["grad_norm"] / max(l["weight_norm"], 1e-12)
-        if worst is None or not math.isfinite(r) or r > worst[1]:
-            worst = (l, r)
-            if not math.isfinite(r):
-                break
+    ratios = [(l, l["grad_norm"] / max(l["weight_norm"], 1e-12)) for l in layers]
+    # The first non-finite ratio, else the largest.
+    worst = next((p for p in ratios if not math.isfinite(p[1])), None) or max(ratios, key=lambda p: p[1], default=None)
     growth = (
         gnorm / first_global_norm
         if first_global_norm and math.isfinite(first_global_norm) and first_global_norm > 0
@@ -268,8 +263,7 @@ def _exploding(layers: list[dict], stats: dict[str, Any], step: int, first_globa
                    "weight_norm": worst[0]["weight_norm"], "grad_over_weight": worst[1]})
     if math.isfinite(growth):
         ev["growth_since_start"] = growth
-    if lr is not None:
-        ev["lr"] = lr
+    ev.update(known(lr=lr))
     what = (
         "gradients are non-finite while the loss is finite"
         if nonfinite
@@ -331,9 +325,7 @@ def check_dead_units(
         return None
     worst = max(bad, key=bad.get)
     ev: dict[str, Any] = {"layer": worst, "dead_fraction": bad[worst], "layers_affected": len(bad)}
-    ev.update({f"dead_fraction/{k}": v for k, v in bad.items()})
-    if lr is not None:
-        ev["lr"] = lr
+    ev.update({f"dead_fraction/{k}": v for k, v in bad.items()}, **known(lr=lr))
     fixes = [
         "use LeakyReLU/GELU/ELU instead of ReLU",
         f"lower the learning rate{lr_text(lr)} (a large step can push biases so negative a unit never fires again)",
