@@ -20,7 +20,9 @@ What the recipe adds to a plain `TextClassifier.from_preset(...).fit(...)`:
   length bucket, not to `sequence_length` (Rotten Tomatoes at `sequence_length=64`: 32
   tokens per example on average instead of 64);
 - options: layer-wise LR decay, freeze-then-unfreeze, gradient accumulation, mixed
-  precision (head and loss in float32), `MirroredStrategy`.
+  precision (head and loss in float32), `MirroredStrategy`, LoRA (`lora_rank`: the
+  backbone frozen, adapters on its attention projections, the head trained in full;
+  the export merges the adapters, `trainwell.models.lora`).
 
 Layer-wise LR decay and freeze-then-unfreeze have no Keras built-in: both are a
 learning-rate factor per variable in `trainwell.optimizers.LayerwiseAdamW` (an `AdamW` subclass). With

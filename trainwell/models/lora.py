@@ -72,10 +72,40 @@ def enable_lora(backbone, rank: int, alpha: Optional[float] = None,
     if not added:
         raise ValueError(f"No layer of {backbone.name} is named {', '.join(map(repr, names))} (the LoRA targets); "
                          f"the backbone's defaults: {backbone.default_lora_layer_names()}.")
-    if alpha is not None:
-        for layer in _lora_layers(backbone):
+    for layer in _lora_layers(backbone):
+        if alpha is not None:
             layer.lora_alpha = float(alpha)  # the attribute Keras's enable_lora(rank, lora_alpha) sets
+        _store_raw_variables(layer)
     return [v.path for v in added]
+
+
+def _store_raw_variables(layer) -> None:
+    """Makes `layer`'s own-variable store its variables as they are: base kernel, bias, A, B.
+
+    Keras's `save_own_variables` of a LoRA layer writes the *merged* kernel (a tensor
+    computed when called, not a variable) and its `load_own_variables` assigns it to the
+    base kernel and resets the adapters to zero: right for a deployed model, wrong for a
+    training state. trainwell's checkpoints, NaN-rollback snapshots and best-weights
+    restores go through these two methods (`callbacks/checkpoint/state.py`), so a resumed
+    LoRA run would lose its adapters. On this instance they now store and assign the
+    layer's variables one to one, so the training state round-trips exactly; the export
+    goes through `merged_copy`, a fresh model that Keras saves the usual way.
+    """
+    variables = list(layer.variables)
+
+    def save_own_variables(store):
+        for i, v in enumerate(variables):
+            store[str(i)] = v
+
+    def load_own_variables(store):
+        if len(store) != len(variables):
+            raise ValueError(f"Expected {len(variables)} variables for the LoRA layer {layer.path!r} "
+                             f"(base weights and adapters); the store holds {len(store)}.")
+        for i, v in enumerate(variables):
+            v.assign(store[str(i)])
+
+    layer.save_own_variables = save_own_variables
+    layer.load_own_variables = load_own_variables
 
 
 def _lora_layers(model) -> list:
