@@ -112,19 +112,18 @@ def _batch_from_iterator(epoch_iterator):
     if kind not in ("dataset", "pydataset"):
         return None, train_bs
     batch = next(iter(source.take(1))) if kind == "dataset" else source[0]
+    batch = tuple(batch) if isinstance(batch, list) else batch
     return _head(batch), train_bs or _batch_len(batch)
 
 
 def _head(batch, n: int = _AUTO_PROBE_SIZE):
     """The first `n` examples of a batch (a tuple of nested arrays/tensors)."""
-    if isinstance(batch, list):
-        batch = tuple(batch)
     return keras.tree.map_structure(lambda t: None if t is None else t[:n], batch)
 
 
 def _batch_len(batch) -> int | None:
     try:
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(tuple(batch) if isinstance(batch, list) else batch)
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
         first = next(iter(keras.tree.flatten(x)))
         return int(first.shape[0])
     except Exception:

@@ -231,10 +231,8 @@ def check_oscillation(  # one piece: the two signs, their evidence and text shar
     if not swings and len(above) < int(th["oscillation_above"]):
         return None
     troughs = [p[1] for p in pts if p[2] == "trough"]
-    if peaks:  # the mean peak above the mean trough (or the lowest median)
-        amp = statistics.mean(p[1] for p in peaks) - (statistics.mean(troughs) if troughs else min(chunks))
-    else:
-        amp = max(chunks) - min(chunks)
+    top = statistics.mean(p[1] for p in peaks) if peaks else max(chunks)  # the mean peak, or the highest median
+    amp = top - (statistics.mean(troughs) if peaks and troughs else min(chunks))  # the mean trough, or the lowest
     ev: dict[str, Any] = {
         "peaks": len(peaks),
         "swing": amp,

@@ -23,13 +23,8 @@ from trainwell.compat.backend import StateReader, backend_tensor
 from trainwell.compat.gradients import loss_and_gradients
 from trainwell.compat.snapshot import Snapshot, function_on_state
 
-_ACT_KINDS = {
-    "relu": "relu",
-    "relu6": "relu",
-    "sigmoid": "sigmoid",
-    "hard_sigmoid": "sigmoid",
-    "tanh": "tanh",
-}
+#: The activations whose output can die (ReLU) or saturate (sigmoid, tanh), by kind.
+_ACT_KINDS = {"relu": "relu", "relu6": "relu", "sigmoid": "sigmoid", "hard_sigmoid": "sigmoid", "tanh": "tanh"}
 
 
 def activation_kind(layer) -> str | None:
