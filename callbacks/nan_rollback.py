@@ -113,8 +113,8 @@ def _json_float(x: float | None):
     return float(x) if math.isfinite(x) else str(float(x))
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not is_int(value) or value < minimum:
+def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
+    if not (optional and value is None) and (not is_int(value) or value < minimum):
         raise invalid_argument(name, f"an int >= {minimum}", value)
 
 
@@ -313,13 +313,11 @@ class NaNRollback(StatefulCallback):
         if not is_number(lr_factor, finite=False) or not 0.0 < float(lr_factor) <= 1.0:
             raise invalid_argument("lr_factor", "a float in (0, 1]", lr_factor)
         _check_int("max_rollbacks", max_rollbacks, 0)
-        if window_steps is not None:
-            _check_int("window_steps", window_steps, 1)
+        _check_int("window_steps", window_steps, 1, optional=True)
         if spike_factor is not None and not (is_number(spike_factor) and float(spike_factor) > 1.0):
             raise invalid_argument("spike_factor", "None or a finite float > 1", spike_factor)
         _check_int("spike_window", spike_window, 2)
-        if check_weights_every is not None:
-            _check_int("check_weights_every", check_weights_every, 1)
+        _check_int("check_weights_every", check_weights_every, 1, optional=True)
         if not is_number(loss_scale_floor) or float(loss_scale_floor) < 0.0:
             raise invalid_argument("loss_scale_floor", "a finite float >= 0", loss_scale_floor)
         if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
@@ -378,12 +376,8 @@ class NaNRollback(StatefulCallback):
         """Model weights + optimizer variables, minus the learning-rate variable(s)."""
         opt = self.model.optimizer
         skip = {id(v) for v in learning_rate_variables(opt)}
-        out, seen = [], set()
-        for v in list(self.model.weights) + list(opt.variables if opt is not None else []):
-            if id(v) not in seen and id(v) not in skip:
-                seen.add(id(v))
-                out.append(v)
-        return out
+        unique = {id(v): v for v in [*self.model.weights, *(opt.variables if opt is not None else [])]}  # first kept
+        return [v for key, v in unique.items() if key not in skip]
 
     def _build_machinery(self) -> None:
         """The snapshot and the compiled checks, for the model's variables now.
