@@ -104,3 +104,37 @@ def pytest_runtest_protocol(item, nextitem):
         f.write(json.dumps({"test": item.nodeid, "wall": round(t1 - t0, 2), "cpu_self": round(s1 - s0, 2),
                             "cpu_children": round(c1 - c0, 2),
                             "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")
+
+
+@pytest.fixture(scope="session")
+def _s3_server():
+    """moto's standalone S3 server on 127.0.0.1 at a free port, for the session; torn down after."""
+    import socket
+
+    from moto.server import ThreadedMotoServer  # a test dependency (`moto[server]`): only tests that use S3 need it
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(_s3_server, monkeypatch):
+    """A fresh, empty bucket on the local S3 server: `s3://<name>`. The endpoint and (dummy) credentials are
+    set through the standard variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), as a
+    user's MinIO or Ceph would be."""
+    import uuid
+
+    import boto3  # comes with moto: only tests that use S3 need it
+
+    env = {"AWS_ENDPOINT_URL": _s3_server, "AWS_ACCESS_KEY_ID": "testing-key-id",
+           "AWS_SECRET_ACCESS_KEY": "testing-secret-value", "AWS_DEFAULT_REGION": "us-east-1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    name = f"tw-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=_s3_server, region_name="us-east-1").create_bucket(Bucket=name)
+    return f"s3://{name}"

@@ -67,7 +67,7 @@ SEAM = "trainwell.compat"
 #: Floor of each module, by the longest matching prefix. A new top-level module must be
 #: placed here (and in docs/architecture.md): the test fails on a module with no floor.
 FLOORS = {
-    "trainwell.config": 0, "trainwell.io": 0, "trainwell.runtime": 0, "trainwell.rundir": 0,
+    "trainwell.config": 0, "trainwell.io": 0, "trainwell.runtime": 0, "trainwell.rundir": 0, "trainwell.storage": 0,
     "trainwell.validation": 0, "trainwell.data": 0, "trainwell.models": 0, "trainwell.optimizers": 0,
     "trainwell.losses": 0,
     "trainwell.compat": 0, "trainwell.quick": 0,

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from trainwell import runtime
+from trainwell import runtime, storage
 from trainwell.callbacks.base import StatefulCallback, stateful_callbacks
 from trainwell.callbacks.checkpoint.files import (
     clean_stale_temporaries,
@@ -34,6 +34,7 @@ from trainwell.callbacks.checkpoint.writer import CheckpointWriter
 from trainwell.compat.backend import wrap_train_function
 from trainwell.compat.keras_internals import get_initial_epoch, set_initial_epoch
 from trainwell.compat.metrics import finite_value
+from trainwell.rundir import lock_run_dir
 from trainwell.validation import invalid_argument, is_int
 
 
@@ -127,7 +128,7 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
         for name, value, expected, ok in checks:
             if not ok:
                 raise invalid_argument(name, expected, value)
-        self.directory = os.fspath(directory)
+        self.directory = storage.check_url(directory) if storage.is_url(directory) else os.fspath(directory)
         self.verbose = int(verbose)
         self.save_every = save_every if save_every == "epoch" else int(save_every)
         if self.save_every != "epoch":
@@ -148,6 +149,7 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
         self._sigterm_installed = False
         self._grace_timer = None
         self._in_fit = False
+        self._writer_lock = None
         super().__init__()
         self._reset_run_vars()
 
@@ -248,7 +250,7 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
                 "boundaries (use `save_every`)."
             )
         self._is_chief = runtime.is_chief(getattr(self.model, "distribute_strategy", None))
-        Path(self.directory).mkdir(parents=True, exist_ok=True)
+        self._prepare_directory(lock=False)  # a save by hand: the writer lock is a fit's
         self.wait()
         with self._lock:
             self._entries = list_checkpoints(self.directory)
@@ -303,9 +305,9 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
         strategy = getattr(self.model, "distribute_strategy", None)
         self._is_chief = runtime.is_chief(strategy)
         self._sync_strategy = strategy if runtime.num_workers(strategy) > 1 else None
-        Path(self.directory).mkdir(parents=True, exist_ok=True)
+        self._prepare_directory(lock=self._is_chief)
         if self._is_chief:
-            clean_stale_temporaries(Path(self.directory))
+            clean_stale_temporaries(self.directory if storage.is_url(self.directory) else Path(self.directory))
         self._mode_resolved = self._resolve_mode()
         with self._lock:
             self._entries = list_checkpoints(self.directory)
@@ -321,6 +323,35 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
                 raise
 
 
+    def _prepare_directory(self, lock: bool) -> None:
+        """Creates the directory (checks the bucket of a URL); with `lock`, takes the writer lock (one line if held).
+
+        Locally `trainwell.rundir.lock_run_dir` (flock); on an object store the
+        lease object of `trainwell.storage.ObjectStore.acquire_lease`.
+        """
+        url = storage.is_url(self.directory)
+        if url:
+            storage.store_for(self.directory).check_bucket()
+        else:
+            Path(self.directory).mkdir(parents=True, exist_ok=True)
+        if lock and self._writer_lock is None:
+            if url:
+                store = storage.store_for(self.directory)
+                self._writer_lock = (store, store.acquire_lease())
+            else:
+                self._writer_lock = (None, lock_run_dir(self.directory))
+
+
+    def _release_writer_lock(self) -> None:
+        held, self._writer_lock = self._writer_lock, None
+        if held is not None:
+            store, token = held
+            if store is None:
+                token.release()
+            else:
+                store.release_lease(token)
+
+
     def _leave_fit(self) -> None:
         """Undoes what on_train_begin set up, but the SIGTERM handler (also when fit dies without on_train_end)."""
         self._in_fit = False
@@ -330,6 +361,7 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
         try:
             self._stop_worker()  # lets a queued write finish
         finally:
+            self._release_writer_lock()
             if self.model is not None:
                 set_initial_epoch(self.model, self._prev_initial_epoch)
 
@@ -633,6 +665,8 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
 
     def _resume_command(self) -> str:
         """How to continue this run: `trainwell resume RUN_DIR` for a recipe's run directory."""
+        if storage.is_url(self.directory):
+            return f"run the same fit() again with Checkpoint({self.directory!r})"
         run_dir = Path(self.directory).parent
         try:
             recipe = json.loads((run_dir / "manifest.json").read_text(encoding="utf-8")).get("recipe")

@@ -21,6 +21,11 @@ checksums (its own SHA-256, the CRC-32 of each array in arrays.npz) that every
 load checks; a resume skips a damaged checkpoint for the next older one
 (`resume_checkpoint`).
 
+On an object store (`directory` an `s3://`/`gs://` URL, `trainwell.storage`)
+there is no rename: the files go under a fresh prefix `ckpt-<step>-<8 hex>`,
+the index `checkpoint.json` is PUT last and is the commit; a reader trusts only
+what the index lists (no scan), and verifies it as above.
+
 Example:
 >>> import tempfile
 >>> list_checkpoints(tempfile.mkdtemp()), latest_checkpoint(tempfile.mkdtemp())
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
 import logging
 import os
@@ -44,7 +50,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from trainwell import storage
 from trainwell.io import fsync_dir, remove_stale_temporaries
+from trainwell.storage import is_url, store_for, write_npz, write_text  # noqa: F401 - patched by the tests here
 from trainwell.validation import is_int
 
 logger = logging.getLogger("trainwell.checkpoint")
@@ -55,6 +63,7 @@ STATE_FILE = "state.json"
 FORMAT_VERSION = 1
 TMP_PREFIX = ".tmp-ckpt-"
 _CKPT_RE = re.compile(r"^ckpt-(\d+)$")
+PREFIX_RE = re.compile(r"^ckpt-\d+-[0-9a-f]{8}$")  # a checkpoint's prefix on an object store
 
 
 class CheckpointSaveError(OSError):
@@ -102,16 +111,17 @@ def _decode_array(arr: np.ndarray, dtype_name: str) -> np.ndarray:
     return arr.view(_dtype_from_name(dtype_name))
 
 
-def _read_index(directory: Path) -> list[dict]:
-    path = directory / INDEX_FILE
+def _read_index(directory) -> list[dict]:
+    path = storage.join(str(directory), INDEX_FILE)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        raw = store_for(directory).get(INDEX_FILE) if is_url(directory) else Path(path).read_bytes()
+        data = json.loads(raw.decode("utf-8"))
         entries = data.get("checkpoints", [])
         return [e for e in entries if isinstance(e, dict) and "name" in e]
     except FileNotFoundError:
         return []
     except (OSError, ValueError, AttributeError) as e:
-        warnings.warn(f"Ignoring unreadable checkpoint index {str(path)!r} ({e}); scanning the directory instead.")
+        warnings.warn(f"Ignoring unreadable checkpoint index {path!r} ({e}); scanning the directory instead.")
         return []
 
 
@@ -140,7 +150,7 @@ def list_checkpoints(directory: str | os.PathLike) -> list[dict]:
     are dropped, `.tmp-ckpt-*` directories are ignored, and an index entry whose
     name is not one `Checkpoint` writes (`ckpt-<int>`, inside `directory`) is
     ignored with a warning. Listed checkpoints are not verified; see
-    `resume_checkpoint`.
+    `resume_checkpoint`. On an object store only the index counts.
 
     Args:
         directory: A `Checkpoint` directory.
@@ -154,6 +164,8 @@ def list_checkpoints(directory: str | os.PathLike) -> list[dict]:
     >>> list_checkpoints(tempfile.mkdtemp())
     []
     """
+    if is_url(directory):
+        return _list_url(str(directory))
     directory = Path(directory)
     if not directory.is_dir():
         return []
@@ -179,6 +191,29 @@ def list_checkpoints(directory: str | os.PathLike) -> list[dict]:
     out = [dict(e, name=name, path=str(directory / name)) for name, e in by_name.items()]
     out.sort(key=lambda e: (int_or(e.get("seq"), 0), int_or(e.get("global_step"), 0)))
     return out
+
+
+def _list_url(directory: str) -> list[dict]:
+    """The checkpoints the index of an object-store directory lists (the commit): nothing else counts."""
+    out = []
+    for e in _read_index(directory):
+        if not (_CKPT_RE.match(str(e["name"])) and PREFIX_RE.match(str(e.get("prefix")))):
+            warnings.warn(f"Ignoring the entry {e['name']!r} of {directory}/{INDEX_FILE}: not one trainwell writes.")
+            continue
+        out.append(dict(e, path=storage.join(directory, e["prefix"])))
+    out.sort(key=lambda e: (int_or(e.get("seq"), 0), int_or(e.get("global_step"), 0)))
+    return out
+
+
+def _read_file(path, name: str) -> bytes:
+    """The bytes of file `name` of the checkpoint at `path` (a local directory or an object prefix)."""
+    if is_url(str(path)):
+        directory, prefix = str(path).rsplit("/", 1)
+        try:
+            return store_for(directory).get(f"{prefix}/{name}")
+        except FileNotFoundError:
+            raise FileNotFoundError(2, "missing", name) from None
+    return (Path(path) / name).read_bytes()
 
 
 def int_or(x, default: int) -> int:
@@ -225,9 +260,9 @@ def zip_crcs(zf: zipfile.ZipFile) -> dict[str, int]:
 _POSITION_KEYS = ("epoch", "step_in_epoch", "global_step")
 
 
-def _read_state(path: Path) -> dict:
+def _read_state(path) -> dict:
     """state.json of a checkpoint, parsed and verified; raises on any damage."""
-    meta = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    meta = json.loads(_read_file(path, STATE_FILE).decode("utf-8"))
     if not isinstance(meta, dict):
         raise CheckpointCorruptError("state.json does not hold a JSON object")
     if meta.get("format") != FORMAT_VERSION:
@@ -258,10 +293,11 @@ def _check_zip(zf: zipfile.ZipFile, meta: dict) -> None:
         raise CheckpointCorruptError(f"arrays {missing[:5]} are missing from arrays.npz")
 
 
-def _verify(path: Path) -> dict:
+def _verify(path) -> dict:
     """Verifies a whole checkpoint (every array byte against its CRC); returns its state."""
     meta = _read_state(path)
-    with zipfile.ZipFile(path / ARRAYS_FILE) as zf:
+    source = io.BytesIO(_read_file(path, ARRAYS_FILE)) if is_url(str(path)) else Path(path) / ARRAYS_FILE
+    with zipfile.ZipFile(source) as zf:
         _check_zip(zf, meta)
         bad = zf.testzip()
         if bad is not None:
@@ -269,8 +305,12 @@ def _verify(path: Path) -> dict:
     return meta
 
 
-def _file_ids(path: Path) -> tuple:
+def _file_ids(path) -> tuple:
     """Identities of a checkpoint's files: a rewritten or replaced file changes them."""
+    if is_url(str(path)):
+        directory, prefix = str(path).rsplit("/", 1)
+        return tuple(store_for(directory).info_id(f"{prefix}/{name}") for name in (STATE_FILE, ARRAYS_FILE))
+    path = Path(path)
     out = []
     for name in (STATE_FILE, ARRAYS_FILE):
         try:
@@ -286,12 +326,12 @@ def _verification(path: str, file_ids: tuple) -> dict | str:
     """`_verify(path)`'s state, or what is wrong; remembered while the files stay the same, so the
     recipe (which positions its data pipeline) and `Checkpoint` (which loads) decide once, alike."""
     try:
-        return _verify(Path(path))
+        return _verify(path if is_url(path) else Path(path))
     except Exception as e:  # noqa: BLE001 - any failure to read a checkpoint means damage
         return _damage(e)
 
 
-def _verified_state(path: Path) -> dict:
+def _verified_state(path) -> dict:
     """The verified state of the checkpoint at `path`; raises CheckpointCorruptError."""
     result = _verification(str(path), _file_ids(path))
     if isinstance(result, str):
@@ -325,11 +365,11 @@ def resume_checkpoint(directory: str | os.PathLike) -> dict | None:
     >>> resume_checkpoint(tempfile.mkdtemp()) is None
     True
     """
-    directory = Path(directory)
+    directory = str(directory) if is_url(directory) else Path(directory)
     damaged = []
     for entry in reversed(list_checkpoints(directory)):
         try:
-            meta = _verified_state(Path(entry["path"]))
+            meta = _verified_state(entry["path"] if is_url(directory) else Path(entry["path"]))
         except CheckpointCorruptError as e:
             damaged.append(f"{entry['name']} ({e})")
             warnings.warn(f"Checkpoint {entry['path']!r} is damaged ({e}); trying the next older one.")
@@ -376,12 +416,13 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict]:
     >>> read_checkpoint("runs/exp1/checkpoints/ckpt-120")[0]["position"]  # doctest: +SKIP
     {'epoch': 2, 'step_in_epoch': 0, 'global_step': 120, 'data_position': 0, 'hooks_done': False}
     """
-    path = Path(path)
+    path = str(path) if is_url(path) else Path(path)
     try:
         meta = _read_state(path)
         manifest = meta["arrays"]
         arrays = {}
-        with np.load(path / ARRAYS_FILE, allow_pickle=False) as z:
+        source = io.BytesIO(_read_file(path, ARRAYS_FILE)) if is_url(path) else path / ARRAYS_FILE
+        with np.load(source, allow_pickle=False) as z:
             _check_zip(z.zip, meta)
             for k in z.files:
                 arr = z[k]  # zipfile checks the member's CRC-32 while reading it
@@ -392,8 +433,15 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict]:
     return meta, arrays
 
 
-def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
+def resolve_checkpoint_path(path: str | os.PathLike) -> Path | str:
     """`path` if it is a checkpoint, else the checkpoint a resume from directory `path` would load."""
+    if is_url(path):
+        if PREFIX_RE.match(str(path).rstrip("/").rsplit("/", 1)[-1]):
+            return str(path).rstrip("/")
+        chosen = resume_checkpoint(path)
+        if chosen is None:
+            raise FileNotFoundError(f"No committed checkpoint found in {path!r}")
+        return chosen["path"]
     path = Path(path)
     if (path / STATE_FILE).is_file() or (path / ARRAYS_FILE).is_file():
         return path
@@ -448,58 +496,41 @@ def copy_checkpoint(src: str | os.PathLike, directory: str | os.PathLike, **entr
     return directory / src.name
 
 
-def write_npz(path: Path, arrays: dict) -> None:
-    np.savez(path, **arrays)
-
-
-def write_text(path: Path, text: str) -> None:
-    path.write_text(text, encoding="utf-8")
-
-
 def commit_directory(tmp: Path, final: Path) -> None:
-    """Commits the checkpoint written in `tmp` as `final`: its files and `tmp` fsynced, then one rename.
+    """Commits the checkpoint written in `tmp` as `final` (`trainwell.storage.commit_directory`).
 
     The rename is durable once `final.parent` is fsynced: `write_index`, which
-    follows it in a save, does it, so one fsync covers both renames. A
-    checkpoint already at `final` (a rerun of the same step) is moved aside
-    first and removed once the new one is durable.
+    follows it in a save, does it, so one fsync covers both renames.
     """
-    for child in tmp.iterdir():
-        with open(child, "rb+") as f:
-            os.fsync(f.fileno())
-    fsync_dir(tmp)
-    directory = final.parent
-    old = None
-    if final.exists():
-        old = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=directory)) / "old"
-        os.rename(final, old)
-    os.rename(tmp, final)
-    if old is not None:
-        fsync_dir(directory)
-        shutil.rmtree(old.parent, ignore_errors=True)
+    storage.commit_directory(tmp, final, TMP_PREFIX)
 
 
-def write_index(directory: Path, index: dict) -> None:
+def write_index(directory, index: dict) -> None:
     """Replaces `directory`'s index (a temporary, one rename), then fsyncs `directory`.
+
+    On an object store it is one PUT: the commit of the checkpoints it lists.
 
     The index's own bytes are not fsynced: it is a cache of the committed
     checkpoints' `entry` records, and `list_checkpoints` reads those from disk
     when the index is missing or unreadable. The temporary is named as
     `trainwell.io`'s are, so `clean_stale_temporaries` removes a killed one.
     """
-    fd, tmp = tempfile.mkstemp(prefix=f".{INDEX_FILE}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-        os.replace(tmp, directory / INDEX_FILE)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(directory)
+    if is_url(directory):
+        store_for(directory).put(INDEX_FILE, json.dumps(index, indent=2, sort_keys=True).encode("utf-8"))
+        return
+    storage.write_json_replace(Path(directory), INDEX_FILE, index)
 
 
-def clean_stale_temporaries(directory: Path) -> None:
-    """Removes what a killed save left: `.tmp-ckpt-*` directories and atomic-write temporaries."""
+def clean_stale_temporaries(directory) -> None:
+    """Removes what a killed save left: `.tmp-ckpt-*` directories and atomic-write temporaries.
+
+    On an object store: the `ckpt-*` prefixes the index does not list (call it holding the writer lease).
+    """
+    if is_url(directory):
+        listed = {e.get("prefix") for e in _read_index(directory)}
+        for name in store_for(directory).remove_unlisted(PREFIX_RE, listed):
+            logger.info("Removed %s/%s: not listed in the index (left by a killed save)", directory, name)
+        return
     for child in directory.iterdir():
         if child.name.startswith(TMP_PREFIX):
             shutil.rmtree(child, ignore_errors=True)

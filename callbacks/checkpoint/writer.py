@@ -15,6 +15,7 @@ directory and delete it, uncommitted and unsynced.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import queue
 import shutil
@@ -33,6 +34,7 @@ from trainwell.callbacks.checkpoint.files import (
     ARRAYS_FILE,
     FORMAT_VERSION,
     INDEX_FILE,
+    PREFIX_RE,
     STATE_FILE,
     TMP_PREFIX,
     CheckpointSaveError,
@@ -45,6 +47,7 @@ from trainwell.callbacks.checkpoint.files import (
 from trainwell.callbacks.checkpoint.state import Plan, capture, host, json_safe, plan_for, rng_capture
 from trainwell.compat.backend import sync_variables
 from trainwell.compat.learning_rate import get_lr_multiplier
+from trainwell import storage
 from trainwell.compat.metrics import finite_value, metric_direction
 from trainwell.io import atomic_write_text
 
@@ -189,15 +192,13 @@ class CheckpointWriter:
 
 
     def _write(self, arrays: dict, names: dict, meta: dict, entry: dict) -> None:
+        if storage.is_url(self.directory):
+            return self._write_objects(arrays, names, meta, entry)
         directory = Path(self.directory)
         base = tmp = None
         current = directory
         try:
-            encoded = {}
-            for k, value in arrays.items():
-                a = host(value)
-                encoded[k], dtype_name = encode_array(np.asarray(a, order="C"))
-                meta["arrays"][k] = {"shape": list(a.shape), "dtype": dtype_name, "name": names.get(k, "")}
+            encoded = self._encode(arrays, names, meta)
             # The pid in a scratch directory's name: a SIGKILLed worker's leftover is recognisable.
             scratch = f"trainwell-ckpt-scratch-{os.getpid()}-"
             base = current = directory if self._is_chief else Path(tempfile.mkdtemp(prefix=scratch))
@@ -226,6 +227,44 @@ class CheckpointWriter:
                 shutil.rmtree(base, ignore_errors=True)
 
 
+    def _encode(self, arrays: dict, names: dict, meta: dict) -> dict:
+        """The arrays as `np.savez` writes them; fills the manifest `meta["arrays"]`."""
+        encoded = {}
+        for k, value in arrays.items():
+            a = host(value)
+            encoded[k], dtype_name = encode_array(np.asarray(a, order="C"))
+            meta["arrays"][k] = {"shape": list(a.shape), "dtype": dtype_name, "name": names.get(k, "")}
+        return encoded
+
+
+    def _write_objects(self, arrays: dict, names: dict, meta: dict, entry: dict) -> None:
+        """The object-store save: both objects under a fresh prefix, then the index PUT (the commit).
+
+        A failure before the index PUT leaves an unlisted prefix, which no
+        reader trusts and the next writer removes; the previous index stands.
+        """
+        store = storage.store_for(self.directory)
+        entry["prefix"] = prefix = f"{entry['name']}-{os.urandom(4).hex()}"
+        current = self.directory
+        try:
+            buf = io.BytesIO()
+            files.write_npz(buf, self._encode(arrays, names, meta))
+            with zipfile.ZipFile(buf) as zf:
+                meta["arrays_crc32"] = zip_crcs(zf)
+            if not self._is_chief:
+                return  # nothing is uploaded by a non-chief worker
+            current = storage.join(self.directory, prefix, ARRAYS_FILE)
+            store.put(f"{prefix}/{ARRAYS_FILE}", buf.getbuffer())
+            del buf
+            current = storage.join(self.directory, prefix, STATE_FILE)
+            store.put(f"{prefix}/{STATE_FILE}", seal(meta).encode("utf-8"))
+            self._last_written = (entry["name"], meta)
+            current = storage.join(self.directory, INDEX_FILE)
+            self._commit_index(entry)
+        except Exception as e:
+            raise self._save_error(entry["name"], current, e) from e
+
+
     def _amend_state(self, name: str, updates: dict) -> None:
         """Rewrites state.json of the checkpoint `name` just committed (writer thread or inline).
 
@@ -245,25 +284,32 @@ class CheckpointWriter:
             meta["checkpoint"]["iterator_continues"] = bool(updates["iterator_continues"])
         if "stopped" in updates:
             meta["entry"]["stopped"] = bool(updates["stopped"])
-        path = Path(self.directory) / name / STATE_FILE
+        url = storage.is_url(self.directory)
+        path = storage.join(self.directory, meta["entry"]["prefix"] if url else name, STATE_FILE)
         try:
-            atomic_write_text(path, seal(meta))
+            if url:  # one PUT: a reader gets the old sealed state.json or the new one
+                storage.store_for(self.directory).put(f"{meta['entry']['prefix']}/{STATE_FILE}", seal(meta).encode())
+            else:
+                atomic_write_text(path, seal(meta))
             if "stopped" in updates:
-                path = Path(self.directory) / INDEX_FILE
+                path = storage.join(self.directory, INDEX_FILE)
                 self._commit_index(meta["entry"])
         except Exception as e:
             raise self._save_error(name, path, e) from e
 
 
     def _commit_index(self, entry: dict) -> None:
-        directory = Path(self.directory)
+        url = storage.is_url(self.directory)
+        directory = self.directory if url else Path(self.directory)
         with self._lock:
             entries = [e for e in self._entries if e["name"] != entry["name"]]
-            entries.append(dict(entry, path=str(directory / entry["name"])))
+            # on an object store a rerun of the same step replaced that prefix: removed once unlisted
+            replaced = [e for e in self._entries if e["name"] == entry["name"] and e.get("prefix") != entry.get("prefix")]
+            entries.append(dict(entry, path=storage.join(str(directory), entry.get("prefix") or entry["name"])))
             keep = {x["name"] for x in entries[-self.keep_last:]}
             keep |= {x["name"] for x in self._best_entries(entries)[: self.keep_best]}
             kept = [x for x in entries if x["name"] in keep]
-            dropped = [x for x in entries if x["name"] not in keep]
+            dropped = [x for x in entries if x["name"] not in keep] + (replaced if url else [])
             files.write_index(
                 directory,
                 {
@@ -276,6 +322,10 @@ class CheckpointWriter:
             )
             self._entries = kept
         for x in dropped:
+            if url:
+                if PREFIX_RE.match(str(x.get("prefix"))):  # never a name from the index that leaves the prefix
+                    storage.store_for(self.directory).remove(x["prefix"])
+                continue
             path = checkpoint_path(directory, x["name"])  # never a name from disk that leaves the directory
             if path is not None:
                 shutil.rmtree(path, ignore_errors=True)
