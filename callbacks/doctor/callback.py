@@ -471,7 +471,8 @@ class TrainingDoctor(StatefulCallback):
 
     def _check_amp(self, nonfinite: dict | None = None) -> None:
         scales = [s for _, s in self.scale_history]
-        amp = functools.partial(check_amp, scales, self.backoff_steps, self.step, window=self.window, thresholds=self._th)
+        amp = functools.partial(check_amp, scales, self.backoff_steps, self.step, window=self.window,
+                                thresholds=self._th)
         f = amp(nonfinite=nonfinite)
         if f is not None and nonfinite is None and self._probe is not None:
             # Unstable: name the layer that overflows now (one extra probe, once).
