@@ -35,8 +35,11 @@ __all__ = [
 ]
 
 #: Longest time (seconds) a non-chief TensorFlow worker waits, after the last
-#: barrier, for the chief's process to end (see `sync_workers`); the chief's teardown takes seconds.
-LEADER_EXIT_WAIT_S = 60.0
+#: barrier, for the chief's process to end (see `sync_workers`). The chief's teardown
+#: usually takes seconds, but at interpreter exit each of its tf.data iterators may wait
+#: out its autotune thread's sleep (up to 60 s); a worker gone 10 s before the chief is
+#: reported as crashed. The wait ends as soon as the chief's process has.
+LEADER_EXIT_WAIT_S = 300.0
 
 
 def _tf():

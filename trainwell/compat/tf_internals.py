@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -98,6 +99,9 @@ def dataset_batch_size(dataset) -> int | None:
 #: A key of the coordination service's key-value store that nothing sets: reading it
 #: blocks until the service goes away (or the wait times out).
 _NEVER_SET_KEY = "trainwell/coordination-leader-exited"
+#: Longest time (seconds) one read of that key may stay pending on the leader, whose
+#: server may wait for it when shutting down (see `wait_for_coordination_leader`).
+_LEADER_POLL_S = 1.0
 
 
 def wait_for_coordination_leader(timeout_s: float) -> bool:
@@ -108,9 +112,11 @@ def wait_for_coordination_leader(timeout_s: float) -> bool:
     while the leader is still alive (writing its last files, or tearing down) misses
     heartbeats, and the leader logs "The tasks have crashed" for a job that
     succeeded (tensorflow/tensorflow#58434). A task that waits here leaves after the
-    leader: the wait is a blocking read of a key that nothing sets
-    (`context.get_config_key_value`), which fails with `UnavailableError` once the
-    leader's server is down.
+    leader: the wait reads a key that nothing sets (`context.get_config_key_value`),
+    which fails with `UnavailableError` once the leader's server is down. Each read
+    stays pending at most `_LEADER_POLL_S` seconds: a gRPC server shutting down
+    without a deadline waits for the calls it serves, so a read pending for the
+    whole wait could hold the leader's exit until this task gave up.
 
     Args:
         timeout_s: Longest wait in seconds.
@@ -129,13 +135,18 @@ def wait_for_coordination_leader(timeout_s: float) -> bool:
     ctx = context.context()
     if ctx.coordination_service is None:
         return False
-    try:
-        ctx.get_config_key_value(_NEVER_SET_KEY, timeout_in_ms=max(1, int(timeout_s * 1000)))
-    except tf.errors.UnavailableError:
-        return True
-    except tf.errors.OpError:  # timed out (DeadlineExceeded), or the service refused the read
-        return False
-    return False  # pragma: no cover - someone set the key
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            ctx.get_config_key_value(_NEVER_SET_KEY, timeout_in_ms=max(1, int(min(left, _LEADER_POLL_S) * 1000)))
+        except tf.errors.UnavailableError:
+            return True
+        except tf.errors.DeadlineExceededError:
+            continue  # the leader is still there: read again
+        except tf.errors.OpError:  # the service refused the read (e.g. it is shutting down)
+            return False
+        return False  # pragma: no cover - someone set the key
+    return False
 
 
 # --------------------------------------------------------------------------- reseeding without re-instantiation

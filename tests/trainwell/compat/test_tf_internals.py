@@ -28,6 +28,34 @@ def test_host_array_num_workers_and_global_generator():
     assert ti.wait_for_coordination_leader(0.1) is False
 
 
+def test_waiting_for_the_leader_never_holds_one_read_pending_on_it(monkeypatch):
+    """A gRPC server shutting down without a deadline waits for the calls it serves: one read pending for
+    the whole wait could hold the leader's exit until this worker gave up. Short reads, until the leader
+    is gone; a refused read ends the wait."""
+    from tensorflow.python.eager import context
+
+    class Ctx:
+        coordination_service = object()  # configured, as in a multi-worker job
+        reads: list = []
+
+        def get_config_key_value(self, key, timeout_in_ms=0):
+            self.reads.append(timeout_in_ms)
+            if len(self.reads) < 4:  # the leader is still there
+                raise tf.errors.DeadlineExceededError(None, None, "timed out")
+            raise tf.errors.UnavailableError(None, None, "leader gone")
+
+    monkeypatch.setattr(context, "context", lambda: Ctx())
+    assert ti.wait_for_coordination_leader(60.0) is True
+    assert len(Ctx.reads) == 4 and max(Ctx.reads) <= 1000
+
+    class Refused(Ctx):
+        def get_config_key_value(self, key, timeout_in_ms=0):
+            raise tf.errors.CancelledError(None, None, "shutting down")
+
+    monkeypatch.setattr(context, "context", lambda: Refused())
+    assert ti.wait_for_coordination_leader(60.0) is False
+
+
 def test_seeding_clears_the_kernel_caches_except_within_kernel_caches_kept(tf_cache_clears):
     """TensorFlow's reseeding clears the caches (what costs the re-instantiation); the block keeps them
     and seeds exactly as without it (the same operation seeds after it)."""
