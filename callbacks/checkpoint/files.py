@@ -205,15 +205,26 @@ def _list_url(directory: str) -> list[dict]:
     return out
 
 
+_LAST_OBJECT: dict = {}  # the last arrays object read: verifying and then loading a checkpoint download it once
+
+
 def _read_file(path, name: str) -> bytes:
     """The bytes of file `name` of the checkpoint at `path` (a local directory or an object prefix)."""
-    if is_url(str(path)):
-        directory, prefix = str(path).rsplit("/", 1)
-        try:
-            return store_for(directory).get(f"{prefix}/{name}")
-        except FileNotFoundError:
-            raise FileNotFoundError(2, "missing", name) from None
-    return (Path(path) / name).read_bytes()
+    if not is_url(str(path)):
+        return (Path(path) / name).read_bytes()
+    directory, prefix = str(path).rsplit("/", 1)
+    store, key = store_for(directory), f"{prefix}/{name}"
+    ident = store.info_id(key)
+    if ident is None:
+        raise FileNotFoundError(2, "missing", name)
+    cached = _LAST_OBJECT.get((str(path), name))
+    if cached is not None and cached[0] == ident:
+        return cached[1]
+    data = store.get(key)
+    if name == ARRAYS_FILE:
+        _LAST_OBJECT.clear()
+        _LAST_OBJECT[(str(path), name)] = (ident, data)
+    return data
 
 
 def int_or(x, default: int) -> int:
