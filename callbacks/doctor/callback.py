@@ -296,6 +296,7 @@ class TrainingDoctor(StatefulCallback):
         self.compute_times: deque[float] = deque(maxlen=10)
         self.last_probe: dict[str, Any] = {}
         self._located = False
+        self._trained = False
         self._last_scale: float | None = None
         self._nonfinite: dict | None = None
         self._amp_checked_at = 0
@@ -361,6 +362,7 @@ class TrainingDoctor(StatefulCallback):
         self._begin_batch = 0
         self._last_check = None
         self._epoch_begin_step = self.step
+        self._trained = False  # whether this fit trained a step (a rerun of a finished run trains none)
         self._run_queue: deque[tuple[int, dict]] = deque(maxlen=16)  # (step, run_queue_delays()) at checks
         self._probe = None
         self._probe_error = None
@@ -421,6 +423,7 @@ class TrainingDoctor(StatefulCallback):
         n = max(int(batch) - self._begin_batch + 1, 1)
         before = self.step
         self.step += n
+        self._trained = True
         if self._t_begin is not None and self._begin_batch > 0:
             # The first step of an epoch also starts the epoch's data iterator.
             self.step_times.append((t_end - self._t_begin) / n)
@@ -640,13 +643,16 @@ class TrainingDoctor(StatefulCallback):
             self._writer.flush()
 
     def on_train_end(self, logs=None) -> None:
-        if self.step >= _MIN_STEPS_TO_JUDGE and self._last_check != self.step:
-            self._check()  # a run shorter than `every_n_steps`, or the steps since the last check
-        self._write_json()
+        # A fit that trained no step (a finished run run again) has nothing new to judge or report:
+        # its diagnostics.json and summary stay those of the steps that were trained.
+        if self._trained:
+            if self.step >= _MIN_STEPS_TO_JUDGE and self._last_check != self.step:
+                self._check()  # a run shorter than `every_n_steps`, or the steps since the last check
+            self._write_json()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        if self.verbose:
+        if self.verbose and self._trained:
             print(self.summary(), flush=True)
         super().on_train_end(logs)
 

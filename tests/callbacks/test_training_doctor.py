@@ -367,6 +367,23 @@ def test_state_round_trip_and_resume_does_not_repeat_findings(capsys):
     assert "TrainingDoctor: [" not in capsys.readouterr().out
 
 
+def test_a_fit_that_trains_nothing_neither_reports_nor_rewrites_its_diagnostics(tmp_path, capsys):
+    """A finished run run again: its fit trains no step (the checkpoint says so). The doctor restored
+    from it printed "no problems found" again, probed once more and rewrote diagnostics.json."""
+    _, doctor = fit([D(16, activation="relu"), D(3)], keras.optimizers.SGD(0.1), epochs=2,
+                    doctor=TrainingDoctor(every_n_steps=10, verbose=0, run_dir=str(tmp_path)))
+    written = (tmp_path / "diagnostics.json").read_bytes()
+    rerun = TrainingDoctor(every_n_steps=10, verbose=1, run_dir=str(tmp_path))
+    rerun.set_state(json.loads(json.dumps(doctor.get_state())))
+    model = keras.Sequential([keras.Input((10,)), D(16, activation="relu"), D(3)])
+    model.compile(keras.optimizers.SGD(0.1), CE)
+    capsys.readouterr()
+    model.fit(X, Y, epochs=2, initial_epoch=2, verbose=0, callbacks=[rerun])  # every epoch done
+    assert "TrainingDoctor" not in capsys.readouterr().out
+    assert (tmp_path / "diagnostics.json").read_bytes() == written
+    assert rerun.probes == doctor.probes and rerun.step == doctor.step
+
+
 def test_config_and_validation():
     doctor = TrainingDoctor(every_n_steps=50, window=100, checks=["divergence"], thresholds={"diverge_factor": 8.0})
     cfg = doctor.get_config()
