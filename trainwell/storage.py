@@ -96,10 +96,10 @@ def check_url(url: str, name: str = "directory") -> str:
     Example:
     >>> check_url("s3://bucket/run/")
     's3://bucket/run'
-    >>> check_url("ftp://host/x")
+    >>> check_url("ftp://host/x")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: Invalid value for argument `directory`. Expected a local path or an s3:// or gs:// URL (scheme 'ftp' is not supported). Received: directory='ftp://host/x'
+    ValueError: Invalid value for argument `directory`. ... (scheme 'ftp' is not supported). Received: directory='ftp://host/x'
     """
     parts = urlsplit(url)
     scheme = parts.scheme.lower()

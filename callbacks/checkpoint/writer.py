@@ -253,6 +253,8 @@ class CheckpointWriter:
                 meta["arrays_crc32"] = zip_crcs(zf)
             if not self._is_chief:
                 return  # nothing is uploaded by a non-chief worker
+            if getattr(self, "_writer_lock", None) and self._writer_lock[0] is store:
+                store.renew_lease(self._writer_lock[1])  # a long fit keeps its lease
             current = storage.join(self.directory, prefix, ARRAYS_FILE)
             store.put(f"{prefix}/{ARRAYS_FILE}", buf.getbuffer())
             del buf
@@ -304,7 +306,9 @@ class CheckpointWriter:
         with self._lock:
             entries = [e for e in self._entries if e["name"] != entry["name"]]
             # on an object store a rerun of the same step replaced that prefix: removed once unlisted
-            replaced = [e for e in self._entries if e["name"] == entry["name"] and e.get("prefix") != entry.get("prefix")]
+            replaced = [
+                e for e in self._entries if e["name"] == entry["name"] and e.get("prefix") != entry.get("prefix")
+            ]
             entries.append(dict(entry, path=storage.join(str(directory), entry.get("prefix") or entry["name"])))
             keep = {x["name"] for x in entries[-self.keep_last:]}
             keep |= {x["name"] for x in self._best_entries(entries)[: self.keep_best]}

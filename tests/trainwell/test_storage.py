@@ -1,8 +1,11 @@
 """trainwell.storage against a real S3-protocol server (moto, on 127.0.0.1): objects, lease, bad URLs."""
 
+import json
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -17,8 +20,6 @@ def test_put_get_list_remove(s3_bucket):
     store.put("ckpt-2-0123abcd/a.bin", b"y")
     assert store.get("ckpt-1-0123abcd/a.bin") == b"x" * 10
     assert sorted(store.children()) == ["ckpt-1-0123abcd", "ckpt-2-0123abcd"]
-    import re
-
     removed = store.remove_unlisted(re.compile(r"^ckpt-"), {"ckpt-2-0123abcd"})
     assert removed == ["ckpt-1-0123abcd"] and store.children() == ["ckpt-2-0123abcd"]
     with pytest.raises(FileNotFoundError):
@@ -75,9 +76,6 @@ def test_lease_second_writer_refused_then_free_after_release(s3_bucket):
 
 
 def test_expired_lease_from_another_host_is_taken_over(s3_bucket):
-    import json
-    import time
-
     store = storage.ObjectStore(f"{s3_bucket}/run")
     store.put(storage.LEASE_OBJECT, json.dumps({"token": "t", "host": "elsewhere", "pid": 1,
                                                 "expires": time.time() + 60}).encode())

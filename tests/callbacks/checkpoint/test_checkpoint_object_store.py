@@ -8,6 +8,7 @@ save followed by a resume that ends bit-identical to an uninterrupted run.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -66,14 +67,14 @@ def _objects(url: str) -> dict[str, bytes]:
     return {p: store.fs.cat_file(p) for p in store.fs.find(store.root)}
 
 
-def test_fit_saves_lists_loads_and_resumes_on_s3(s3_bucket):
+def test_fit_saves_lists_loads_and_resumes_on_s3(s3_bucket, capfd, caplog):
+    caplog.set_level(logging.DEBUG, logger="trainwell")
     url = f"{s3_bucket}/run/checkpoints"
     model = _model()
-    _fit(model, Checkpoint(url, keep_last=2, monitor="loss", verbose=0), epochs=3)
+    _fit(model, Checkpoint(url, keep_last=2, monitor="loss", verbose=1), epochs=3)
     entries = list_checkpoints(url)
     assert [e["name"] for e in entries] == ["ckpt-10", "ckpt-15"]
-    assert all(storage.PREFIX_RE.match(e["prefix"]) if hasattr(storage, "PREFIX_RE") else
-               ckpt_files.PREFIX_RE.match(e["prefix"]) for e in entries)
+    assert all(ckpt_files.PREFIX_RE.match(e["prefix"]) for e in entries)
     names = {p.split("/checkpoints/", 1)[1] for p in _objects(url)}
     listed = {e["prefix"] for e in entries}
     # rotation removed ckpt-5's prefix; the lease is released at the end of fit
@@ -83,11 +84,15 @@ def test_fit_saves_lists_loads_and_resumes_on_s3(s3_bucket):
     assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), other.get_weights()))
     # a resume from the URL trains on from the newest checkpoint
     resumed = _model(seed=3)
-    _fit(resumed, Checkpoint(url, monitor="loss", verbose=0), epochs=4)
+    _fit(resumed, Checkpoint(url, monitor="loss", verbose=1), epochs=4)
     assert int(resumed.optimizer.iterations.numpy()) == 20
-    # no credential in anything the run wrote
+    # no credential in anything the run wrote, printed or logged
     for blob in _objects(url).values():
         assert SECRET.encode() not in blob and b"testing-key-id" not in blob
+    out, err = capfd.readouterr()
+    assert "resuming from s3://" in out
+    for text in (out, err, caplog.text):
+        assert SECRET not in text and "testing-key-id" not in text
 
 
 def _inject(monkeypatch, where: str, stage: str):
