@@ -262,7 +262,7 @@ def sync_workers(strategy) -> None:
     crashed" (tensorflow/tensorflow#58434). On JAX, `jax.distributed.shutdown` at
     exit already orders the ends. A barrier that fails (a peer is gone or a
     collective timed out, see `TRAINWELL_COLLECTIVE_TIMEOUT_S`) is ignored: the run
-    itself is done.
+    itself is done; on TensorFlow the other workers still wait for the chief's end.
 
     Args:
         strategy: The run's `tf.distribute.Strategy`, or `None`.

@@ -310,11 +310,25 @@ def broadcast_from_chief(strategy, values: np.ndarray) -> list[int]:
 
 
 def sync_workers(strategy) -> None:
-    """A barrier of every worker, then (TensorFlow) the wait for the chief's end (see `trainwell.runtime`)."""
+    """A barrier of every worker, then (TensorFlow) the wait for the chief's end (see `trainwell.runtime`).
+
+    A non-chief TensorFlow worker waits for the chief's end even when the barrier
+    failed, then raises the barrier's error: the chief may still be running, and its
+    coordination service reports a worker gone before it as crashed.
+    """
     if jax_distribution.process_group(strategy) is not None:
         jax_distribution.barrier()
         return
-    any_across_workers(strategy, lambda _: [False], per_replica=False)
+    try:
+        any_across_workers(strategy, lambda _: [False], per_replica=False)
+    except Exception:
+        _wait_for_chief(strategy)
+        raise
+    _wait_for_chief(strategy)
+
+
+def _wait_for_chief(strategy) -> None:
+    """On a non-chief TensorFlow worker, waits (at most `LEADER_EXIT_WAIT_S`) until the chief's process has ended."""
     if not is_chief(strategy):
         # lazy: it imports TensorFlow, which a multi-worker strategy has loaded already
         from trainwell.compat.tf_internals import wait_for_coordination_leader
