@@ -303,7 +303,9 @@ def test_cli_train_with_two_workers(tmp_path):
                 if addrs:
                     listening[pid] = (addrs, _interfaces(pid), {a for a, q in _listening("/proc/self/net") if q == port})
             time.sleep(0.2)
-        out, err = p.communicate(timeout=300)
+        # The limit only catches a hang: under load the training, the chief's 15 s, its interpreter exit
+        # (up to a minute on a tf.data iterator's autotune thread) and the worker's own exit add up to minutes.
+        out, err = p.communicate(timeout=600)
     finally:
         if p.poll() is None:
             p.kill()
