@@ -27,7 +27,7 @@ import yaml
 
 from trainwell.io import atomic_write_text
 from trainwell.runtime import MAX_SEED, PRECISION_SPECS, STRATEGY_SPECS, validate_strategy_spec
-from trainwell.validation import invalid_argument, is_int, is_number
+from trainwell.validation import invalid_argument, is_int, is_number, is_url
 
 
 class ConfigError(ValueError):
@@ -480,6 +480,9 @@ def check_dir_path(path: str | os.PathLike | None, name: str, write: bool = Fals
         return
     if not str(path).strip():
         raise_invalid(name, path, "null or a directory path")
+    if is_url(str(path)):
+        raise config_error(name, str(path), "a URL; a run's directories are local paths so far (object storage is "
+                           "for `Checkpoint(directory=...)`, docs/checkpoint.md)")
     given = Path(path).expanduser()
 
     def refuse(why: str) -> typing.NoReturn:

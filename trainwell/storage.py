@@ -47,23 +47,12 @@ import numpy as np
 
 from trainwell.io import fsync_dir
 from trainwell.rundir import RunDirInUseError
-from trainwell.validation import invalid_argument
+from trainwell.validation import invalid_argument, is_url  # is_url: part of this module's API too
 
 # scheme -> (the fsspec driver's package, the extra that installs it)
 SCHEMES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
 LEASE_OBJECT = ".writer-lease"
 LEASE_SECONDS = 600.0
-_URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-def is_url(path) -> bool:
-    """True when `path` is a `scheme://...` string (an object-store URL), False for a local path.
-
-    Example:
-    >>> is_url("gs://b/x"), is_url("/tmp/x")
-    (True, False)
-    """
-    return isinstance(path, str) and _URL_RE.match(path) is not None
 
 
 def redact(url: str) -> str:

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from typing import Any
 
-__all__ = ["is_int", "is_number", "invalid_argument"]
+__all__ = ["is_int", "is_number", "is_url", "invalid_argument"]
 
 
 def is_int(x: Any) -> bool:
@@ -49,6 +50,19 @@ def is_number(x: Any, finite: bool = True) -> bool:
     (True, False, True)
     """
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and (not finite or math.isfinite(float(x)))
+
+
+_URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(path: Any) -> bool:
+    """True when `path` is a `scheme://...` string (an object-store URL), False for a local path.
+
+    Example:
+    >>> is_url("gs://b/x"), is_url("/tmp/x")
+    (True, False)
+    """
+    return isinstance(path, str) and _URL_RE.match(path) is not None
 
 
 def invalid_argument(name: str, expected: str, value: Any, *, what: str = "argument", hint: str = "",

@@ -93,6 +93,13 @@ CASES = [
     ("data_dir is a file", _train(R, "dataset=tfds:mnist", "data_dir={a_file}"), "is a file; expected a directory"),
     ("text data_dir is a file", _train(T, "data_dir={a_file}"), "is a file; expected a directory"),
     ("resume a file", ["resume", "{a_file}", "--dry-run"], "is a file; expected the run's directory"),
+    # -- URLs where only Checkpoint(directory=...) takes one so far (#33): one line, no local "s3:" folder
+    ("run_dir is a URL", _train(R, "dataset=digits", "run_dir=s3://bucket/run"),
+     "Invalid value for `run_dir`: a URL; a run's directories are local paths so far"),
+    ("data_dir is a URL", _train(T, "data_dir=gs://bucket/data"), "Invalid value for `data_dir`: a URL"),
+    ("resume a URL", ["resume", "s3://bucket/run", "--dry-run"], "Invalid value for `RUN_DIR`: a URL"),
+    ("tune directory is a URL", ["tune", R, "--directory", "s3://bucket/t", "--dry-run", "--set", "dataset=digits"],
+     "Invalid value for `--directory`: a URL"),
     ("tune directory is a file", ["tune", R, "--directory", "{a_file}", "--dry-run", "--set", "dataset=digits"],
      "Invalid value for `--directory`: '{a_file}' is a file; expected a directory"),
     ("tune directory under a file", ["tune", R, "--directory", "{a_file}/d", "--dry-run", "--set", "dataset=digits"],

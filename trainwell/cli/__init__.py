@@ -74,6 +74,7 @@ from trainwell.data import embedded
 from trainwell.data.base import DataError
 from trainwell.data.sources import check_data_ready
 from trainwell.recipes import RECIPES
+from trainwell.validation import is_url
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIVERGED = 0, 1, 2, 3
 
@@ -321,6 +322,8 @@ def _read_manifest(run_dir: Path) -> dict:
 
 def cmd_resume(args) -> int:
 
+    if is_url(args.run_dir):
+        check_dir_path(args.run_dir, "RUN_DIR")  # refused in one line: run directories are local paths so far
     run_dir = Path(args.run_dir)
     manifest = _read_manifest(run_dir)
     recipe = manifest.get("recipe")
