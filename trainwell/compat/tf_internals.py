@@ -99,8 +99,8 @@ def dataset_batch_size(dataset) -> int | None:
 #: A key of the coordination service's key-value store that nothing sets: reading it
 #: blocks until the service goes away (or the wait times out).
 _NEVER_SET_KEY = "trainwell/coordination-leader-exited"
-#: Longest time (seconds) one read of that key may stay pending on the leader, whose
-#: server may wait for it when shutting down (see `wait_for_coordination_leader`).
+#: Longest time (seconds) one read of that key stays pending on the leader
+#: (see `wait_for_coordination_leader`).
 _LEADER_POLL_S = 1.0
 
 
@@ -114,9 +114,9 @@ def wait_for_coordination_leader(timeout_s: float) -> bool:
     succeeded (tensorflow/tensorflow#58434). A task that waits here leaves after the
     leader: the wait reads a key that nothing sets (`context.get_config_key_value`),
     which fails with `UnavailableError` once the leader's server is down. Each read
-    stays pending at most `_LEADER_POLL_S` seconds: a gRPC server shutting down
-    without a deadline waits for the calls it serves, so a read pending for the
-    whole wait could hold the leader's exit until this task gave up.
+    stays pending at most `_LEADER_POLL_S` seconds (a precaution: no read is left
+    pending on a leader that is shutting down; runs with one read for the whole
+    wait showed no such hold).
 
     Args:
         timeout_s: Longest wait in seconds.

@@ -29,9 +29,8 @@ def test_host_array_num_workers_and_global_generator():
 
 
 def test_waiting_for_the_leader_never_holds_one_read_pending_on_it(monkeypatch):
-    """A gRPC server shutting down without a deadline waits for the calls it serves: one read pending for
-    the whole wait could hold the leader's exit until this worker gave up. Short reads, until the leader
-    is gone; a refused read ends the wait."""
+    """Short reads (none left pending on the leader for long), until the leader is gone; a refused read
+    ends the wait."""
     from tensorflow.python.eager import context
 
     class Ctx:
