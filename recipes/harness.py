@@ -177,6 +177,9 @@ def _end_run(run_dir: Path, fresh: str | None, lock, made: Path | None = None) -
                     elif child.name != rundir.LOCK_FILE:  # released (and deleted) below
                         child.unlink(missing_ok=True)
     finally:
+        # A fit that died in a callback never ran Checkpoint.on_train_end: its lock of the checkpoint
+        # directory goes with the run, so another process can resume it.
+        rundir.release_run_dir_lock(run_dir / "checkpoints")
         if lock is not None:
             lock.release()
 

@@ -441,11 +441,31 @@ def _register(lock: RunDirLock) -> RunDirLock:
     return lock
 
 
+def release_run_dir_lock(run_dir: str | os.PathLike) -> None:
+    """Releases this process's lock of `run_dir`, however many holds it has; a no-op without one.
+
+    For a lock whose holder cannot release it: a `fit` that died in a callback never
+    runs `Checkpoint.on_train_end`, and the recipes release the lock of their
+    checkpoint directory with this when their run ends, so that another process (a
+    `trainwell resume` from a terminal beside a notebook's kernel) can take it.
+
+    Example:
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp(); _ = lock_run_dir(d); _ = lock_run_dir(d)
+    >>> release_run_dir_lock(d)
+    >>> (Path(d) / LOCK_FILE).exists()
+    False
+    """
+    lock = _HELD.get(_lock_key(run_dir))
+    if lock is not None:
+        lock._count = 1
+        lock.release()
+
+
 @atexit.register
 def _release_all() -> None:
     for lock in list(_HELD.values()):
-        lock._count = 1
-        lock.release()
+        release_run_dir_lock(lock.run_dir)
 
 
 def write_manifest(

@@ -162,9 +162,25 @@ def _shell_blocks():
 EXIT = re.compile(r"^\(exit status (\d+)\)$")
 
 
+@pytest.fixture
+def docs_bucket(_s3_server, monkeypatch):
+    """`s3://bucket` on the local S3 server (tests/conftest.py), named by the standard variables the
+    object-store examples read (docs/checkpoint.md), as a user's MinIO would be."""
+    import boto3  # comes with moto: only the object-store examples need it
+
+    for k, v in {"AWS_ENDPOINT_URL": _s3_server, "AWS_ACCESS_KEY_ID": "testing-key-id",
+                 "AWS_SECRET_ACCESS_KEY": "testing-secret-value", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    client = boto3.client("s3", endpoint_url=_s3_server, region_name="us-east-1")
+    if "bucket" not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
+        client.create_bucket(Bucket="bucket")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("block", _shell_blocks())
-def test_shell_examples(block, workdir):
+def test_shell_examples(block, workdir, request):
+    if "s3://" in block["code"]:
+        request.getfixturevalue("docs_bucket")
     if block["lang"] != "console":  # a script: every line must succeed
         r = _run(["bash", "-euo", "pipefail", "-c", block["code"]], workdir)
         assert r.returncode == 0, f"{block['where']} exited {r.returncode}:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"

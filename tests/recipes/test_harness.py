@@ -97,6 +97,26 @@ def test_a_failed_run_removes_the_parent_directories_it_made(tmp_path, monkeypat
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["other"]
 
 
+def test_a_run_that_died_in_a_callback_leaves_its_checkpoints_unlocked(tmp_path):
+    """A user's callback raised inside fit: Checkpoint.on_train_end never ran, and its lock of the
+    checkpoint directory stayed with the process (a notebook's kernel), so `trainwell resume` from
+    a terminal was refused as a second writer. The run's end releases it."""
+    from trainwell import rundir
+
+    run_dir = tmp_path / "run"
+
+    def produce(d):
+        (d / "history.csv").write_text("epoch,loss\n0,1.0\n")
+        (d / "checkpoints").mkdir()
+        rundir.lock_run_dir(d / "checkpoints")  # what Checkpoint.on_train_begin takes (flock, re-entrant)
+
+    _failed_run(run_dir, produce=produce)
+    other = subprocess.run([sys.executable, "-c", "import sys; from trainwell import rundir; "
+                            "rundir.lock_run_dir(sys.argv[1]).release()", str(run_dir / "checkpoints")],
+                           capture_output=True, text=True, timeout=120)
+    assert other.returncode == 0, other.stderr[-2000:]
+
+
 def test_rerun_of_a_run_without_checkpoint_says_it_starts_from_scratch(tmp_path, capsys):
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)

@@ -221,9 +221,12 @@ def _train_code(kw: dict, out: Path, kill_at: int = 0) -> str:
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_matches_uninterrupted_run(tiny, tmp_path):
+@pytest.mark.parametrize("lora", [{}, {"lora_rank": 4, "lora_alpha": 8.0}], ids=["full", "lora"])
+def test_resume_after_sigkill_matches_uninterrupted_run(tiny, tmp_path, lora):
+    # LoRA: a checkpoint's load once reset the adapters to zero (Keras's own save of a LoRA layer
+    # writes the merged kernel), so a resumed LoRA run lost what it had trained.
     kw = tiny_kw(tiny, epochs=2, checkpoint_every="3", deterministic=True, early_stopping_patience=None,
-                 export=False, max_train_examples=160)
+                 export=False, max_train_examples=160, **lora)
     cfg = recipe.Config(**kw)
     spe = recipe.build_data(cfg, recipe.build_preprocessor(cfg)).steps_per_epoch
     ref = _subprocess(_train_code({**kw, "run_dir": str(tmp_path / "ref")}, tmp_path / "ref.npz"))
@@ -239,7 +242,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tiny, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "HISTORY 2" in resumed.stdout  # the whole history, the epoch before the crash included
     a, b = np.load(tmp_path / "ref.npz"), np.load(tmp_path / "crash.npz")
-    assert len(a.files) == len(b.files)
+    assert len(a.files) == len(b.files) == len(recipe.build_model(cfg, 2).weights)  # with LoRA: adapters included
     for k in a.files:
         np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
@@ -348,28 +351,6 @@ def test_lora_run_exports_a_merged_model_that_plain_keras_hub_loads(tiny, tmp_pa
     unmerged = run.model.predict(["a great film", "a dull mess", "superb"], verbose=0)
     assert np.abs(unmerged).max() > 0
     np.testing.assert_allclose(exported, unmerged, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.slow
-def test_lora_resume_after_sigkill_matches_uninterrupted_run(tiny, tmp_path):
-    kw = tiny_kw(tiny, epochs=2, checkpoint_every="3", deterministic=True, early_stopping_patience=None,
-                 export=False, max_train_examples=160, lora_rank=4, lora_alpha=8.0)
-    cfg = recipe.Config(**kw)
-    spe = recipe.build_data(cfg, recipe.build_preprocessor(cfg)).steps_per_epoch
-    ref = _subprocess(_train_code({**kw, "run_dir": str(tmp_path / "ref")}, tmp_path / "ref.npz"))
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    crash_kw = {**kw, "run_dir": str(tmp_path / "crash")}
-    crashed = _subprocess(_train_code(crash_kw, tmp_path / "crash.npz", kill_at=spe + 5))
-    assert crashed.returncode == -9, crashed.stderr[-3000:]
-    index = json.loads((tmp_path / "crash" / "checkpoints" / "checkpoint.json").read_text())["checkpoints"]
-    assert spe < max(int(c["global_step"]) for c in index) < spe + 5  # a mid-epoch-2 checkpoint
-    resumed = _subprocess(_train_code(crash_kw, tmp_path / "crash.npz"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "HISTORY 2" in resumed.stdout
-    a, b = np.load(tmp_path / "ref.npz"), np.load(tmp_path / "crash.npz")
-    assert len(a.files) == len(b.files) == len(recipe.build_model(cfg, 2).weights)  # adapters included
-    for k in a.files:
-        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 @pytest.mark.slow
