@@ -208,12 +208,17 @@ def _list_url(directory: str) -> list[dict]:
 _LAST_OBJECT: dict = {}  # the last arrays object read: verifying and then loading a checkpoint download it once
 
 
+def _object(path: str, name: str):
+    """`(store, key)` of file `name` of the checkpoint at object prefix `path`."""
+    directory, prefix = path.rsplit("/", 1)
+    return store_for(directory), f"{prefix}/{name}"
+
+
 def _read_file(path, name: str) -> bytes:
     """The bytes of file `name` of the checkpoint at `path` (a local directory or an object prefix)."""
     if not is_url(str(path)):
         return (Path(path) / name).read_bytes()
-    directory, prefix = str(path).rsplit("/", 1)
-    store, key = store_for(directory), f"{prefix}/{name}"
+    store, key = _object(str(path), name)
     ident = store.info_id(key)
     if ident is None:
         raise FileNotFoundError(2, "missing", name)
@@ -304,11 +309,15 @@ def _check_zip(zf: zipfile.ZipFile, meta: dict) -> None:
         raise CheckpointCorruptError(f"arrays {missing[:5]} are missing from arrays.npz")
 
 
+def _arrays_source(path):
+    """What `zipfile`/`np.load` open for arrays.npz: the local file, or the object's bytes (read once)."""
+    return io.BytesIO(_read_file(path, ARRAYS_FILE)) if is_url(str(path)) else Path(path) / ARRAYS_FILE
+
+
 def _verify(path) -> dict:
     """Verifies a whole checkpoint (every array byte against its CRC); returns its state."""
     meta = _read_state(path)
-    source = io.BytesIO(_read_file(path, ARRAYS_FILE)) if is_url(str(path)) else Path(path) / ARRAYS_FILE
-    with zipfile.ZipFile(source) as zf:
+    with zipfile.ZipFile(_arrays_source(path)) as zf:
         _check_zip(zf, meta)
         bad = zf.testzip()
         if bad is not None:
@@ -319,8 +328,7 @@ def _verify(path) -> dict:
 def _file_ids(path) -> tuple:
     """Identities of a checkpoint's files: a rewritten or replaced file changes them."""
     if is_url(str(path)):
-        directory, prefix = str(path).rsplit("/", 1)
-        return tuple(store_for(directory).info_id(f"{prefix}/{name}") for name in (STATE_FILE, ARRAYS_FILE))
+        return tuple(store.info_id(key) for store, key in (_object(str(path), n) for n in (STATE_FILE, ARRAYS_FILE)))
     path = Path(path)
     out = []
     for name in (STATE_FILE, ARRAYS_FILE):
@@ -432,8 +440,7 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict]:
         meta = _read_state(path)
         manifest = meta["arrays"]
         arrays = {}
-        source = io.BytesIO(_read_file(path, ARRAYS_FILE)) if is_url(path) else path / ARRAYS_FILE
-        with np.load(source, allow_pickle=False) as z:
+        with np.load(_arrays_source(path), allow_pickle=False) as z:
             _check_zip(z.zip, meta)
             for k in z.files:
                 arr = z[k]  # zipfile checks the member's CRC-32 while reading it
