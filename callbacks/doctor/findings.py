@@ -25,18 +25,88 @@ from typing import Any, Iterable
 
 from trainwell.validation import invalid_argument
 
+#: Per finding code, in the order a summary lists them: its likely causes and the fixes to
+#: try, most likely first (a rule puts those its evidence points at before them; `{lr}` in a
+#: fix is `lr_text` of the learning rate, other fields the rule's own).
+ADVICE: dict[str, tuple[list[str], list[str]]] = {
+    "divergence": (
+        ["learning rate too high", "no warmup", "unclipped gradient spikes", "bad input (NaN/Inf in the data)"],
+        [
+            "add a warmup (trainwell.callbacks.WarmupCosine(warmup_epochs=1))",
+            "clip gradients (optimizer `global_clipnorm=1.0`)",
+            "pick the LR with the LR range test (`trainwell.lr_find(model, data)`)",
+            "guard the run with trainwell.callbacks.NaNRollback",
+        ],
+    ),
+    "exploding_gradients": (
+        ["initial weights too large", "no normalisation in a deep network", "learning rate too high"],
+        [
+            "clip gradients: optimizer `global_clipnorm=1.0`",
+            "use He (ReLU) / Glorot (tanh) initialisation scaled to the fan-in, not large weights",
+            "add BatchNormalization/LayerNormalization (and residual connections in deep stacks)",
+            "lower the learning rate{lr} and add a warmup",
+        ],
+    ),
+    "amp_instability": (
+        ["activations or gradients overflow float16", "learning rate too high"],
+        [
+            "keep the final softmax/logits and any normalisation statistics in float32",
+            "clip gradients (optimizer `global_clipnorm=1.0`) and lower the learning rate",
+            "use mixed_bfloat16 where the hardware supports it (same range as float32)",
+        ],
+    ),
+    "oscillation": (
+        ["learning rate too high for the curvature", "noisy gradients (small batch)"],
+        [
+            "lower the learning rate 3x{lr}",
+            "add a warmup (trainwell.callbacks.WarmupCosine(warmup_epochs=1)) and a decaying schedule",
+            "use a larger batch (or `gradient_accumulation_steps`) to reduce gradient noise",
+            "clip gradients (optimizer `global_clipnorm=1.0`)",
+        ],
+    ),
+    "vanishing_gradients": (
+        ["saturating activations (sigmoid/tanh)", "initial weights too small",
+         "a deep stack without normalisation or skip connections"],
+        [
+            "use ReLU/GELU activations instead of sigmoid/tanh in hidden layers",
+            "use He (ReLU) or Glorot (tanh) initialisation instead of tiny weights",
+            "add BatchNormalization/LayerNormalization between layers",
+            "add skip (residual) connections",
+        ],
+    ),
+    "dead_units": (
+        ["learning rate too high", "large negative biases", "poor initialisation"],
+        [
+            "use LeakyReLU/GELU/ELU instead of ReLU",
+            "lower the learning rate{lr} (a large step can push biases so negative a unit never fires again)",
+            "use He initialisation with zero biases; add BatchNormalization before the activation",
+        ],
+    ),
+    "slow_convergence": ([], ["train longer only if the loss is still falling steadily"]),
+    "overfitting": (
+        ["model capacity too large for the data", "too little regularisation", "training too long"],
+        [
+            "stop at the best epoch: EarlyStopping(monitor='val_loss', patience={patience}, "
+            "restore_best_weights=True) (best was epoch {best_epoch})",
+            "add regularisation: decoupled weight decay (AdamW weight_decay=1e-4..1e-2) or Dropout(0.1-0.5)",
+            "augment the data (keras.layers.RandAugment / MixUp / CutMix) or get more data",
+            "use a smaller model",
+        ],
+    ),
+    "input_bound": (
+        ["slow data pipeline (decoding, augmentation, Python generator) without prefetch or parallelism"],
+        [
+            "prefetch: `dataset.prefetch(tf.data.AUTOTUNE)` as the last step of the pipeline",
+            "parallelise preprocessing: `dataset.map(fn, num_parallel_calls=tf.data.AUTOTUNE)`",
+            "cache decoded data: `dataset.cache()` (in memory or to a file) before augmentation",
+            "move augmentation onto the accelerator (Keras preprocessing layers inside the model)",
+            "for Python generators use keras.utils.PyDataset(workers=N, use_multiprocessing=True)",
+        ],
+    ),
+}
+
 #: The finding codes, in the order a summary lists them.
-CODES = (
-    "divergence",
-    "exploding_gradients",
-    "amp_instability",
-    "oscillation",
-    "vanishing_gradients",
-    "dead_units",
-    "slow_convergence",
-    "overfitting",
-    "input_bound",
-)
+CODES = tuple(ADVICE)
 
 SEVERITIES = ("info", "warning", "error")
 
@@ -164,6 +234,22 @@ class Finding:
     def from_dict(cls, d: dict[str, Any]) -> "Finding":
         """Inverse of `to_dict`."""
         return cls(**unjson(d))
+
+    @classmethod
+    def of(cls, code: str, step: int, evidence: dict[str, Any], summary: str, *, severity: str = "warning",
+           causes: Iterable[str] = (), fixes: Iterable[str] = (), lr: float | None = None, **fields: Any) -> "Finding":
+        """A finding of `code` with its `ADVICE` after the case's own `causes` and `fixes`.
+
+        The advice's fixes are formatted with `lr` (as `lr_text` writes it) and `fields`.
+
+        Example:
+        >>> f = Finding.of("dead_units", 40, {"layer": "d"}, "units died.", lr=0.1)
+        >>> f.fixes[1].startswith("lower the learning rate (now 0.1)"), f.severity
+        (True, 'warning')
+        """
+        advice_causes, advice_fixes = ADVICE[code]
+        advice_fixes = [fix.format(lr=lr_text(lr), **fields) for fix in advice_fixes]
+        return cls(code, severity, evidence, [*fixes, *advice_fixes], step, [*causes, *advice_causes], summary)
 
     def line(self) -> str:
         """One printable line: severity, code, step, what was seen, the first fix."""

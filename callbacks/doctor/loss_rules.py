@@ -69,21 +69,7 @@ def check_divergence(
     if reason is None:
         return None
     lower = f"lower the learning rate 10x{lr_text(lr)}" + (f", to {lr / 10:.3g}" if lr else "")
-    return Finding(
-        "divergence",
-        "error",
-        ev,
-        [
-            lower,
-            "add a warmup (trainwell.callbacks.WarmupCosine(warmup_epochs=1))",
-            "clip gradients (optimizer `global_clipnorm=1.0`)",
-            "pick the LR with the LR range test (`trainwell.lr_find(model, data)`)",
-            "guard the run with trainwell.callbacks.NaNRollback",
-        ],
-        step,
-        ["learning rate too high", "no warmup", "unclipped gradient spikes", "bad input (NaN/Inf in the data)"],
-        f"training diverged: {reason}.",
-    )
+    return Finding.of("divergence", step, ev, f"training diverged: {reason}.", severity="error", fixes=[lower])
 
 
 def zigzag(series: Sequence[float], swing: float, ratio: float) -> list[tuple[int, float, str]]:
@@ -249,36 +235,21 @@ def check_oscillation(  # one piece: the two signs, their evidence and text shar
     elif swings and probe_losses is not None:
         ev["probe_every_steps"] = probe_every  # too far apart to confirm (see above)
     ev.update(known(lr=lr, momentum=momentum))
-    causes, fixes = _oscillation_causes_and_fixes(lr, momentum)
-    return Finding(
+    heavy = momentum is not None and momentum >= 0.95  # a heavy momentum goes before the LR
+    return Finding.of(
         "oscillation",
-        "warning",
-        ev,
-        fixes,
         step,
-        causes,
+        ev,
         f"the loss swings up and down: {len(peaks)} peaks of {fmt(amp)} "
         f"({fmt(100 * amp / abs(initial))}% of the initial loss) in the last {ev['window_steps']} steps."
         if swings
         else f"the loss swings above where it started: {len(above)} of the last {len(chunks)} "
         f"{tracker.chunk}-step medians above {fmt(scale)} (the larger of the initial and the null-model loss), "
         f"up to {fmt(max(chunks))} (+{fmt(100 * (max(chunks) / scale - 1))}%): the steps make the model worse.",
+        causes=[f"momentum too high ({momentum:g}): the heavy ball overshoots the valley"] if heavy else [],
+        fixes=[f"lower the momentum from {momentum:g} to 0.9 (or beta_1=0.9 for Adam)"] if heavy else [],
+        lr=lr,
     )
-
-
-def _oscillation_causes_and_fixes(lr: float | None, momentum: float | None) -> tuple[list, list]:
-    """An oscillation's causes and fixes: a heavy momentum first where there is one, then the LR."""
-    causes = ["learning rate too high for the curvature", "noisy gradients (small batch)"]
-    fixes = [
-        f"lower the learning rate 3x{lr_text(lr)}",
-        "add a warmup (trainwell.callbacks.WarmupCosine(warmup_epochs=1)) and a decaying schedule",
-        "use a larger batch (or `gradient_accumulation_steps`) to reduce gradient noise",
-        "clip gradients (optimizer `global_clipnorm=1.0`)",
-    ]
-    if momentum is not None and momentum >= 0.95:
-        causes.insert(0, f"momentum too high ({momentum:g}): the heavy ball overshoots the valley")
-        fixes.insert(0, f"lower the momentum from {momentum:g} to 0.9 (or beta_1=0.9 for Adam)")
-    return causes, fixes
 
 
 def _probe_rise(probe_losses: Sequence[float], bar: float) -> tuple[bool, float | None]:
@@ -356,16 +327,16 @@ def check_slow_convergence(
     )
     causes, fixes = _slow_causes_and_fixes(explained_by, too_low, lr)
     kind = "rose" if progress < -th["slow_progress"] else "crawls" if crawl else "has plateaued"
-    return Finding(
+    return Finding.of(
         "slow_convergence",
-        "warning" if crawl else "info",
-        ev,
-        fixes,
         step,
-        causes,
+        ev,
         f"the loss {kind}: {fmt(initial)} -> {fmt(now)} ({-100 * progress:+.3g}% in {tracker.steps} steps)"
         + (f", update/weight ratio {fmt(update_ratio)} per step" if update_ratio is not None else "")
         + ".",
+        severity="warning" if crawl else "info",
+        causes=causes,
+        fixes=fixes,
     )
 
 
@@ -388,7 +359,7 @@ def _slow_causes_and_fixes(explained_by: Sequence[str], too_low: bool, lr: float
             "use He (ReLU) or Glorot (tanh) initialisation",
             "try a larger learning rate or a warmup then cosine schedule",
         ]
-    return causes, fixes + ["train longer only if the loss is still falling steadily"]
+    return causes, fixes
 
 
 def check_overfitting(
@@ -437,21 +408,14 @@ def check_overfitting(
         "generalisation_gap": gap,
         "epochs_since_best": epochs_since,
     }
-    return Finding(
+    return Finding.of(
         "overfitting",
-        "warning",
-        ev,
-        [
-            f"stop at the best epoch: EarlyStopping(monitor='val_loss', patience={patience}, restore_best_weights=True)"
-            f" (best was epoch {best_epoch + 1})",
-            "add regularisation: decoupled weight decay (AdamW weight_decay=1e-4..1e-2) or Dropout(0.1-0.5)",
-            "augment the data (keras.layers.RandAugment / MixUp / CutMix) or get more data",
-            "use a smaller model",
-        ],
         step,
-        ["model capacity too large for the data", "too little regularisation", "training too long"],
+        ev,
         f"validation loss rose {fmt(100 * rise)}% above its best (epoch {best_epoch + 1}: {fmt(va[best_epoch])}) "
         f"to {fmt(va[-1])} while the training loss fell to {fmt(tr[-1])}.",
+        patience=patience,
+        best_epoch=best_epoch + 1,
     )
 
 

@@ -12,7 +12,7 @@ import math
 import os
 from typing import Any, Sequence
 
-from trainwell.callbacks.doctor.findings import DEFAULT_THRESHOLDS, Finding, fmt, known, lr_text, median
+from trainwell.callbacks.doctor.findings import DEFAULT_THRESHOLDS, Finding, fmt, known, median
 
 def check_input_bound(
     step_times: Sequence[float],
@@ -67,19 +67,10 @@ def check_input_bound(
         "wait_fraction": frac,
         "possible_speedup": t_step / max(t_comp, 1e-9),
     }
-    return Finding(
+    return Finding.of(
         "input_bound",
-        "warning",
-        ev,
-        [
-            "prefetch: `dataset.prefetch(tf.data.AUTOTUNE)` as the last step of the pipeline",
-            "parallelise preprocessing: `dataset.map(fn, num_parallel_calls=tf.data.AUTOTUNE)`",
-            "cache decoded data: `dataset.cache()` (in memory or to a file) before augmentation",
-            "move augmentation onto the accelerator (Keras preprocessing layers inside the model)",
-            "for Python generators use keras.utils.PyDataset(workers=N, use_multiprocessing=True)",
-        ],
         step,
-        ["slow data pipeline (decoding, augmentation, Python generator) without prefetch or parallelism"],
+        ev,
         f"steps wait for data {fmt(100 * frac)}% of the time "
         f"({fmt(1e3 * t_step)} ms per step, {fmt(1e3 * t_comp)} ms of compute"
         + (f", {fmt(1e3 * t_cpu)} ms waiting for a CPU" if t_cpu >= 5e-4 else "")
@@ -146,17 +137,10 @@ def check_amp(
         )
         causes.append(f'layer "{layer}" produces values beyond float16\'s range in the {nonfinite.get("pass")} pass')
         where = f' First non-finite values: layer "{layer}" ({nonfinite.get("pass")} pass).'
-    return Finding(
+    return Finding.of(
         "amp_instability",
-        "error" if located or too_low else "warning",
-        ev,
-        fixes + [
-            "keep the final softmax/logits and any normalisation statistics in float32",
-            "clip gradients (optimizer `global_clipnorm=1.0`) and lower the learning rate",
-            "use mixed_bfloat16 where the hardware supports it (same range as float32)",
-        ],
         step,
-        causes + ["activations or gradients overflow float16", "learning rate too high"],
+        ev,
         (
             f'mixed_float16: layer "{nonfinite["layer"]}" overflows float16 in the forward pass '
             f"(loss scale {fmt(scale)}, {len(recent)} back-offs in {span} steps)."
@@ -164,6 +148,9 @@ def check_amp(
             else f"mixed_float16: the loss scale backed off {len(recent)} times in {span} steps "
             f"(overflow rate {fmt(100 * rate)}%), now {fmt(scale)}.{where}"
         ),
+        severity="error" if located or too_low else "warning",
+        causes=causes,
+        fixes=fixes,
     )
 
 
@@ -222,18 +209,10 @@ def _vanishing(layers: list[dict], stats: dict[str, Any], step: int, th: dict) -
     }
     if stats.get("saturation"):
         ev["max_saturation"] = max(stats["saturation"].values())
-    return Finding(
+    return Finding.of(
         "vanishing_gradients",
-        "warning",
-        ev,
-        [
-            "use ReLU/GELU activations instead of sigmoid/tanh in hidden layers",
-            "use He (ReLU) or Glorot (tanh) initialisation instead of tiny weights",
-            "add BatchNormalization/LayerNormalization between layers",
-            "add skip (residual) connections",
-        ],
         step,
-        ["saturating activations (sigmoid/tanh)", "initial weights too small", "a deep stack without normalisation or skip connections"],
+        ev,
         f'gradients shrink {fmt(1 / max(ratio, 1e-300))}x from the last weighted layer ("{last["name"]}") '
         f'to the first ("{first["name"]}") over {len(layers)} layers.',
     )
@@ -271,20 +250,8 @@ def _exploding(layers: list[dict], stats: dict[str, Any], step: int, first_globa
         if big_ratio
         else f"the gradient norm grew {fmt(growth)}x since the start"
     )
-    return Finding(
-        "exploding_gradients",
-        "error" if nonfinite else "warning",
-        ev,
-        [
-            "clip gradients: optimizer `global_clipnorm=1.0`",
-            "use He (ReLU) / Glorot (tanh) initialisation scaled to the fan-in, not large weights",
-            "add BatchNormalization/LayerNormalization (and residual connections in deep stacks)",
-            f"lower the learning rate{lr_text(lr)} and add a warmup",
-        ],
-        step,
-        ["initial weights too large", "no normalisation in a deep network", "learning rate too high"],
-        f"exploding gradients: {what} (global norm {fmt(gnorm)}).",
-    )
+    summary = f"exploding gradients: {what} (global norm {fmt(gnorm)})."
+    return Finding.of("exploding_gradients", step, ev, summary, severity="error" if nonfinite else "warning", lr=lr)
 
 
 def check_dead_units(
@@ -326,22 +293,14 @@ def check_dead_units(
     worst = max(bad, key=bad.get)
     ev: dict[str, Any] = {"layer": worst, "dead_fraction": bad[worst], "layers_affected": len(bad)}
     ev.update({f"dead_fraction/{k}": v for k, v in bad.items()}, **known(lr=lr))
-    fixes = [
-        "use LeakyReLU/GELU/ELU instead of ReLU",
-        f"lower the learning rate{lr_text(lr)} (a large step can push biases so negative a unit never fires again)",
-        "use He initialisation with zero biases; add BatchNormalization before the activation",
-    ]
-    causes = ["learning rate too high", "large negative biases", "poor initialisation"]
-    f = Finding(
+    f = Finding.of(
         "dead_units",
-        "warning",
-        ev,
-        fixes,
         step,
-        causes,
+        ev,
         f'{fmt(100 * bad[worst])}% of the units of layer "{worst}" output zero for every example'
         + (f" ({len(bad)} layers affected)" if len(bad) > 1 else "")
         + ".",
+        lr=lr,
     )
     return explain_dead_units(f, explained_by[0]) if explained_by else f
 
