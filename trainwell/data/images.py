@@ -291,6 +291,7 @@ def build_image_datasets(
     synthetic_examples: tuple[int, int] = (IMAGENET_TRAIN_EXAMPLES, IMAGENET_VAL_EXAMPLES),
     cycle_length: int = 16,
     crop_padding: int | None = None,
+    train_size: Any = None,
 ) -> ImageDatasets:
     """Builds train/val/test image classification datasets and their metadata.
 
@@ -350,6 +351,11 @@ def build_image_datasets(
         crop_padding: Pixels of zero padding on each side for `"pad_crop"` and
             `"pad_crop_flip"` (the shift range of the random crop). Defaults to `None`
             (`image_size / 8`: 4 px at 32 px, He et al. 2016's CIFAR recipe).
+        train_size: Progressive resizing: a scalar int32 `tf.Variable` holding the side of
+            the training images, read as each is made (`trainwell.data.resizing.EpochImageSize`;
+            the training batches then have no static side; `crop_padding` `None` pads
+            side / 8 of it). Evaluation splits stay at `image_size`. Defaults to `None`
+            (`image_size`).
 
     Returns:
         An `ImageDatasets`.
@@ -374,6 +380,9 @@ def build_image_datasets(
         num_classes=num_classes, crop_padding=crop_padding, shuffle_buffer=shuffle_buffer,
         cycle_length=cycle_length, cache=cache,
     )
+    if train_size is not None and (not isinstance(train_size, tf.Variable) or train_size.dtype != tf.int32
+                                   or train_size.shape.rank != 0):
+        raise invalid_argument("train_size", "None or a scalar int32 tf.Variable (EpochImageSize.variable)", train_size)
     batch_size = global_batch_size
     num_pipelines, pipeline_id = 1, 0
     if input_context is not None:
@@ -397,7 +406,8 @@ def build_image_datasets(
     mean, std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else (GRAY_MEAN, GRAY_STD)
     transform = Transform(image_size=image_size, channels=channels, augment=augment,
                            eval_crop_fraction=eval_crop_fraction, mean=mean, std=std,
-                           num_classes=src.num_classes, one_hot=one_hot, crop_padding=crop_padding)
+                           num_classes=src.num_classes, one_hot=one_hot, crop_padding=crop_padding,
+                           train_size=train_size)
     skips = SkipCounter()
     for split_name, paths in src.unreadable.items():
         for path_ in paths:
@@ -568,7 +578,7 @@ class _Pipeline:
             image_bytes, label = read(payload, label)
             label = tf.cast(label, tf.int32)
             ok = tf.logical_and(valid_image(image_bytes), transform.label_ok(label))
-            image = tf.cond(ok, lambda: make_image(image_bytes, *extra), transform.placeholder)
+            image = tf.cond(ok, lambda: make_image(image_bytes, *extra), lambda: transform.placeholder(split == "train"))
             flag = tf.cond(ok, lambda: tf.constant(True), lambda: on_error(key, image_bytes))
             return image, transform.label(label), flag
 
