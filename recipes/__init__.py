@@ -11,6 +11,7 @@ import importlib
 RECIPES = {
     "resnet-imagenet": "resnet_imagenet",
     "transformer-finetune": "transformer_finetune",
+    "causal-lm": "causal_lm",
 }
 
 __all__ = ["RECIPES", "get", *RECIPES.values()]
