@@ -22,6 +22,7 @@ import tensorflow as tf
 from trainwell.data import embedded
 from trainwell.data.base import open_tfds_builder
 from trainwell.data.embedded import stratified_split
+from trainwell.data.prepared_index import read_index
 from trainwell.data.sources import DataError, DataNotFoundError, check_image_folder, list_images, resolve_path
 from trainwell.validation import invalid_argument
 
@@ -196,6 +197,7 @@ def _tfrecord_source(pattern, *, val_fraction, test_fraction, split_seed, seed, 
     # one piece: the readers and counts of the splits are closures over one file listing, its
     # carve filters and known counts; apart, each would take most of this scope as arguments.
     full = resolve_path(pattern, data_dir)
+    prepared = read_index(full) if os.path.isdir(full) else None  # `trainwell prepare-images`' folder
     if os.path.isdir(full):
         full = os.path.join(full, "*")
     files = sorted(f for f in tf.io.gfile.glob(full) if not tf.io.gfile.isdir(f))
@@ -303,6 +305,9 @@ def _tfrecord_source(pattern, *, val_fraction, test_fraction, split_seed, seed, 
         splits["test"] = Split(reader(by_split["train"], test_keep, False),
                                 count(by_split["train"], test_keep, num_examples.get("test")),
                                 "example", num_files=len(by_split["train"]))
+    if prepared is not None and num_classes is None:  # its classes, by name
+        return Source(splits, int(prepared["num_classes"]), list(prepared["class_names"]),
+                      channels=int(prepared.get("channels", 3)))
     n_classes = num_classes or 1000
     return Source(splits, n_classes, [str(i) for i in range(n_classes)], channels=3)
 
