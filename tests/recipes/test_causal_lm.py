@@ -306,3 +306,13 @@ def test_nan_rollback_recovers_a_poisoned_step(tiny, tmp_path):
                                                       snapshot_every=1, num_samples=0, export=False))
     assert Poison.done and run.history["nan_rollbacks"][-1] >= 1
     assert all(np.isfinite(v.numpy()).all() for v in run.model.weights) and np.isfinite(run.metrics["eval_loss"])
+
+
+def test_cli_dry_run_of_the_config_file(tiny):
+    root = Path(__file__).resolve().parents[2]
+    r = _cli("train", "causal-lm", "--config", str(root / "configs" / "gpt2_causal_lm.yaml"),
+             "--set", f"dataset=jsonl:{tiny['data']}", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    resolved = json.loads(r.stdout)
+    assert (resolved["preset"], resolved["sequence_length"], resolved["lora"], resolved["packing"]) == (
+        "gpt2_base_en", 512, "auto", False)
