@@ -113,12 +113,8 @@ def _batch_from_iterator(epoch_iterator):
         return None, train_bs
     batch = next(iter(source.take(1))) if kind == "dataset" else source[0]
     batch = tuple(batch) if isinstance(batch, list) else batch
-    return _head(batch), train_bs or _batch_len(batch)
-
-
-def _head(batch, n: int = _AUTO_PROBE_SIZE):
-    """The first `n` examples of a batch (a tuple of nested arrays/tensors)."""
-    return keras.tree.map_structure(lambda t: None if t is None else t[:n], batch)
+    head = keras.tree.map_structure(lambda t: None if t is None else t[:_AUTO_PROBE_SIZE], batch)
+    return head, train_bs or _batch_len(batch)
 
 
 def _batch_len(batch) -> int | None:
@@ -325,13 +321,17 @@ class TrainingDoctor(StatefulCallback):
     def _enabled(self, code: str) -> bool:
         return self.checks is None or code in self.checks
 
+    def _open(self, code: str) -> bool:
+        """Whether `code` is checked and not found yet (each code is reported once per run)."""
+        return self._enabled(code) and code not in self.codes
+
     @property
     def codes(self) -> list[str]:
         """Codes of the findings so far, in the order found (a cause found after its consequence goes before it)."""
         return [f.code for f in self.findings]
 
     def _report(self, finding: Finding | None) -> None:
-        if finding is None or not self._enabled(finding.code) or finding.code in self.codes:
+        if finding is None or not self._open(finding.code):
             return
         if finding.code in _CONSEQUENCES_OF_DIVERGENCE and "divergence" in self.codes:
             return  # after a divergence these describe the wreck, not the cause
@@ -442,16 +442,13 @@ class TrainingDoctor(StatefulCallback):
                     self._run_probe(locate_only=True)
             elif not self._located:
                 self._run_probe(locate_only=True)
-        if not (lso and not math.isfinite(step_loss)):
-            # Under a LossScaleOptimizer a non-finite loss is a skipped step, not a divergence.
-            if self._enabled("divergence") and "divergence" not in self.codes:
-                f = check_divergence(self.tracker, self.step, thresholds=self._th)
-                if f is not None:
-                    self._report(self._with_lr(check_divergence, self.tracker) or f)
-        if lso and self._enabled("amp_instability") and "amp_instability" not in self.codes:
-            if len(self.backoff_steps) != self._amp_checked_at:
-                self._amp_checked_at = len(self.backoff_steps)
-                self._check_amp()
+        # Under a LossScaleOptimizer a non-finite loss is a skipped step, not a divergence.
+        judge = not (lso and not math.isfinite(step_loss)) and self._open("divergence")
+        if judge and check_divergence(self.tracker, self.step, thresholds=self._th):
+            self._report(self._with_lr(check_divergence, self.tracker))  # the same verdict, with the LR read now
+        if lso and self._open("amp_instability") and len(self.backoff_steps) != self._amp_checked_at:
+            self._amp_checked_at = len(self.backoff_steps)
+            self._check_amp()
         if self._probe_due(before, self.step):
             self._check()
 
@@ -494,7 +491,7 @@ class TrainingDoctor(StatefulCallback):
         self._last_check = self.step
         stats = self._run_probe() if self._probe is not None else None
         lr = _current_lr(self.model.optimizer)
-        if self._enabled("oscillation") and "oscillation" not in self.codes:
+        if self._open("oscillation"):
             probe = None
             if self._probe is not None:
                 since = self.step - max(self.window, 3 * self.every_n_steps)
@@ -508,11 +505,7 @@ class TrainingDoctor(StatefulCallback):
             )
         if stats is not None:
             self._probe_rules(stats, lr)
-        if (
-            self._enabled("slow_convergence")
-            and "slow_convergence" not in self.codes
-            and not {"oscillation", "divergence"} & set(self.codes)
-        ):
+        if self._open("slow_convergence") and not {"oscillation", "divergence"} & set(self.codes):
             self._report(
                 check_slow_convergence(
                     self.tracker, self.step, lr=lr, update_ratio=self.last_probe.get("update_ratio"), thresholds=self._th,
@@ -623,7 +616,7 @@ class TrainingDoctor(StatefulCallback):
                 explained_by=[c for c in self.codes if c == "oscillation"],
             ))
             self.prev_dead = dict(stats["dead"])
-        if self._enabled("input_bound") and "input_bound" not in self.codes:
+        if self._open("input_bound"):
             self._check_input_bound()
 
     def on_epoch_end(self, epoch, logs=None) -> None:
@@ -636,7 +629,7 @@ class TrainingDoctor(StatefulCallback):
         if loss is not None:
             self.epoch_losses.append(float(loss))
             self.epoch_val_losses.append(float(val) if val is not None else math.nan)
-            if val is not None and self._enabled("overfitting") and "overfitting" not in self.codes:
+            if val is not None and self._open("overfitting"):
                 self._report(check_overfitting(self.epoch_losses, self.epoch_val_losses, self.step, thresholds=self._th))
         self._write_json()
         if self._writer is not None:

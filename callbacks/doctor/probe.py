@@ -46,13 +46,6 @@ def activation_kind(layer) -> str | None:
     return _ACT_KINDS.get(name) if name else None
 
 
-def _display_name(path: str, model_name: str) -> str:
-    parts = path.split("/")
-    if len(parts) > 1 and parts[0] == model_name:
-        parts = parts[1:]
-    return "/".join(parts)
-
-
 class GradientProbe:
     """Gradient and activation statistics of a model on a fixed batch, compiled once.
 
@@ -109,19 +102,19 @@ class GradientProbe:
 
     # ------------------------------------------------------------ structure
     def _group_variables(self):
-        """Trainable variables grouped by owning layer (their path minus the last part)."""
+        """`(name, indices, kernel indices)` of the trainable variables per owning layer.
+
+        The owner is a variable's path less its last part, named without the model's
+        name; its kernels are its variables of 2 or more dimensions, embeddings aside.
+        """
         groups: dict[str, list[int]] = {}
         for i, v in enumerate(self.trainable):
-            path = getattr(v, "path", None) or v.name
-            owner = path.rsplit("/", 1)[0] if "/" in path else path
-            groups.setdefault(owner, []).append(i)
+            groups.setdefault((getattr(v, "path", None) or v.name).rsplit("/", 1)[0], []).append(i)
         out = []
         for owner, idx in groups.items():
-            kernel = [
-                i for i in idx
-                if len(self.trainable[i].shape) >= 2 and "embedding" not in (getattr(self.trainable[i], "path", "") or "")
-            ]
-            out.append((_display_name(owner, self.model.name), idx, kernel))
+            paths = [getattr(self.trainable[i], "path", "") or "" for i in idx]
+            kernel = [i for i, path in zip(idx, paths) if len(self.trainable[i].shape) >= 2 and "embedding" not in path]
+            out.append((owner.removeprefix(f"{self.model.name}/"), idx, kernel))
         return out
 
     def _build_aux(self) -> None:
