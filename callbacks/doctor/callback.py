@@ -8,6 +8,7 @@ that gathered state, the judging elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -412,10 +413,8 @@ class TrainingDoctor(StatefulCallback):
         if self._probe is not None and self.track_updates:
             spe = int(getattr(self.model, "steps_per_execution", 1) or 1)
             if self._probe_due(self.step, self.step + spe):
-                try:
+                with contextlib.suppress(Exception):  # without it the probe's update ratios are masked
                     self._probe.snapshot()
-                except Exception:
-                    pass
         self._t_begin = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None) -> None:
@@ -492,27 +491,20 @@ class TrainingDoctor(StatefulCallback):
         stats = self._run_probe() if self._probe is not None else None
         lr = _current_lr(self.model.optimizer)
         if self._open("oscillation"):
-            probe = None
-            if self._probe is not None:
-                since = self.step - max(self.window, 3 * self.every_n_steps)
-                probe = [l for s, l in self.probe_losses if s > since]
-            self._report(
-                check_oscillation(
-                    self.tracker, self.step, lr=lr, momentum=_momentum(self.model.optimizer),
-                    probe_losses=probe, probe_every=self.every_n_steps, reference=self.null_loss,
-                    thresholds=self._th,
-                )
-            )
+            since = self.step - max(self.window, 3 * self.every_n_steps)
+            probe = None if self._probe is None else [l for s, l in self.probe_losses if s > since]
+            self._report(check_oscillation(
+                self.tracker, self.step, lr=lr, momentum=_momentum(self.model.optimizer), probe_losses=probe,
+                probe_every=self.every_n_steps, reference=self.null_loss, thresholds=self._th,
+            ))
         if stats is not None:
             self._probe_rules(stats, lr)
         if self._open("slow_convergence") and not {"oscillation", "divergence"} & set(self.codes):
-            self._report(
-                check_slow_convergence(
-                    self.tracker, self.step, lr=lr, update_ratio=self.last_probe.get("update_ratio"), thresholds=self._th,
-                    explained_by=[c for c in self.codes if c in ("vanishing_gradients", "dead_units", "exploding_gradients")],
-                    reference=self.null_loss,
-                )
-            )
+            causes = [c for c in self.codes if c in ("vanishing_gradients", "dead_units", "exploding_gradients")]
+            self._report(check_slow_convergence(
+                self.tracker, self.step, lr=lr, update_ratio=self.last_probe.get("update_ratio"), thresholds=self._th,
+                explained_by=causes, reference=self.null_loss,
+            ))
 
     def _run_probe(self, locate_only: bool = False) -> dict[str, Any] | None:
         """Runs the probe and records its statistics; returns them (`None` if it failed or `locate_only`)."""

@@ -237,7 +237,8 @@ class Finding:
 
     @classmethod
     def of(cls, code: str, step: int, evidence: dict[str, Any], summary: str, *, severity: str = "warning",
-           causes: Iterable[str] = (), fixes: Iterable[str] = (), lr: float | None = None, **fields: Any) -> "Finding":
+           causes: Iterable[str] = (), fixes: Iterable[str] = (), lr: float | None = None,
+           **fields: Any) -> "Finding":
         """A finding of `code` with its `ADVICE` after the case's own `causes` and `fixes`.
 
         The advice's fixes are formatted with `lr` (as `lr_text` writes it) and `fields`.

@@ -112,8 +112,8 @@ class GradientProbe:
             groups.setdefault((getattr(v, "path", None) or v.name).rsplit("/", 1)[0], []).append(i)
         out = []
         for owner, idx in groups.items():
-            paths = [getattr(self.trainable[i], "path", "") or "" for i in idx]
-            kernel = [i for i, path in zip(idx, paths) if len(self.trainable[i].shape) >= 2 and "embedding" not in path]
+            kernel = [i for i in idx if len(self.trainable[i].shape) >= 2
+                      and "embedding" not in (getattr(self.trainable[i], "path", "") or "")]
             out.append((owner.removeprefix(f"{self.model.name}/"), idx, kernel))
         return out
 
