@@ -19,10 +19,11 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from trainwell.config import (
     BaseConfig,
+    ConfigError,
     check_choice,
     check_dir_path,
     check_positive,
@@ -32,6 +33,7 @@ from trainwell.config import (
     scaled_lr,
 )
 from trainwell.data import embedded
+from trainwell.data.resizing import check_size_schedule
 from trainwell.data.sources import AUGMENTATIONS, check_image_source
 from trainwell.models.specs import RESNET_DEPTHS
 
@@ -100,6 +102,9 @@ class Config(BaseConfig):
     # -- model
     model: str = "resnet50"  # [He], v1.5 as [NV]/[MG]
     image_size: Optional[int] = None  # None: 224 [He]; the embedded sets' own 28 / 8 px (not upsampled)
+    # progressive resizing [FFCV, fastai]: [[fraction of the run, training side], ...], e.g. [[0, 160], [0.75, 192]];
+    # None: every epoch at image_size. Evaluation is at image_size; batch size and steps per epoch stay fixed
+    image_size_schedule: Optional[list[Any]] = None
     width: int = 64  # filters of the first stage [He]; the CPU demo uses 16
     small_stem: Optional[bool] = None  # None: 3x3 stem without max-pool for images <= 64 px
     zero_init_residual: Optional[bool] = None  # last BN gamma = 0 [Goyal] 5.1; None: batch >= 256 [Bag of Tricks] 3.1
@@ -178,6 +183,9 @@ class Config(BaseConfig):
             raise_invalid("image_size", self.image_size,
                           f"at least {stride} px, the network's total stride with {stem} (a smaller image is "
                           "down to 1 px before the last stage)")
+        if self.image_size_schedule is not None:
+            checked = check_size_schedule(self.image_size_schedule, stride, what="", error=ConfigError)
+            self.image_size_schedule = [[f, s] for f, s in checked]  # lists: the config file's YAML
         check_positive(self, "width")
         check_range(self, "dropout", 0.0, 1.0, hi_open=True)
         check_positive(self, "base_lr")
@@ -265,8 +273,12 @@ def _cfg(cfg: Config | None, overrides: dict) -> Config:
 
 
 # --------------------------------------------------------------------------- data
-def build_data(cfg: Config, input_context=None):
+def build_data(cfg: Config, input_context=None, train_size=None):
     """The train/val/test `tf.data` pipelines of `cfg.dataset` (`trainwell.data.images`).
+
+    With `cfg.image_size_schedule`, the training images have the side `train_size`
+    holds (`epoch_image_size(cfg)`, made here when not given: epoch 0's side until its
+    callback sets another); validation and test images have `cfg.image_size`.
 
     Example:
     >>> data = build_data(Config(dataset="digits", image_size=8, batch_size=32))  # doctest: +SKIP
@@ -276,6 +288,8 @@ def build_data(cfg: Config, input_context=None):
     # lazy: it imports Keras/TensorFlow; loaded on first use, not with this module
     from trainwell.data.images import build_image_datasets
 
+    if train_size is None:
+        train_size = epoch_image_size(cfg)
     return build_image_datasets(
         cfg.dataset,
         image_size=cfg.image_size,
@@ -289,7 +303,33 @@ def build_data(cfg: Config, input_context=None):
         test_fraction=TEST_FRACTION,
         input_context=input_context,
         one_hot=True,
+        train_size=None if train_size is None else train_size.variable,
     )
+
+
+def epoch_image_size(cfg: Config):
+    """Progressive resizing: the side of each epoch's training images, or None without a schedule.
+
+    A `trainwell.data.resizing.EpochImageSize` over `cfg.image_size_schedule` and
+    `cfg.epochs`: its `variable` goes to `build_data`, its `callback()` to `fit`. One
+    `fit` trains every size: each epoch's batches come at that epoch's side, the model
+    takes any side (global average pooling) and is traced at most once per side, the
+    batch size and steps per epoch stay fixed (so the LR schedule, which counts steps, is
+    unchanged), and the side is a function of the epoch alone, so a resume is exact
+    across a size change and no callback has more state. Segments of `fit`, one per
+    size, were the other way: they would run every callback's `on_train_begin` and
+    `on_train_end` again (a checkpoint loaded again, early stopping's state reset).
+
+    Example:
+    >>> epoch_image_size(Config(dataset="digits", epochs=4, image_size=16,
+    ...                         image_size_schedule=[[0, 8], [0.5, 16]])).sizes
+    [8, 8, 16, 16]
+    """
+    if not cfg.image_size_schedule:
+        return None
+    from trainwell.data.resizing import EpochImageSize  # lazy: it imports TensorFlow when made
+
+    return EpochImageSize(cfg.image_size_schedule, cfg.epochs)
 
 
 def training_steps(cfg: Config, data) -> int:
@@ -326,7 +366,8 @@ def build_model(cfg: Config, num_classes: int, channels: int = 3):
     return build_resnet(
         cfg.depth,
         num_classes=num_classes,
-        input_shape=(cfg.image_size, cfg.image_size, channels),
+        # any side with progressive resizing (global average pooling: no weight depends on it)
+        input_shape=(None, None, channels) if cfg.image_size_schedule else (cfg.image_size, cfg.image_size, channels),
         small_stem=cfg.use_small_stem,
         dropout=cfg.dropout,
         zero_init_residual=cfg.zero_init_residual,
@@ -516,7 +557,8 @@ def train(cfg: Config | None = None, *, callbacks=None, model_hook=None, segment
 
     cfg = _cfg(cfg, overrides)
     with harness.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
-        data = build_data(cfg)
+        sizes = epoch_image_size(cfg)
+        data = build_data(cfg, train_size=sizes)
         steps = training_steps(cfg, data)
         # Exact resume: the resumed epoch sees the same order and augmentation as it would have.
         train_ds = harness.advance_epochs(data.train, harness.resume_epoch(ctx.run_dir / "checkpoints"))
@@ -533,6 +575,8 @@ def train(cfg: Config | None = None, *, callbacks=None, model_hook=None, segment
         callbacks = build_callbacks(cfg, ctx.run_dir, schedule=schedule, chief=ctx.is_chief) + list(callbacks or ())
         if not any(isinstance(c, WarmupCosine) for c in callbacks):  # the step schedule: its LR in the history
             callbacks.insert(0, harness.log_learning_rate(model))
+        if sizes is not None:  # first: it sets the epoch's image side before the epoch's iterator is made
+            callbacks.insert(0, sizes.callback())
         build_before_fit(model, train_ds)  # one trace on TF; on JAX the k-th iterator stays the k-th epoch
         with ctx.fit_scope():  # JAX: fit reads the distribution when called
             history = model.fit(

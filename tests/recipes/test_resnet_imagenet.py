@@ -246,3 +246,99 @@ def test_a_pbt_member_keeps_its_compiled_model_through_the_recipes_model_hook(tm
     assert cache.events == [(0, "built"), (0, "reused")] and second.model is first.model
     assert second.history["epoch"] == [1.0] and set(second.metrics) == {"test_loss", "test_accuracy"}  # epoch 2
     assert (tmp_path / "gen1" / "curves.png").is_file()
+
+
+def test_image_size_schedule_is_checked_when_the_config_is_built():
+    cfg = recipe.Config(dataset="digits", image_size=16, image_size_schedule=[[0, 8], [0.5, 16]])
+    assert cfg.image_size_schedule == [[0.0, 8], [0.5, 16]] and cfg.to_dict()["image_size_schedule"] == [[0.0, 8], [0.5, 16]]
+    assert recipe.Config.load(overrides=["dataset=digits", "image_size_schedule=[[0, 8], [0.5, 12]]"]).image_size_schedule[1] == [0.5, 12]
+    with pytest.raises(ConfigError, match="the first at fraction 0. Received: image_size_schedule=\\[\\[0.5, 8\\]\\]"):
+        recipe.Config(dataset="digits", image_size_schedule=[[0.5, 8]])
+    # The small-image stem's total stride is 8; ImageNet's (224 px) is 32.
+    with pytest.raises(ConfigError, match="at least 8 px .*Received: image_size_schedule=\\[\\[0, 4\\], \\[0.5, 8\\]\\]"):
+        recipe.Config(dataset="digits", image_size_schedule=[[0, 4], [0.5, 8]])
+    with pytest.raises(ConfigError, match="at least 32 px"):
+        recipe.Config(image_size_schedule=[[0, 16], [0.5, 224]])
+
+
+class _StepRecorder:
+    """The LR of each training step, and the input shapes the model's stem is called with while training
+    (one Python call per trace: on TensorFlow a trace of the train function, on JAX a jit trace)."""
+
+    def __init__(self):
+        import keras
+
+        self.lrs, self.traced, self.training = [], [], False
+        rec = self
+
+        class Cb(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                rec.training = True
+                rec.lrs.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+
+            def on_train_batch_end(self, batch, logs=None):
+                rec.training = False
+
+        self.callback = Cb()
+
+    def hook(self, factory):
+        def build(cfg):
+            model = factory(cfg)
+            stem = model.get_layer("stem_conv")
+            call = stem.call
+
+            def counted(x, *args, **kwargs):
+                if self.training:
+                    self.traced.append(tuple(x.shape[1:3]))
+                return call(x, *args, **kwargs)
+
+            stem.call = counted
+            return model
+
+        return build
+
+
+_PROGRESSIVE = {**TINY, "image_size": 16, "epochs": 2, "batch_size": 256, "augment": None, "deterministic": True,
+                "checkpoint_every": "5", "nan_rollback": False, "image_size_schedule": [[0, 8], [0.5, 16]]}
+
+
+def test_progressive_resizing_traces_once_per_size_and_keeps_the_lr_schedule(tmp_path):
+    """#35.3: an epoch at 8 px, then one at 16 px, in one fit."""
+    from trainwell.compat import raw_learning_rate
+
+    rec = _StepRecorder()
+    run = recipe.train(**_PROGRESSIVE, run_dir=str(tmp_path / "run"), callbacks=[rec.callback], model_hook=rec.hook)
+    steps = 1259 // 256
+    assert len(rec.lrs) == 2 * steps and len(run.history["loss"]) == 2 and np.isfinite(run.metrics["test_loss"])
+    # At most one trace per size (TensorFlow: one trace with the side unknown; JAX: one per side).
+    assert 1 <= len(rec.traced) <= 2 and len(set(rec.traced)) == len(rec.traced), rec.traced
+    assert set(rec.traced) <= {(None, None), (8, 8), (16, 16)}
+    # The warmup-cosine schedule counts steps: at every step the LR of the same run without resizing
+    # (its optimizer's schedule; the batch size and the steps per epoch do not change with the size).
+    plain = recipe.Config(**{**_PROGRESSIVE, "image_size_schedule": None})
+    schedule = raw_learning_rate(recipe.build_optimizer(plain, steps))
+    assert rec.lrs == [float(schedule(i)) for i in range(2 * steps)]
+    assert rec.lrs[0] < rec.lrs[steps - 1]  # the warmup is in it
+
+
+@pytest.mark.slow  # three runs of the recipe: what no faster test proves (bit-identical across the size change)
+def test_progressive_resizing_resumes_bit_identically_across_a_size_change(tmp_path):
+    import keras
+
+    steps = 1259 // 256
+    run = recipe.train(**_PROGRESSIVE, run_dir=str(tmp_path / "ref"))
+
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(keras.ops.convert_to_numpy(self.model.optimizer.iterations)) == steps + 2:
+                raise RuntimeError("crash after the size change")
+
+    crashed = tmp_path / "crash"
+    with pytest.raises(RuntimeError, match="crash after the size change"):
+        recipe.train(**_PROGRESSIVE, run_dir=str(crashed), callbacks=[Crash()])
+    saved = [c["global_step"] for c in json.loads((crashed / "checkpoints" / "checkpoint.json").read_text())["checkpoints"]]
+    assert max(saved) == steps + 1  # the newest checkpoint is in epoch 2, at 16 px
+    resumed = recipe.train(**_PROGRESSIVE, run_dir=str(crashed))
+    assert resumed.history == run.history
+    for a, b in zip(run.model.get_weights(), resumed.model.get_weights()):
+        np.testing.assert_array_equal(a, b)
