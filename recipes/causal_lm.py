@@ -52,6 +52,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import types
 from pathlib import Path
 from typing import Literal, Optional
@@ -521,3 +522,60 @@ def write_samples(model, examples, path, max_length: int) -> Path:
             gen = out[len(prompt):] if out.startswith(prompt) else out
             lines.append(json.dumps({"prompt": prompt, "reference": ref, "generated": gen}))
     return atomic_write_text(path, "".join(line + "\n" for line in lines))
+
+
+# --------------------------------------------------------------------------- hyperparameter search
+def _tuning_space(hp, cfg: Config) -> dict:
+    """Declares the search space on `hp` (defaults = `cfg`) and returns the config fields it sets."""
+    from trainwell.recipes.hypermodel import log_float  # lazy: keras_tuner loads only for a search
+
+    lora = cfg.lora != "off"  # "auto" may or may not train adapters: the rank is searched either way
+    peak = cfg.peak_lr if cfg.peak_lr is not None else (3e-4 if cfg.lora == "on" else 2e-5)
+    out = {
+        "peak_lr": log_float(hp, "peak_lr", peak, 5.0),
+        "weight_decay": log_float(hp, "weight_decay", cfg.weight_decay or 0.01, 10.0),
+        "warmup_fraction": hp.Float("warmup_fraction", 0.0, max(0.1, cfg.warmup_fraction),
+                                    default=cfg.warmup_fraction),
+    }
+    if lora:
+        out["lora_rank"] = hp.Choice("lora_rank", sorted({4, 8, 16, cfg.lora_rank}), default=cfg.lora_rank)
+    return out
+
+
+def _tuning_build(cfg: Config):
+    data_ = build_data(cfg, build_preprocessor(cfg))
+    model = build_model(cfg)
+    compile_model(cfg, model, data_.steps_per_epoch)
+    return model
+
+
+def _tuning_export(model, cfg: Config, run_dir, path):
+    export = merged_copy(model) if _lora_on(model) else model
+    export.preprocessor = build_preprocessor(cfg)
+    export.save_to_preset(str(path))
+    return Path(path)
+
+
+def hypermodel(cfg: Config | None = None, **overrides):
+    """A `keras_tuner.HyperModel` over this recipe (see `trainwell.tuning`), minimising `val_token_loss`.
+
+    The space: peak LR (log, /5 to x5), weight decay (log), warmup fraction and, unless
+    `lora="off"`, the LoRA rank (4, 8, 16 and the config's). A trial runs `train()` with
+    `verbose="0"`, no TrainingDoctor unless `doctor` is overridden, no samples and no
+    per-trial export (the search exports the best trial's merged model).
+
+    Example:
+    >>> hm = hypermodel(dataset="jsonl:train.jsonl", validate_data=False)
+    >>> hm.objective.name, hm.objective.direction
+    ('val_token_loss', 'min')
+    """
+    from trainwell.recipes.hypermodel import recipe_hypermodel  # lazy: keras_tuner loads only for a search
+
+    cfg = _cfg(cfg, overrides)
+    trial = {"verbose": "0", "export": False, "num_samples": 0}
+    if "doctor" not in overrides:
+        trial["doctor"] = False
+    return recipe_hypermodel(
+        sys.modules[__name__], cfg, _tuning_space, build_fn=_tuning_build, export_fn=_tuning_export,
+        trial_overrides=trial, objective="val_token_loss", direction="min", static=("batch_size",), name=RECIPE,
+    )

@@ -316,3 +316,18 @@ def test_cli_dry_run_of_the_config_file(tiny):
     resolved = json.loads(r.stdout)
     assert (resolved["preset"], resolved["sequence_length"], resolved["lora"], resolved["packing"]) == (
         "gpt2_base_en", 512, "auto", False)
+
+
+def test_hypermodel_space_and_build(tiny):
+    import keras_tuner as kt
+
+    hm = recipe.hypermodel(recipe.Config(**tiny_kw(tiny, lora="on", lora_rank=2)))
+    hp = kt.HyperParameters()
+    hm.declare_hyperparameters(hp)
+    assert hp.values["lora_rank"] == 2 and hp.values["peak_lr"] == 1e-2
+    assert (hm.objective.name, hm.objective.direction) == ("val_token_loss", "min")
+    model = hm.build(hp)
+    assert any("lora_" in v.path for v in model.trainable_variables)
+    off = kt.HyperParameters()
+    recipe._tuning_space(off, recipe.Config(**tiny_kw(tiny, lora="off")))
+    assert "lora_rank" not in off.values
