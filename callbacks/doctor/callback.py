@@ -85,6 +85,7 @@ def _batch_from_iterator(epoch_iterator):
     Arrays: a random (seeded, not the global RNG) sample of one batch size.
     `tf.data.Dataset`: its first batch from a fresh iterator. `PyDataset`: item
     0. Python generators are never touched (reading one would consume it).
+    `(None, None)` without an iterator (`epoch_iterator` is `None`).
     """
     adapter = getattr(epoch_iterator, "data_adapter", None)
     if adapter is None:
@@ -375,11 +376,8 @@ class TrainingDoctor(StatefulCallback):
             self.scale_history.append([self.step, self._last_scale])
         batch = self.probe_batch
         try:
-            it = fit_epoch_iterator(self.model)
-            if it is not None:
-                auto, self._train_bs = _batch_from_iterator(it)
-                if batch is None:
-                    batch = auto
+            auto, self._train_bs = _batch_from_iterator(fit_epoch_iterator(self.model))
+            batch = auto if batch is None else batch
         except Exception as e:  # never let the doctor break training
             self._probe_error = f"could not take a probe batch from the data: {e}"
         if batch is not None:
@@ -455,8 +453,7 @@ class TrainingDoctor(StatefulCallback):
         return rule(*args, self.step, lr=_current_lr(self.model.optimizer), thresholds=self._th)
 
     def _track_loss_scale(self) -> None:
-        opt = self.model.optimizer
-        if not getattr(opt, "built", False):
+        if not getattr(self.model.optimizer, "built", False):
             return
         scale = current_loss_scale(self.model)
         if self._last_scale is not None and scale < self._last_scale:

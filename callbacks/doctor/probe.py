@@ -306,25 +306,21 @@ class GradientProbe:
                 if i > 0:
                     out["max_abs"] = float(r["amax"][i - 1])
                 return out
-        owner_ok: dict[str, bool] = {}
-        for l in layers:
-            top = l["name"].split("/")[0]
-            owner_ok[top] = owner_ok.get(top, True) and l["grads_finite"]
+        bad = [l for l in layers if not l["grads_finite"]]
+        bad_owners = {l["name"].split("/")[0] for l in bad}  # top-level layers with a non-finite weight gradient
         n = len(names)
         for i in range(n - 1, -1, -1):
-            out_ok, w_ok = bool(r["agfin"][i]), owner_ok.get(names[i], True)
-            if out_ok and w_ok:
+            out_ok = bool(r["agfin"][i])
+            if out_ok and names[i] not in bad_owners:
                 continue
-            if out_ok:  # its own weight gradients: its backward pass
-                return blame(i)
-            # Its output gradient is non-finite: made by the next layer's backward pass
-            # (or the loss), unless it overflowed where it was cast into this layer's
-            # 16-bit output (a float32 consumer): then this layer's dtype is the cause.
-            if i + 1 >= n:
+            # Its own weight gradients are non-finite (its backward pass), or its output
+            # gradient is: made by the next layer's backward pass (or the loss, after the
+            # last layer), unless it overflowed where it was cast into this layer's 16-bit
+            # output (a float32 consumer): then this layer's dtype is the cause.
+            if out_ok or i + 1 >= n:
                 return blame(i)
             dtypes = _compute_dtype(self.act_layers[i]), _compute_dtype(self.act_layers[i + 1])
             return blame(i if "16" in dtypes[0] and "16" not in dtypes[1] else i + 1)
-        bad = [l for l in layers if not l["grads_finite"]]
         if bad:
             return {"layer": bad[-1]["name"], "index": -1, "pass": "backward", "compute_dtype": ""}
         if not math.isfinite(float(r["loss"])):
