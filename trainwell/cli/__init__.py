@@ -60,6 +60,7 @@ from trainwell.cli.lr_find import (  # noqa: F401 (public names of `trainwell.cl
     lr_find_main,
     write_config_value,
 )
+from trainwell.cli.input_report import add_input_report_parser
 from trainwell.cli.prepare import add_prepare_parser
 from trainwell.config import (
     MAX_SEED,
@@ -570,6 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(lf)
     lf.set_defaults(func=cmd_lr_find)
     add_prepare_parser(sub)
+    add_input_report_parser(sub)
 
     i = sub.add_parser("info", help="versions, devices, precision support, embedded data")
     i.add_argument("--json", action="store_true")
