@@ -204,9 +204,8 @@ def check_oscillation(  # one piece: the two signs, their evidence and text shar
     swing = max(th["oscillation_swing"] * scale, th["oscillation_noise_z"] * noise)
     pts = zigzag(chunks, swing=swing, ratio=th["oscillation_ratio"])
     peaks = [p for p in pts if p[2] == "peak"]
-    period = (
-        tracker.chunk * statistics.mean(b[0] - a[0] for a, b in zip(peaks, peaks[1:])) if len(peaks) > 1 else math.nan
-    )
+    gaps = [b[0] - a[0] for a, b in zip(peaks, peaks[1:])]  # in chunks, between consecutive peaks
+    period = tracker.chunk * statistics.mean(gaps) if gaps else math.nan
     swings = len(peaks) >= int(th["oscillation_peaks"])
     rise = None
     resolved = probe_every is None or (math.isfinite(period) and 2 * probe_every <= period)
@@ -235,21 +234,19 @@ def check_oscillation(  # one piece: the two signs, their evidence and text shar
     elif swings and probe_losses is not None:
         ev["probe_every_steps"] = probe_every  # too far apart to confirm (see above)
     ev.update(known(lr=lr, momentum=momentum))
+    if swings:
+        summary = (f"the loss swings up and down: {len(peaks)} peaks of {fmt(amp)} "
+                   f"({fmt(100 * amp / abs(initial))}% of the initial loss) in the last {ev['window_steps']} "
+                   "steps.")
+    else:
+        summary = (f"the loss swings above where it started: {len(above)} of the last {len(chunks)} "
+                   f"{tracker.chunk}-step medians above {fmt(scale)} (the larger of the initial and the "
+                   f"null-model loss), up to {fmt(max(chunks))} (+{fmt(100 * (max(chunks) / scale - 1))}%): "
+                   "the steps make the model worse.")
     heavy = momentum is not None and momentum >= 0.95  # a heavy momentum goes before the LR
-    return Finding.of(
-        "oscillation",
-        step,
-        ev,
-        f"the loss swings up and down: {len(peaks)} peaks of {fmt(amp)} "
-        f"({fmt(100 * amp / abs(initial))}% of the initial loss) in the last {ev['window_steps']} steps."
-        if swings
-        else f"the loss swings above where it started: {len(above)} of the last {len(chunks)} "
-        f"{tracker.chunk}-step medians above {fmt(scale)} (the larger of the initial and the null-model loss), "
-        f"up to {fmt(max(chunks))} (+{fmt(100 * (max(chunks) / scale - 1))}%): the steps make the model worse.",
-        causes=[f"momentum too high ({momentum:g}): the heavy ball overshoots the valley"] if heavy else [],
-        fixes=[f"lower the momentum from {momentum:g} to 0.9 (or beta_1=0.9 for Adam)"] if heavy else [],
-        lr=lr,
-    )
+    causes = [f"momentum too high ({momentum:g}): the heavy ball overshoots the valley"] if heavy else []
+    fixes = [f"lower the momentum from {momentum:g} to 0.9 (or beta_1=0.9 for Adam)"] if heavy else []
+    return Finding.of("oscillation", step, ev, summary, causes=causes, fixes=fixes, lr=lr)
 
 
 def _probe_rise(probe_losses: Sequence[float], bar: float) -> tuple[bool, float | None]:
@@ -327,17 +324,11 @@ def check_slow_convergence(
     )
     causes, fixes = _slow_causes_and_fixes(explained_by, too_low, lr)
     kind = "rose" if progress < -th["slow_progress"] else "crawls" if crawl else "has plateaued"
-    return Finding.of(
-        "slow_convergence",
-        step,
-        ev,
-        f"the loss {kind}: {fmt(initial)} -> {fmt(now)} ({-100 * progress:+.3g}% in {tracker.steps} steps)"
-        + (f", update/weight ratio {fmt(update_ratio)} per step" if update_ratio is not None else "")
-        + ".",
-        severity="warning" if crawl else "info",
-        causes=causes,
-        fixes=fixes,
-    )
+    ratio = f", update/weight ratio {fmt(update_ratio)} per step" if update_ratio is not None else ""
+    summary = (f"the loss {kind}: {fmt(initial)} -> {fmt(now)} "
+               f"({-100 * progress:+.3g}% in {tracker.steps} steps){ratio}.")
+    severity = "warning" if crawl else "info"
+    return Finding.of("slow_convergence", step, ev, summary, severity=severity, causes=causes, fixes=fixes)
 
 
 def _slow_causes_and_fixes(explained_by: Sequence[str], too_low: bool, lr: float | None) -> tuple[list, list]:
@@ -408,14 +399,8 @@ def check_overfitting(
         "generalisation_gap": gap,
         "epochs_since_best": epochs_since,
     }
-    return Finding.of(
-        "overfitting",
-        step,
-        ev,
-        f"validation loss rose {fmt(100 * rise)}% above its best (epoch {best_epoch + 1}: {fmt(va[best_epoch])}) "
-        f"to {fmt(va[-1])} while the training loss fell to {fmt(tr[-1])}.",
-        patience=patience,
-        best_epoch=best_epoch + 1,
-    )
+    summary = (f"validation loss rose {fmt(100 * rise)}% above its best (epoch {best_epoch + 1}: "
+               f"{fmt(va[best_epoch])}) to {fmt(va[-1])} while the training loss fell to {fmt(tr[-1])}.")
+    return Finding.of("overfitting", step, ev, summary, patience=patience, best_epoch=best_epoch + 1)
 
 

@@ -67,15 +67,10 @@ def check_input_bound(
         "wait_fraction": frac,
         "possible_speedup": t_step / max(t_comp, 1e-9),
     }
-    return Finding.of(
-        "input_bound",
-        step,
-        ev,
-        f"steps wait for data {fmt(100 * frac)}% of the time "
-        f"({fmt(1e3 * t_step)} ms per step, {fmt(1e3 * t_comp)} ms of compute"
-        + (f", {fmt(1e3 * t_cpu)} ms waiting for a CPU" if t_cpu >= 5e-4 else "")
-        + ").",
-    )
+    cpu = f", {fmt(1e3 * t_cpu)} ms waiting for a CPU" if t_cpu >= 5e-4 else ""
+    summary = (f"steps wait for data {fmt(100 * frac)}% of the time ({fmt(1e3 * t_step)} ms per step, "
+               f"{fmt(1e3 * t_comp)} ms of compute{cpu}).")
+    return Finding.of("input_bound", step, ev, summary)
 
 
 def check_amp(
@@ -137,21 +132,14 @@ def check_amp(
         )
         causes.append(f'layer "{layer}" produces values beyond float16\'s range in the {nonfinite.get("pass")} pass')
         where = f' First non-finite values: layer "{layer}" ({nonfinite.get("pass")} pass).'
-    return Finding.of(
-        "amp_instability",
-        step,
-        ev,
-        (
-            f'mixed_float16: layer "{nonfinite["layer"]}" overflows float16 in the forward pass '
-            f"(loss scale {fmt(scale)}, {len(recent)} back-offs in {span} steps)."
-            if forward
-            else f"mixed_float16: the loss scale backed off {len(recent)} times in {span} steps "
-            f"(overflow rate {fmt(100 * rate)}%), now {fmt(scale)}.{where}"
-        ),
-        severity="error" if located or too_low else "warning",
-        causes=causes,
-        fixes=fixes,
-    )
+    if forward:
+        summary = (f'mixed_float16: layer "{nonfinite["layer"]}" overflows float16 in the forward pass '
+                   f"(loss scale {fmt(scale)}, {len(recent)} back-offs in {span} steps).")
+    else:
+        summary = (f"mixed_float16: the loss scale backed off {len(recent)} times in {span} steps "
+                   f"(overflow rate {fmt(100 * rate)}%), now {fmt(scale)}.{where}")
+    severity = "error" if located or too_low else "warning"
+    return Finding.of("amp_instability", step, ev, summary, severity=severity, causes=causes, fixes=fixes)
 
 
 # --------------------------------------------------------------------------- rules: probe
@@ -209,13 +197,9 @@ def _vanishing(layers: list[dict], stats: dict[str, Any], step: int, th: dict) -
     }
     if stats.get("saturation"):
         ev["max_saturation"] = max(stats["saturation"].values())
-    return Finding.of(
-        "vanishing_gradients",
-        step,
-        ev,
-        f'gradients shrink {fmt(1 / max(ratio, 1e-300))}x from the last weighted layer ("{last["name"]}") '
-        f'to the first ("{first["name"]}") over {len(layers)} layers.',
-    )
+    summary = (f'gradients shrink {fmt(1 / max(ratio, 1e-300))}x from the last weighted layer '
+               f'("{last["name"]}") to the first ("{first["name"]}") over {len(layers)} layers.')
+    return Finding.of("vanishing_gradients", step, ev, summary)
 
 
 def _exploding(layers: list[dict], stats: dict[str, Any], step: int, first_global_norm: float | None,
@@ -293,15 +277,10 @@ def check_dead_units(
     worst = max(bad, key=bad.get)
     ev: dict[str, Any] = {"layer": worst, "dead_fraction": bad[worst], "layers_affected": len(bad)}
     ev.update({f"dead_fraction/{k}": v for k, v in bad.items()}, **known(lr=lr))
-    f = Finding.of(
-        "dead_units",
-        step,
-        ev,
-        f'{fmt(100 * bad[worst])}% of the units of layer "{worst}" output zero for every example'
-        + (f" ({len(bad)} layers affected)" if len(bad) > 1 else "")
-        + ".",
-        lr=lr,
-    )
+    affected = f" ({len(bad)} layers affected)" if len(bad) > 1 else ""
+    summary = (f'{fmt(100 * bad[worst])}% of the units of layer "{worst}" output zero for every example'
+               f"{affected}.")
+    f = Finding.of("dead_units", step, ev, summary, lr=lr)
     return explain_dead_units(f, explained_by[0]) if explained_by else f
 
 
