@@ -220,10 +220,8 @@ def read_examples(source: str, data_dir: Optional[str] = None, field: str = "dat
         key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
     except OSError:
         key = None
-    if key not in _PARSED or key is None:
-        examples = instructions.read_jsonl(path)
-        if key is None:
-            return examples
+    if key is None or key not in _PARSED:
+        examples = instructions.read_jsonl(path)  # a file that cannot be stat'ed: its one-line error
         _PARSED.clear()
         _PARSED[key] = examples
     return _PARSED[key]
@@ -373,6 +371,16 @@ def phase_steps(cfg: Config, steps_per_epoch: int) -> tuple[int, int]:
     return total, int(round(cfg.warmup_fraction * total))
 
 
+def default_peak_lr(lora: bool) -> float:
+    """The peak LR of `peak_lr=None`: 3e-4 with LoRA [torchtune], 2e-5 without [Alpaca].
+
+    Example:
+    >>> default_peak_lr(True), default_peak_lr(False)
+    (0.0003, 2e-05)
+    """
+    return 3e-4 if lora else 2e-5
+
+
 def build_optimizer(cfg: Config, steps_per_epoch: int, lora: bool):
     """AdamW on warmup-then-cosine decay, no weight decay on norms and biases, global clipping.
 
@@ -384,7 +392,7 @@ def build_optimizer(cfg: Config, steps_per_epoch: int, lora: bool):
     from trainwell.callbacks.schedules import WarmupCosineDecay  # lazy: the callbacks import Keras
 
     total, warmup = phase_steps(cfg, steps_per_epoch)
-    peak = cfg.peak_lr if cfg.peak_lr is not None else (3e-4 if lora else 2e-5)
+    peak = cfg.peak_lr if cfg.peak_lr is not None else default_peak_lr(lora)
     lr = WarmupCosineDecay(peak, total_steps=total, warmup_steps=warmup, min_lr=min(cfg.min_lr, peak))
     opt = keras.optimizers.AdamW(learning_rate=lr, weight_decay=cfg.weight_decay, global_clipnorm=cfg.global_clipnorm)
     opt.exclude_from_weight_decay(var_names=list(NO_DECAY_NAMES))
@@ -476,6 +484,8 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
         train_ds = harness.advance_epochs(data_.train, harness.resume_epoch(ctx.run_dir / "checkpoints"))
         with ctx.strategy.scope():
             model = build_model(cfg)
+            if cfg.peak_lr is None:  # known once the model says LoRA or not; checkpoints and a divergence hint read it
+                cfg.peak_lr = default_peak_lr(_lora_on(model))
             compile_model(cfg, model, steps)
         cbs = build_callbacks(cfg, ctx.run_dir, schedule=raw_learning_rate(model.optimizer), chief=ctx.is_chief)
         cbs += list(callbacks or ())
@@ -530,7 +540,7 @@ def _tuning_space(hp, cfg: Config) -> dict:
     from trainwell.recipes.hypermodel import log_float  # lazy: keras_tuner loads only for a search
 
     lora = cfg.lora != "off"  # "auto" may or may not train adapters: the rank is searched either way
-    peak = cfg.peak_lr if cfg.peak_lr is not None else (3e-4 if cfg.lora == "on" else 2e-5)
+    peak = cfg.peak_lr if cfg.peak_lr is not None else default_peak_lr(cfg.lora == "on")
     out = {
         "peak_lr": log_float(hp, "peak_lr", peak, 5.0),
         "weight_decay": log_float(hp, "weight_decay", cfg.weight_decay or 0.01, 10.0),

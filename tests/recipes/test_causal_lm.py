@@ -226,13 +226,12 @@ def test_lora_by_default_above_the_stated_size_only(tiny):
 def test_lora_run_evaluates_perplexity_writes_samples_and_exports_merged(tiny, tmp_path):
     import keras_hub
 
-    run = recipe.train(**tiny_kw(tiny, run_dir=str(tmp_path / "run"), epochs=2, doctor=True, lora="on", lora_rank=2,
+    run = recipe.train(**tiny_kw(tiny, run_dir=str(tmp_path / "run"), epochs=2, lora="on", lora_rank=2,
                                  num_samples=1))
     m = run.metrics
     assert set(m) == {"eval_loss", "eval_perplexity", "eval_tokens"}
     assert math.isclose(m["eval_perplexity"], math.exp(m["eval_loss"]), rel_tol=1e-6)
     assert run.history["loss"][-1] < run.history["loss"][0] and "val_perplexity" in run.history
-    assert (run.run_dir / "diagnostics.json").is_file()  # the doctor ran through it
     # eval_loss is the mean over every held-out response token (numpy, from the model's logits)
     cfg = recipe.Config(**tiny_kw(tiny))
     _, held = recipe.split_examples(cfg)
@@ -324,7 +323,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_nan_rollback_recovers_a_poisoned_step(tiny, tmp_path):
+def test_nan_rollback_and_the_doctor_through_the_recipe(tiny, tmp_path):
     import keras
 
     class Poison(keras.callbacks.Callback):  # a NaN in the weights after step 3, once
@@ -336,10 +335,14 @@ def test_nan_rollback_recovers_a_poisoned_step(tiny, tmp_path):
                 v = self.model.trainable_variables[0]
                 v.assign(v * float("nan"))
 
-    run = recipe.train(callbacks=[Poison()], **tiny_kw(tiny, run_dir=str(tmp_path / "run"), epochs=2,
-                                                      snapshot_every=1, num_samples=0, export=False))
+    kw = {**tiny_kw(tiny, run_dir=str(tmp_path / "run"), epochs=2, snapshot_every=1, num_samples=0, export=False,
+                    doctor=True)}
+    del kw["peak_lr"]  # the default: 2e-5 without LoRA, written into the run's config (a divergence hint divides it)
+    run = recipe.train(callbacks=[Poison()], **kw)
+    assert run.config.peak_lr == 2e-5 and recipe.Config(**kw).peak_lr is None
     assert Poison.done and run.history["nan_rollbacks"][-1] >= 1
     assert all(np.isfinite(v.numpy()).all() for v in run.model.weights) and np.isfinite(run.metrics["eval_loss"])
+    assert json.loads((run.run_dir / "diagnostics.json").read_text())  # the doctor ran through the recipe
 
 
 def test_cli_dry_run_of_the_config_file(tiny):
