@@ -100,7 +100,7 @@ class Config(BaseConfig):
     eval_dataset: Optional[str] = None  # held-out JSONL; None: val_fraction of dataset
     epochs: int = 3  # [Alpaca]
     max_steps: Optional[int] = None  # a cap on the run's steps
-    batch_size: int = 8
+    batch_size: int = 8  # global batch, in examples
     precision: str = "auto"
     strategy: str = "auto"
     seed: int = 0
@@ -117,15 +117,15 @@ class Config(BaseConfig):
     # -- data
     data_dir: Optional[str] = None  # base of relative paths
     val_fraction: float = 0.1  # carved from dataset when eval_dataset is None
-    split_seed: int = 0
-    max_train_examples: Optional[int] = None
+    split_seed: int = 0  # seed of the carved held-out set, apart from `seed`: it stays fixed
+    max_train_examples: Optional[int] = None  # None: all (a cap for quick runs)
     validate_data: bool = True  # parse the JSONL when the config is made (one-line errors before a run)
     # -- optimisation
     peak_lr: Optional[float] = None  # None: 3e-4 with LoRA [torchtune], 2e-5 without [Alpaca]
-    weight_decay: float = 0.01
-    global_clipnorm: Optional[float] = 1.0
+    weight_decay: float = 0.01  # [torchtune]; decoupled, not on norms and biases
+    global_clipnorm: Optional[float] = 1.0  # [torchtune]
     warmup_fraction: float = 0.03  # [Alpaca]
-    min_lr: float = 0.0
+    min_lr: float = 0.0  # the cosine decays to it [Alpaca]: 0
     # -- evaluation
     num_samples: int = 3  # held-out prompts generated into samples.jsonl (0: none)
     # -- performance
