@@ -250,13 +250,12 @@ class TrainingDoctor(StatefulCallback):
             raise invalid_argument("verbose", "0, 1 or 2", verbose)
         if not is_int(window) or window < 20:
             raise invalid_argument("window", "an integer >= 20", window)
-        if checks is not None:
-            bad = [c for c in checks if c not in CODES]
-            if bad or isinstance(checks, str):
-                raise invalid_argument("checks", f"None or a list of codes from {CODES}", checks)
-        if thresholds is not None:
-            if not isinstance(thresholds, dict) or any(k not in DEFAULT_THRESHOLDS for k in thresholds):
-                raise invalid_argument("thresholds", f"None or a dict with keys from {sorted(DEFAULT_THRESHOLDS)}", thresholds)
+        if checks is not None and (isinstance(checks, str) or any(c not in CODES for c in checks)):
+            raise invalid_argument("checks", f"None or a list of codes from {CODES}", checks)
+        if thresholds is not None and (
+            not isinstance(thresholds, dict) or any(k not in DEFAULT_THRESHOLDS for k in thresholds)
+        ):
+            raise invalid_argument("thresholds", f"None or a dict with keys from {sorted(DEFAULT_THRESHOLDS)}", thresholds)
         if not isinstance(track_updates, bool):
             raise invalid_argument("track_updates", "a bool", track_updates)
         self.every_n_steps = int(every_n_steps)
@@ -592,13 +591,12 @@ class TrainingDoctor(StatefulCallback):
         """The rules that read a probe's statistics: gradients, dead units, input bound."""
         lso = self._is_lso()
         grad_stats = {**stats, "grads_finite": True} if lso else stats  # float16 overflow: the loss scale's business
+        # Exploding gradients after a divergence are its consequence; a non-finite norm is the loss scale's business.
+        consequence = "divergence" in self.codes or (lso and not math.isfinite(stats["global_norm"]))
         if stats["weights_finite"] and (self._enabled("vanishing_gradients") or self._enabled("exploding_gradients")):
             for f in check_gradients(grad_stats, self.step, first_global_norm=self.first_global_norm, lr=lr, thresholds=self._th):
-                if f.code == "exploding_gradients" and (
-                    "divergence" in self.codes or (lso and not math.isfinite(stats["global_norm"]))
-                ):
-                    continue  # a consequence of the divergence / the loss scale's business
-                self._report(f)
+                if not (f.code == "exploding_gradients" and consequence):
+                    self._report(f)
         if self._enabled("dead_units"):
             self._report(check_dead_units(
                 stats["dead"], self.prev_dead, self.step, lr=lr, thresholds=self._th,
