@@ -1,11 +1,14 @@
-"""Prepared image shards: a source's training split, once, at a lower resolution, as JPEG TFRecords.
+"""Prepared image shards: a source's images, once, at a lower resolution, as JPEG TFRecords.
 
 `prepare_images(source, dst, max_side=256)` reads any source the image pipeline reads
 (`folder:PATH`, `tfds:NAME`, `tfrecord:GLOB`, the embedded sets), resizes every image so
 that its shorter side is at most `max_side` (never upsampled: a JPEG already that small
 is copied byte for byte; another format is re-encoded as JPEG), and writes the records as
 `DST/train-NNNNN-of-NNNNN` in the ImageNet TFRecord layout the pipeline already reads
-(`image/encoded`, 1-based `image/class/label`). `index.json` (shard names, record counts,
+(`image/encoded`, 1-based `image/class/label`); a held-out split the source has (ImageNet's
+validation set, a folder's `val/` or `test/`) goes to `validation-*` or `test-*` shards, so
+the recipe carves and evaluates as it does on the source itself (and evaluates ImageNet the
+standard way: a 256-px shorter side, the central 224 px). `index.json` (shard names, record counts,
 SHA-256 checksums, `max_side`, class names) is written last, after every shard was read
 back and checked. Train on it with `dataset="tfrecord:DST"`: the same augmentation (the
 Inception crop is drawn on the smaller image: the same fractions of it) and the same
@@ -22,7 +25,7 @@ TensorFlow import and a reader of the source in each process); the map keeps the
 order (`deterministic=True`), so shard `k` always holds the same images, which resuming
 relies on. The main thread only writes records and hashes files.
 
-Resume: shard `k` holds the source's records `[k * images_per_shard, (k + 1) *
+Resume: shard `k` of a split holds the split's records `[k * images_per_shard, (k + 1) *
 images_per_shard)` minus the bad ones. A shard is written under `DST/.partial/`, then
 renamed into place and recorded with its checksum in `DST/.partial/progress.json`. A
 rerun after a kill keeps every recorded shard whose file still has its checksum, skips
@@ -70,6 +73,9 @@ PARTIAL_DIR = ".partial"
 PROGRESS_NAME = "progress.json"
 #: Labels are written 1-based, as in ImageNet's TFRecords (the reader's default offset).
 LABEL_OFFSET = 1
+#: The source's splits and the shard prefix each is written under (the TFRecord reader's names:
+#: a held-out split keeps its role, so the recipe carves and evaluates as on the source itself).
+SPLIT_PREFIXES = (("train", "train"), ("val", "validation"), ("test", "test"))
 #: The parameters that decide a shard's bytes: a rerun with other values cannot reuse them.
 _PLAN_KEYS = ("source", "max_side", "quality", "images_per_shard", "source_count")
 
@@ -80,7 +86,7 @@ class PrepareResult:
 
     Attributes:
         directory: The prepared folder (`dataset="tfrecord:<directory>"` reads it).
-        count: Images written.
+        count: Training images written (all splits: `index["counts"]`).
         skipped: Bad images skipped.
         skipped_examples: Up to 100 of their names.
         shards: Shard files.
@@ -115,7 +121,8 @@ def source_name(src: str) -> str:
     True
     """
     if not isinstance(src, (str, os.PathLike)) or not os.fspath(src).strip():
-        raise invalid_argument("src", "a source such as 'folder:PATH', 'tfds:NAME', 'tfrecord:GLOB' or a directory", src)
+        raise invalid_argument("src", "a source such as 'folder:PATH', 'tfds:NAME', 'tfrecord:GLOB' or a directory",
+                               src)
     src = os.fspath(src)
     kind = src.partition(":")[0].lower()
     if kind in ("folder", "tfds", "tfrecord", "embedded") or src in ("mnist5k", "digits"):
@@ -191,11 +198,11 @@ def _example(jpeg: bytes, label: int) -> bytes:
     return tf.train.Example(features=tf.train.Features(feature={
         TFRECORD_IMAGE_KEY: tf.train.Feature(bytes_list=tf.train.BytesList(value=[jpeg])),
         TFRECORD_LABEL_KEY: tf.train.Feature(int64_list=tf.train.Int64List(value=[label])),
-    })).SerializeToString()
+    })).SerializeToString(deterministic=True)  # map entries sorted: the same bytes in any process
 
 
-def _shard_name(k: int, n: int) -> str:
-    return f"train-{k:05d}-of-{n:05d}"
+def _shard_name(prefix: str, k: int, n: int) -> str:
+    return f"{prefix}-{k:05d}-of-{n:05d}"
 
 
 def _stderr(line: str) -> None:
@@ -216,14 +223,15 @@ def prepare_images(
     verbose: int = 1,
     log: Callable[[str], None] | None = None,
 ) -> PrepareResult:
-    """Writes `source`'s training split to `dst` as JPEG TFRecord shards of at most `max_side` px
-    on the shorter side, resumably, then verifies them and writes the index (module docstring).
+    """Writes `source`'s training split (and held-out splits) to `dst` as JPEG TFRecord shards of at
+    most `max_side` px on the shorter side, resumably, then verifies them and writes the index (module docstring).
 
     Args:
         source: A source of `trainwell.data.images.build_image_datasets` (`"folder:PATH"`,
             `"tfds:NAME"`, `"tfrecord:GLOB"`, `"mnist5k"`, `"digits"`) or a directory
-            (`source_name`). The whole training split is written: a split the recipe
-            carves from it (`val_fraction`) is carved again from the prepared records.
+            (`source_name`). The whole training split is written (a split the recipe
+            carves from it, `val_fraction`, is carved again from the prepared records), and
+            the source's own validation and test splits.
         dst: The output folder: new, empty, or one an earlier call with the same arguments
             left (it resumes, or returns at once when complete).
         max_side: Largest shorter side in pixels, >= 1. Defaults to `256`.
@@ -264,60 +272,70 @@ def prepare_images(
     src = open_source(source, data_dir=data_dir, num_classes=num_classes, num_examples=None,
                       label_offset=label_offset, cycle_length=min(16, workers), input_context=None,
                       val_fraction=0.0, test_fraction=0.0, split_seed=0, seed=0)
-    rec = src.splits["train"]
-    count = rec.count
-    if count is None:  # e.g. TFDS without split metadata: one pass over the records, nothing decoded
-        count = int(rec.make(None, True).reduce(np.int64(0), lambda n, _: n + 1))
-    if count == 0:
-        raise DataError(f"The training split of {source!r} is empty.")
+    splits = []  # (split, shard names, record stream maker): train, then the held-out splits the source has
+    for split, prefix in SPLIT_PREFIXES:
+        rec = src.splits[split]
+        if rec is None:
+            continue
+        count = rec.count
+        if count is None:  # e.g. TFDS without split metadata: one pass over the records, nothing decoded
+            count = int(rec.make(None, True).reduce(np.int64(0), lambda n, _: n + 1))
+        if count == 0 and split == "train":
+            raise DataError(f"The training split of {source!r} is empty.")
+        n = math.ceil(count / images_per_shard)
+        splits.append((split, [_shard_name(prefix, k, n) for k in range(n)], rec, count))
     plan = {"source": source, "max_side": max_side, "quality": quality, "images_per_shard": images_per_shard,
-            "source_count": count}
-    num_shards = math.ceil(count / images_per_shard)
-    names = [_shard_name(k, num_shards) for k in range(num_shards)]
+            "source_count": {split: count for split, _, _, count in splits}}
+    names = [name for _, split_names, _, _ in splits for name in split_names]
 
     index = _existing(dst, plan)
     if index is not None:  # complete already: verified, kept
-        return PrepareResult(dst, index["count"], index["skipped"], index["skipped_examples"], num_shards,
-                             num_shards, time.perf_counter() - start, index)
+        return PrepareResult(dst, index["count"], index["skipped"], index["skipped_examples"], len(names),
+                             len(names), time.perf_counter() - start, index)
     partial = os.path.join(dst, PARTIAL_DIR)
     progress = _progress(partial, plan)
     done = {n: v for n, v in progress["shards"].items()
             if n in names and os.path.isfile(os.path.join(dst, n)) and sha256_of(os.path.join(dst, n)) == v["sha256"]}
     progress["shards"] = dict(done)
-    todo = [k for k in range(num_shards) if names[k] not in done]
     if done:
-        log(f"resuming: {len(done)} of {num_shards} shards already written and verified, {len(todo)} to write")
+        log(f"resuming: {len(done)} of {len(names)} shards already written and verified, "
+            f"{len(names) - len(done)} to write")
+    bar = _progbar(sum(min(images_per_shard, count - k * images_per_shard) for _, split_names, _, count in splits
+                       for k, name in enumerate(split_names) if name not in done), verbose)
+    convert = {kind: _converter(kind, src.channels, src.num_classes, 1 if label_offset is None else label_offset,
+                                max_side, quality) for kind in {rec.kind for _, _, rec, _ in splits}}
+    for _, split_names, rec, count in splits:
+        _write_split(rec, count, split_names, convert[rec.kind], _Writer(dst, partial, split_names, progress,
+                                                                         images_per_shard, log), workers, bar)
+    index = _finish(dst, partial, plan, splits, progress, src)
+    log(f"prepared {index['count']} training images in {len(names)} shard(s) ({index['skipped']} skipped) in {dst}")
+    return PrepareResult(dst, index["count"], index["skipped"], index["skipped_examples"], len(names),
+                         len(done), time.perf_counter() - start, index)
 
-    todo_mask = tf.constant([names[k] not in done for k in range(num_shards)])
+
+def _write_split(rec, count: int, names: list[str], convert, writer: "_Writer", workers: int, bar) -> None:
+    """Reads, converts and writes one split's shards that are not done yet, in order."""
+    per = writer.per
+    todo_mask = tf.constant([name not in writer.progress["shards"] for name in names] or [False])
     options = tf.data.Options()
     options.deterministic = True
     options.threading.private_threadpool_size = workers
-    records = rec.make(None, True).enumerate().filter(lambda i, r: tf.gather(todo_mask, i // images_per_shard))
-    convert = _converter(rec.kind, src.channels, src.num_classes, 1 if label_offset is None else label_offset,
-                         max_side, quality)
+    records = rec.make(None, True).enumerate().filter(lambda i, r: tf.gather(todo_mask, i // per))
     out = (records.map(convert, num_parallel_calls=workers, deterministic=True).ignore_errors()
            .prefetch(2 * workers).with_options(options))
     keys = iter(records.map(lambda i, r: (i, r[2])).with_options(options)) if rec.kind in ("path", "array") else None
-    writer = _Writer(dst, partial, names, progress, images_per_shard, log)
-    bar = _progbar(sum(min(images_per_shard, count - k * images_per_shard) for k in todo), verbose)
-    seen = 0
     for i, key, jpeg, label, ok in out.as_numpy_iterator():
         i = int(i)
         writer.missing_before(i, keys)
-        writer.at(i // images_per_shard)
+        writer.at(i // per)
         if ok:
             writer.write(_example(jpeg, int(label)))
         else:
             writer.skip(_key_text(key, i), "not an image, truncated, or a label out of range")
         if bar is not None:
-            seen += 1
-            bar.update(seen)
+            bar.add(1)
     writer.missing_before(count, keys)
-    writer.at(num_shards)  # closes the last shard, and writes any shard whose images were all bad
-    index = _finish(dst, partial, plan, names, writer.progress, src)
-    log(f"prepared {index['count']} images in {num_shards} shard(s) ({index['skipped']} skipped) in {dst}")
-    return PrepareResult(dst, index["count"], index["skipped"], index["skipped_examples"], num_shards,
-                         len(done), time.perf_counter() - start, index)
+    writer.at(len(names))  # closes the last shard, and writes any shard whose images were all bad
 
 
 def _key_text(key, i: int) -> str:
@@ -402,7 +420,8 @@ def _existing(dst: str, plan: dict) -> dict | None:
                             f"({ {k: index.get(k) for k in _PLAN_KEYS} }); choose another folder or remove it.")
         return verify_prepared(dst)
     if os.path.isdir(dst):
-        others = [n for n in os.listdir(dst) if n != PARTIAL_DIR and not n.startswith("train-")]
+        others = [n for n in os.listdir(dst) if n != PARTIAL_DIR
+                  and not n.startswith(tuple(f"{prefix}-" for _, prefix in SPLIT_PREFIXES))]
         if others or (os.listdir(dst) and not os.path.isdir(os.path.join(dst, PARTIAL_DIR))):
             raise DataError(f"{dst!r} is not empty and holds no unfinished preparation "
                             f"(found {sorted(os.listdir(dst))[:3]}); choose a new or empty folder.")
@@ -424,17 +443,19 @@ def _progress(partial: str, plan: dict) -> dict:
     return {"plan": plan, "shards": {}}
 
 
-def _finish(dst, partial, plan, names, progress, src) -> dict:
+def _finish(dst, partial, plan, splits, progress, src) -> dict:
     """Verifies every shard (checksum and records), writes the index last, removes the partial folder."""
-    shards = []
-    for name in names:
-        entry = progress["shards"][name]
-        shards.append({"name": name, "count": entry["count"], "sha256": entry["sha256"],
-                       "bytes": os.path.getsize(os.path.join(dst, name))})
-    skipped = [s for n in names for s in progress["shards"][n]["skipped"]]
+    shards, skipped, counts = [], [], {}
+    for split, names, _, _ in splits:
+        for name in names:
+            entry = progress["shards"][name]
+            shards.append({"name": name, "split": split, "count": entry["count"], "sha256": entry["sha256"],
+                           "bytes": os.path.getsize(os.path.join(dst, name))})
+            skipped.extend(entry["skipped"])
+            counts[split] = counts.get(split, 0) + entry["count"]
     index = {"format": INDEX_FORMAT, **plan, "label_offset": LABEL_OFFSET, "num_classes": src.num_classes,
              "class_names": list(src.class_names), "channels": src.channels, "shards": shards,
-             "count": sum(s["count"] for s in shards), "skipped": len(skipped), "skipped_examples": skipped[:100]}
+             "count": counts["train"], "counts": counts, "skipped": len(skipped), "skipped_examples": skipped[:100]}
     _verify(dst, index)
     atomic_write_json(os.path.join(dst, INDEX_NAME), index)
     shutil.rmtree(partial, ignore_errors=True)

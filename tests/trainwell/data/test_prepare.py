@@ -24,15 +24,20 @@ SPEC = {"image/encoded": tf.io.FixedLenFeature([], tf.string), "image/class/labe
 
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory):
-    """20 JPEGs in 2 classes, shorter sides 12-47 px (half above MAX_SIDE), and one corrupt file."""
+    """train/: 20 JPEGs in 2 classes, shorter sides 12-47 px (about half above MAX_SIDE), and one corrupt
+    file; val/: one 40x30 JPEG per class (the source's held-out split)."""
     root = tmp_path_factory.mktemp("photos")
     rng = np.random.default_rng(0)
     for i in range(20):
         h, w = int(rng.integers(12, 48)), int(rng.integers(12, 48))
-        (root / f"c{i % 2}").mkdir(exist_ok=True)
+        (root / "train" / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
         data = tf.io.encode_jpeg(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), quality=90).numpy()
-        (root / f"c{i % 2}" / f"{i:02d}.jpg").write_bytes(data)
-    (root / "c1" / "broken.jpg").write_bytes(b"<html>not found</html>")
+        (root / "train" / f"c{i % 2}" / f"{i:02d}.jpg").write_bytes(data)
+    (root / "train" / "c1" / "broken.jpg").write_bytes(b"<html>not found</html>")
+    for c in ("c0", "c1"):
+        (root / "val" / c).mkdir(parents=True)
+        image = rng.integers(0, 256, (40, 30, 3), dtype=np.uint8)
+        (root / "val" / c / "v.jpg").write_bytes(tf.io.encode_jpeg(image).numpy())
     return root
 
 
@@ -45,9 +50,9 @@ def prepared(photos, tmp_path_factory):
     return result, lines
 
 
-def _records(directory):
+def _records(directory, prefix="train-"):
     out = []
-    for name in sorted(n for n in os.listdir(directory) if n.startswith("train-")):
+    for name in sorted(n for n in os.listdir(directory) if n.startswith(prefix)):
         for r in tf.data.TFRecordDataset(os.path.join(directory, name)):
             ex = tf.io.parse_single_example(r, SPEC)
             out.append((ex["image/encoded"].numpy(), int(ex["image/class/label"])))
@@ -56,10 +61,10 @@ def _records(directory):
 
 def test_resize_semantics_index_and_skipped_file(photos, prepared):
     result, lines = prepared
-    assert (result.count, result.skipped, result.shards) == (20, 1, 4)  # 21 files, 6 a shard
+    assert (result.count, result.skipped, result.shards) == (20, 1, 5)  # 21 files, 6 a shard; 1 held-out shard
     assert [line for line in lines if line.startswith("skipped:")] == [
-        f"skipped: {photos / 'c1' / 'broken.jpg'} (not an image, truncated, or a label out of range)"]
-    sources = {p.read_bytes(): p for p in photos.rglob("*.jpg") if p.name != "broken.jpg"}
+        f"skipped: {photos / 'train' / 'c1' / 'broken.jpg'} (not an image, truncated, or a label out of range)"]
+    sources = {p.read_bytes(): p for p in (photos / "train").rglob("*.jpg") if p.name != "broken.jpg"}
     records = _records(result.directory)
     assert len(records) == 20
     copied = resized = 0
@@ -77,8 +82,12 @@ def test_resize_semantics_index_and_skipped_file(photos, prepared):
     with open(os.path.join(result.directory, "index.json")) as f:
         index = json.load(f)
     assert index["class_names"] == ["c0", "c1"] and index["max_side"] == MAX_SIDE and index["skipped"] == 1
-    assert [s["name"] for s in index["shards"]] == [f"train-{k:05d}-of-00004" for k in range(4)]
-    assert sum(s["count"] for s in index["shards"]) == 20 and not os.path.exists(os.path.join(result.directory, ".partial"))
+    assert [s["name"] for s in index["shards"]] == [f"train-{k:05d}-of-00004" for k in range(4)] + [
+        "test-00000-of-00001"]  # the source's val/ is its held-out test split: it keeps that role
+    assert index["counts"] == {"train": 20, "test": 2}
+    assert [min(tf.image.extract_jpeg_shape(d).numpy()[:2]) for d, _ in _records(result.directory, "test-")] == [24, 24]
+    assert sum(s["count"] for s in index["shards"]) == 22
+    assert not os.path.exists(os.path.join(result.directory, ".partial"))
 
 
 def test_the_recipe_reads_prepared_shards_with_their_classes(prepared):
@@ -86,7 +95,8 @@ def test_the_recipe_reads_prepared_shards_with_their_classes(prepared):
                                  augment="inception", model="resnet18", width=4)
     data = resnet_imagenet.build_data(cfg)
     assert data.class_names == ["c0", "c1"] and data.num_classes == 2 and data.augment == "inception"
-    assert sum(data.counts.values()) == 20  # train, and the val/test the recipe carves from it
+    # val carved from train as from the source; test: the held-out split
+    assert data.counts["train"] + data.counts["val"] == 20 and data.counts["test"] == 2
     images, labels = next(iter(data.train))
     assert images.shape == (4, 16, 16, 3) and labels.shape == (4, 2)
 
@@ -134,11 +144,10 @@ def _resume_and_compare(photos, prepared, dst):
     lines = []
     result = prepare_images(f"folder:{photos}", dst, max_side=MAX_SIDE, images_per_shard=6, verbose=0,
                             log=lines.append)
-    assert result.reused == 1 and lines[0].startswith("resuming: 1 of 4 shards")
+    assert result.reused == 1 and lines[0].startswith("resuming: 1 of 5 shards")
     assert (result.count, result.skipped) == (20, 1)
     # The same bytes as an uninterrupted run, shard for shard.
-    for k in range(4):
-        name = f"train-{k:05d}-of-00004"
+    for name in [f"train-{k:05d}-of-00004" for k in range(4)] + ["test-00000-of-00001"]:
         assert (dst / name).read_bytes() == open(os.path.join(prepared[0].directory, name), "rb").read()
     assert verify_prepared(dst)["count"] == 20
 
@@ -176,7 +185,7 @@ def test_a_killed_preparation_resumes_and_verifies(photos, prepared, tmp_path):
 def test_a_complete_folder_is_kept_and_another_plan_refused(photos, prepared):
     again = prepare_images(f"folder:{photos}", prepared[0].directory, max_side=MAX_SIDE, images_per_shard=6,
                            verbose=0)
-    assert again.reused == again.shards == 4
+    assert again.reused == again.shards == 5
     with pytest.raises(DataError, match="other arguments"):
         prepare_images(f"folder:{photos}", prepared[0].directory, max_side=32, images_per_shard=6, verbose=0)
 
