@@ -39,11 +39,8 @@ def activation_kind(layer) -> str | None:
         slope = float(getattr(layer, "negative_slope", 0.0) or 0.0)
         thr = float(getattr(layer, "threshold", 0.0) or 0.0)
         return "relu" if slope == 0.0 and thr == 0.0 else None
-    act = getattr(layer, "activation", None)
-    if act is None:
-        return None
-    name = act if isinstance(act, str) else getattr(act, "__name__", None)
-    return _ACT_KINDS.get(name) if name else None
+    act = getattr(layer, "activation", None)  # a name, a function, or None
+    return _ACT_KINDS.get(act if isinstance(act, str) else getattr(act, "__name__", None))
 
 
 class GradientProbe:
@@ -118,7 +115,6 @@ class GradientProbe:
         return out
 
     def _build_aux(self) -> None:
-
         model = self.model
 
         def symbolic(single: str, plural: str):
@@ -152,8 +148,7 @@ class GradientProbe:
             tensors.append(flat[0])
         try:
             self.aux = keras.Model(inputs, {"y": outputs, "acts": tensors})
-        except Exception:
-            self.aux = None
+        except Exception:  # no auxiliary model (`self.aux` stays None): gradient statistics only
             return
         self.act_layers = layers
         self.act_kinds = [activation_kind(l) for l in layers]
