@@ -15,7 +15,9 @@ keras-hub where the network allows) or a local preset directory (what
 
 The data (`trainwell.data.instructions`): JSONL lines `{"prompt", "response"}` or
 `{"messages": [{"role", "content"}, ...]}` with the roles `system`, `user` and
-`assistant`; in a chat *every* assistant turn is a response. The loss counts only
+`assistant`, written with `chat_template` (`"plain"`: `User: ...` lines; `"gemma"`: Gemma's
+`<start_of_turn>` turns, for Gemma instruct presets); in a chat *every* assistant turn is a
+response. The loss counts only
 response tokens (and the end token after the last): a token's sample weight is 0 on
 the start token, prompt tokens and padding, so the targets at prompt positions
 contribute exactly 0 to the loss and its gradient. The loss of a batch is the mean over
@@ -109,6 +111,7 @@ class Config(BaseConfig):
     preset: str = "gpt2_base_en"  # keras-hub CausalLM preset name or local preset directory
     sequence_length: int = 256  # tokens the model reads per example (prompt + response + end)
     truncate: bool = False  # cut too-long examples (prompt from the left); False: refuse them
+    chat_template: Literal["plain", "gemma"] = "plain"  # how "messages" are written (trainwell.data.instructions)
     packing: bool = False  # refused: keras-hub's masks cannot keep packed examples apart
     lora: Literal["auto", "on", "off"] = "auto"  # auto: LoRA above LORA_AUTO_PARAMS backbone parameters
     lora_rank: int = 8  # [LoRA]
@@ -155,6 +158,7 @@ class Config(BaseConfig):
         if self.sequence_length < 4:
             raise_invalid("sequence_length", self.sequence_length, "an integer >= 4")
         check_choice(self, "lora", ("auto", "on", "off"))
+        check_choice(self, "chat_template", tuple(instructions.CHAT_TEMPLATES))
         check_positive(self, "lora_rank")
         check_positive(self, "lora_alpha")
         if self.lora_target_layers is not None and not all(str(n).strip() for n in self.lora_target_layers or [""]):
@@ -177,9 +181,9 @@ class Config(BaseConfig):
             if getattr(self, field) is not None:
                 jsonl_path(getattr(self, field), self.data_dir, field)
         if self.validate_data:
-            read_examples(self.dataset, self.data_dir, "dataset")
+            read_examples(self.dataset, self.data_dir, "dataset", self.chat_template)
             if self.eval_dataset is not None:
-                read_examples(self.eval_dataset, self.data_dir, "eval_dataset")
+                read_examples(self.eval_dataset, self.data_dir, "eval_dataset", self.chat_template)
 
 
 def jsonl_path(source: str, data_dir: Optional[str] = None, field: str = "dataset") -> str:
@@ -204,8 +208,9 @@ def jsonl_path(source: str, data_dir: Optional[str] = None, field: str = "datase
 _PARSED: dict = {}  # (path, size, mtime) -> examples: the config's check and the run read a file once
 
 
-def read_examples(source: str, data_dir: Optional[str] = None, field: str = "dataset") -> list:
-    """The examples of `"jsonl:PATH"` (or a path ending in `.jsonl`), parsed once per file version.
+def read_examples(source: str, data_dir: Optional[str] = None, field: str = "dataset",
+                  chat_template: str = "plain") -> list:
+    """The examples of `"jsonl:PATH"` (or a path ending in `.jsonl`), parsed once per file version and template.
 
     Raises:
         trainwell.config.ConfigError: `source` is not a JSONL source.
@@ -217,11 +222,11 @@ def read_examples(source: str, data_dir: Optional[str] = None, field: str = "dat
     path = jsonl_path(source, data_dir, field)
     try:
         st = os.stat(path)
-        key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+        key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, chat_template)
     except OSError:
         key = None
     if key is None or key not in _PARSED:
-        examples = instructions.read_jsonl(path)  # a file that cannot be stat'ed: its one-line error
+        examples = instructions.read_jsonl(path, chat_template)  # a file that cannot be stat'ed: its one-line error
         _PARSED.clear()
         _PARSED[key] = examples
     return _PARSED[key]
@@ -279,9 +284,9 @@ def split_examples(cfg: Config) -> tuple[list, list]:
     Example:
     >>> train_ex, eval_ex = split_examples(cfg)  # doctest: +SKIP
     """
-    examples = read_examples(cfg.dataset, cfg.data_dir)
+    examples = read_examples(cfg.dataset, cfg.data_dir, "dataset", cfg.chat_template)
     if cfg.eval_dataset is not None:
-        train, held = list(examples), read_examples(cfg.eval_dataset, cfg.data_dir, "eval_dataset")
+        train, held = list(examples), read_examples(cfg.eval_dataset, cfg.data_dir, "eval_dataset", cfg.chat_template)
     else:
         order = np.random.default_rng(cfg.split_seed).permutation(len(examples))
         n_val = max(1, int(round(cfg.val_fraction * len(examples))))

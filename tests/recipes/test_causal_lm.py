@@ -110,6 +110,7 @@ def tiny_kw(tiny, **kw):
 @pytest.mark.parametrize("bad, pattern", [
     ({"packing": True}, "would attend to each other.*Received: packing=True"),
     ({"lora": "maybe"}, "Received: lora='maybe'"),
+    ({"chat_template": "llama"}, "Received: chat_template='llama'"),
     ({"lora_rank": 0}, "Received: lora_rank=0"),
     ({"sequence_length": 2}, "Received: sequence_length=2"),
     ({"val_fraction": 0.0}, "Received: val_fraction=0.0"),

@@ -9,11 +9,13 @@ Two line formats (one JSON object per line; blank lines are skipped):
   as written (no separator is added: end the prompt with the one you want, e.g.
   `"Question: ...\\nAnswer:"`);
 - `{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}`: a chat,
-  rendered with `CHAT_TEMPLATE` (`"System: ...\\n"`, `"User: ...\\n"`,
-  `"Assistant: ...\\n"`). **Every** assistant turn is a response (its content and the
-  newline that ends it are trained on); everything else (system and user turns and the
-  `"Assistant: "` prefix) is prompt. The prompt of a generation sample is everything
-  before the last assistant turn's content.
+  rendered with one of `CHAT_TEMPLATES`: `"plain"` (`"System: ...\\n"`, `"User: ...\\n"`,
+  `"Assistant: ...\\n"`) or `"gemma"` (Gemma's `<start_of_turn>user` / `<start_of_turn>model`
+  turns, each ended by `<end_of_turn>\\n`; a system turn's content opens the next user
+  turn, followed by a blank line, as Gemma's own template does). **Every** assistant turn
+  is a response (its content and the turn's end are trained on); everything else
+  (system and user turns, the assistant turn's opening) is prompt. The prompt of a
+  generation sample is everything before the last assistant turn's content.
 
 An example is a tuple of `Segment`s, each text with a flag `response`. `tokenize`
 turns examples into fixed-length token ids and per-token loss weights: 1 on response
@@ -37,10 +39,15 @@ import numpy as np
 from trainwell.data.base import DataError, DataNotFoundError
 from trainwell.validation import invalid_argument
 
-#: The chat roles a `messages` line may use, and how each turn is written before its content.
-CHAT_TEMPLATE = {"system": "System: ", "user": "User: ", "assistant": "Assistant: "}
-#: What ends every chat turn.
-TURN_END = "\n"
+#: The chat roles a `messages` line may use.
+ROLES = ("system", "user", "assistant")
+#: Per template, each role's `(opening, end)` around its content; `None`: the role's content
+#: opens the next turn instead (Gemma has no system turn).
+CHAT_TEMPLATES = {
+    "plain": {"system": ("System: ", "\n"), "user": ("User: ", "\n"), "assistant": ("Assistant: ", "\n")},
+    "gemma": {"system": None, "user": ("<start_of_turn>user\n", "<end_of_turn>\n"),
+              "assistant": ("<start_of_turn>model\n", "<end_of_turn>\n")},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,33 +79,42 @@ def _text(row: dict, key: str, where: str, response: bool = False) -> str:
     return value
 
 
-def _chat(messages: Any, where: str) -> tuple[Segment, ...]:
+def _chat(messages: Any, where: str, template: str) -> tuple[Segment, ...]:
     if not isinstance(messages, list) or not messages:
         raise _bad(where, "messages", "expected a non-empty list of {\"role\", \"content\"} objects", messages)
-    segments: list[Segment] = []
+    turns, segments, carried = CHAT_TEMPLATES[template], [], ""
     for i, m in enumerate(messages):
         at = f"{where}, message {i}"
         if not isinstance(m, dict):
             raise _bad(at, "message", "expected a {\"role\", \"content\"} object", m)
         role = m.get("role")
-        if role not in CHAT_TEMPLATE:
-            raise _bad(at, "role", f"expected one of {', '.join(map(repr, CHAT_TEMPLATE))}", role)
+        if role not in ROLES:
+            raise _bad(at, "role", f"expected one of {', '.join(map(repr, ROLES))}", role)
         content = _text(m, "content", at, response=role == "assistant")
-        segments.append(Segment(CHAT_TEMPLATE[role] + ("" if role == "assistant" else content + TURN_END), False))
+        if turns[role] is None:
+            carried += content + "\n\n"
+            continue
+        opening, end = turns[role]
         if role == "assistant":
-            segments.append(Segment(content + TURN_END, True))
+            if carried:  # a system turn right before: it becomes a user turn of its own
+                segments.append(Segment(turns["user"][0] + carried.rstrip("\n") + turns["user"][1], False))
+            segments += [Segment(opening, False), Segment(content + end, True)]
+        else:
+            segments.append(Segment(opening + carried + content + end, False))
+        carried = ""
     if not any(s.response for s in segments):
         raise _bad(where, "messages", "expected at least one assistant turn (the response)", [m.get("role") for m in messages])
     return tuple(segments)
 
 
-def parse_example(row: Any, path: str, line: int) -> tuple[Segment, ...]:
+def parse_example(row: Any, path: str, line: int, template: str = "plain") -> tuple[Segment, ...]:
     """One JSONL line's object as segments; anything else is a one-line `DataError`.
 
     Args:
         row: The parsed line.
         path: The file, for the message.
         line: The line number, for the message.
+        template: A chat's template, a key of `CHAT_TEMPLATES`. Defaults to `"plain"`.
 
     Raises:
         trainwell.data.base.DataError: Not an object, no `prompt`/`response` or
@@ -109,19 +125,25 @@ def parse_example(row: Any, path: str, line: int) -> tuple[Segment, ...]:
     >>> [s.text for s in parse_example({"messages": msgs}, "chat.jsonl", 1)]
     ['User: Hi\\n', 'Assistant: ', 'Hello\\n']
     """
+    if template not in CHAT_TEMPLATES:
+        raise invalid_argument("template", f"one of {', '.join(map(repr, CHAT_TEMPLATES))}", template)
     where = f"{path!r} line {line}"
     if not isinstance(row, dict):
         raise DataError(f"{where} is not a JSON object. Received: {_short(row)!r}")
     if "messages" in row:
-        return _chat(row["messages"], where)
+        return _chat(row["messages"], where, template)
     if "prompt" not in row or "response" not in row:
         raise DataError(f"{where}: expected the fields \"prompt\" and \"response\", or \"messages\". "
                         f"Received: fields {sorted(row)}")
     return (Segment(_text(row, "prompt", where), False), Segment(_text(row, "response", where, response=True), True))
 
 
-def read_jsonl(path: str | Path) -> list[tuple[Segment, ...]]:
+def read_jsonl(path: str | Path, template: str = "plain") -> list[tuple[Segment, ...]]:
     """Every example of an instruction JSONL file (see the module docstring for the formats).
+
+    Args:
+        path: The file.
+        template: How chats are written, a key of `CHAT_TEMPLATES`. Defaults to `"plain"`.
 
     Raises:
         trainwell.data.base.DataNotFoundError: No such file.
@@ -145,7 +167,7 @@ def read_jsonl(path: str | Path) -> list[tuple[Segment, ...]]:
                     msg = getattr(e, "msg", "nested too deeply")
                     raise DataError(f"{str(path)!r} line {n} is not JSON ({msg}); expected one JSON object per line. "
                                     f"Received: {_short(line.strip())!r}") from None
-                examples.append(parse_example(row, str(path), n))
+                examples.append(parse_example(row, str(path), n, template))
     except UnicodeDecodeError as e:
         raise DataError(f"{str(path)!r} is not UTF-8 text. Received: byte 0x{e.object[e.start]:02x}") from None
     if not examples:

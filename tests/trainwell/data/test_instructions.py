@@ -45,6 +45,19 @@ def test_chat_every_assistant_turn_is_a_response():
                                                        "A2\n")
 
 
+def test_gemma_template_turns_and_its_system_prompt_in_the_first_user_turn():
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+            {"role": "assistant", "content": "A"}]
+    segs = instructions.parse_example({"messages": msgs}, "c", 1, template="gemma")
+    assert [(s.text, s.response) for s in segs] == [
+        ("<start_of_turn>user\nS\n\nU<end_of_turn>\n", False), ("<start_of_turn>model\n", False),
+        ("A<end_of_turn>\n", True)]
+    alone = instructions.parse_example({"messages": [msgs[0], msgs[2]]}, "c", 1, template="gemma")
+    assert alone[0].text == "<start_of_turn>user\nS<end_of_turn>\n"  # a system turn is not lost
+    with pytest.raises(ValueError, match="Received: template='llama'"):
+        instructions.parse_example({"messages": msgs}, "c", 1, template="llama")
+
+
 def test_read_jsonl_one_line_errors(tmp_path):
     with pytest.raises(DataNotFoundError, match="Data file not found"):
         instructions.read_jsonl(tmp_path / "none.jsonl")
