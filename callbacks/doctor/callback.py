@@ -337,14 +337,11 @@ class TrainingDoctor(StatefulCallback):
         if finding.code in _CONSEQUENCES_OF_DIVERGENCE and "divergence" in self.codes:
             return  # after a divergence these describe the wreck, not the cause
         self.findings.append(finding)
-        if finding.code in ("oscillation", "divergence"):
+        dead = next((f for f in self.findings if f.code == "dead_units"), None)
+        if dead is not None and finding.code in ("oscillation", "divergence"):
             # Units its large steps killed may have been seen first (a probe every few steps
             # sees them before the loss has swung often enough): the cause goes before them.
-            dead = [f for f in self.findings if f.code == "dead_units"]
-            if dead:
-                self.findings = [f for f in self.findings if f.code != "dead_units"] + [
-                    explain_dead_units(f, finding.code) for f in dead
-                ]
+            self.findings = [f for f in self.findings if f is not dead] + [explain_dead_units(dead, finding.code)]
         if self.verbose:
             print(f"\nTrainingDoctor: {finding.line()}", flush=True)
         self._write_json()
