@@ -273,12 +273,14 @@ def _cfg(cfg: Config | None, overrides: dict) -> Config:
 
 
 # --------------------------------------------------------------------------- data
-def build_data(cfg: Config, input_context=None, train_size=None):
+def build_data(cfg: Config, input_context=None, train_size=None, start=None):
     """The train/val/test `tf.data` pipelines of `cfg.dataset` (`trainwell.data.images`).
 
     With `cfg.image_size_schedule`, the training images have the side `train_size`
     holds (`epoch_image_size(cfg)`, made here when not given: epoch 0's side until its
-    callback sets another); validation and test images have `cfg.image_size`.
+    callback sets another); validation and test images have `cfg.image_size`. With
+    `start` (`data_start`), the resumed epoch's iterator drops the examples already
+    trained before decoding them.
 
     Example:
     >>> data = build_data(Config(dataset="digits", image_size=8, batch_size=32))  # doctest: +SKIP
@@ -304,7 +306,30 @@ def build_data(cfg: Config, input_context=None, train_size=None):
         input_context=input_context,
         one_hot=True,
         train_size=None if train_size is None else train_size.variable,
+        start_at=None if start is None else start.variable,
     )
+
+
+def data_start(cfg: Config, checkpoint_dir):
+    """Where the training data of a run in `checkpoint_dir` starts: `(EpochStart, batches)`.
+
+    The epoch the run resumes in and the batches of it already trained, for the checkpoint
+    `Checkpoint` will load (`resume_checkpoint`'s choice); `(epoch 0, 0)` for a new run.
+
+    Example:
+    >>> data_start(Config(dataset="digits"), "/nonexistent")[1]  # doctest: +SKIP
+    0
+    """
+    # lazy: the callbacks and the pipeline import Keras/TensorFlow; loaded when a run starts
+    from trainwell.callbacks.checkpoint import resume_checkpoint
+    from trainwell.callbacks.checkpoint.resume import batches_to_skip
+    from trainwell.data.epoch_start import EpochStart
+
+    chosen = resume_checkpoint(checkpoint_dir)
+    if chosen is None:
+        return EpochStart(0, 0), 0
+    skip = batches_to_skip(chosen["position"])
+    return EpochStart(int(chosen["position"]["epoch"]), skip * cfg.batch_size), skip
 
 
 def epoch_image_size(cfg: Config):
@@ -553,15 +578,16 @@ def train(cfg: Config | None = None, *, callbacks=None, model_hook=None, segment
     from trainwell import quick
     from trainwell.compat import build_before_fit, raw_learning_rate
     from trainwell.recipes import harness  # lazy: it imports Keras
-    from trainwell.callbacks import WarmupCosine  # lazy: the callbacks import Keras
+    from trainwell.callbacks import Checkpoint, WarmupCosine  # lazy: the callbacks import Keras
 
     cfg = _cfg(cfg, overrides)
     with harness.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
         sizes = epoch_image_size(cfg)
-        data = build_data(cfg, train_size=sizes)
+        start, skip = data_start(cfg, ctx.run_dir / "checkpoints")
+        data = build_data(cfg, train_size=sizes, start=start)
         steps = training_steps(cfg, data)
         # Exact resume: the resumed epoch sees the same order and augmentation as it would have.
-        train_ds = harness.advance_epochs(data.train, harness.resume_epoch(ctx.run_dir / "checkpoints"))
+        train_ds = harness.advance_epochs(data.train, start.epoch)
         train_ds = augment_batch(cfg, train_ds, data.num_classes)
 
         def build_compiled(cfg: Config):
@@ -575,6 +601,9 @@ def train(cfg: Config | None = None, *, callbacks=None, model_hook=None, segment
         callbacks = build_callbacks(cfg, ctx.run_dir, schedule=schedule, chief=ctx.is_chief) + list(callbacks or ())
         if not any(isinstance(c, WarmupCosine) for c in callbacks):  # the step schedule: its LR in the history
             callbacks.insert(0, harness.log_learning_rate(model))
+        if data.starts_at:  # the resumed epoch's batches already trained are dropped before decoding
+            callbacks.insert(0, start.callback())
+            next(c for c in callbacks if isinstance(c, Checkpoint)).data_positioned(skip)
         if sizes is not None:  # first: it sets the epoch's image side before the epoch's iterator is made
             callbacks.insert(0, sizes.callback())
         build_before_fit(model, train_ds)  # one trace on TF; on JAX the k-th iterator stays the k-th epoch

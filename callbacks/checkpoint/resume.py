@@ -7,7 +7,8 @@ and optimizer arrays (deferred to the first step when the model is built only
 then), the other callbacks' states and the LR multiplier, and makes the resumed
 epoch start at the checkpoint's step: the batches the interrupted run had
 already read are taken from the data before `fit`'s loop yields a step, so no
-callback sees them (`_start_resumed_epoch`). After a
+callback sees them (`_start_resumed_epoch`); a recipe whose pipeline drops them before
+decoding says so (`data_positioned`), and none is taken. After a
 weights-only checkpoint it re-warms the learning rate over
 `warm_start_warmup_steps`.
 """
@@ -74,6 +75,21 @@ def order_rng_restore(state: dict) -> None:
     np.random.set_state(("MT19937", np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
+def batches_to_skip(position: dict) -> int:
+    """The batches a resume takes from the resumed epoch's data before its first trained step.
+
+    Those the interrupted run had read (`data_position`), at least the steps it had trained
+    when the checkpoint was taken after their hooks (`hooks_done`). A recipe that builds its
+    own pipeline drops them before decoding (`Checkpoint.data_positioned`).
+
+    Example:
+    >>> batches_to_skip({"step_in_epoch": 7, "data_position": 7, "hooks_done": True})
+    7
+    """
+    until = int(position["step_in_epoch"]) if position.get("hooks_done") else 0
+    return max(until, int(position.get("data_position", 0)))
+
+
 def wrap_hook(cb, name: str, make, patched: list) -> None:
     """Sets `cb.<name>` to `make(current hook)` as an instance attribute, recorded in `patched`.
 
@@ -99,6 +115,20 @@ def unwrap_hooks(patched: list) -> None:
 
 class ResumeMixin:
     """Mixin of `Checkpoint`: how a run resumes (see the module docstring)."""
+
+    def data_positioned(self, batches: int) -> None:
+        """Says that the resumed epoch's training data already starts `batches` batches in.
+
+        A recipe that builds its pipeline drops the batches already trained before decoding
+        them (`trainwell.data.epoch_start`); the resume then takes none from the iterator
+        (constant time, whatever the position). `batches` must be `batches_to_skip` of the
+        checkpoint this resume loads; without this call the batches are taken from the
+        iterator (any dataset).
+
+        Example:
+        >>> ckpt = Checkpoint("ckpts"); ckpt.data_positioned(7)  # doctest: +SKIP
+        """
+        self._data_positioned = int(batches)
 
     def _resume_from_disk(self) -> None:
         chosen = resume_checkpoint(self.directory)  # the same decision the recipe positions its data by
@@ -182,7 +212,11 @@ class ResumeMixin:
         """
         hooks_done = bool(pos.get("hooks_done"))
         until = int(pos["step_in_epoch"]) if hooks_done else 0
-        skip = max(until, int(pos.get("data_position", 0)))
+        skip = batches_to_skip(pos)
+        positioned = getattr(self, "_data_positioned", None)
+        if positioned is not None and positioned != skip:
+            raise RuntimeError(f"Checkpoint: the training data starts {positioned} batches into epoch {self.epoch + 1}, "
+                               f"the checkpoint resumes after {skip}: position the data by `batches_to_skip`.")
         epoch_iterator = fit_epoch_iterator(self.model)
         if epoch_iterator is None:
             raise upstream_changed(
@@ -196,7 +230,10 @@ class ResumeMixin:
 
         def on_start(data_iterator):
             continue_tensorboard_steps(callbacks, hook_calls)
-            if until:
+            if until and positioned is not None:
+                self._say(f"skipping {until} batches already trained in epoch {self.epoch + 1} "
+                          "(resumed mid-epoch: dropped before decoding; no callback sees them)")
+            elif until:
                 self._say(
                     f"skipping {until} batches already trained in epoch {self.epoch + 1} "
                     "(resumed mid-epoch: they are read, not trained again, and no callback sees them)"
@@ -209,7 +246,8 @@ class ResumeMixin:
                         "%s with shuffle=True in a way a checkpoint cannot replay (docs/checkpoint.md).",
                         self.epoch + 1, what,
                     )
-            taken = self._skip_batches(data_iterator, skip)
+            taken = skip if positioned is not None else self._skip_batches(data_iterator, skip)
+            self._data_positioned = None  # this resume's only
             self._last_iterator, self._consumed = data_iterator, taken
             if taken < skip:
                 self._alert(

@@ -35,7 +35,7 @@ import weakref
 
 from trainwell.validation import invalid_argument
 
-__all__ = ["pad_partial_batches"]
+__all__ = ["batch_with_even_tail", "pad_partial_batches"]
 
 # dataset -> (examples, largest batch): counted once per dataset object (one pass over it).
 _COUNTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -176,3 +176,43 @@ def _count(dataset) -> tuple[int, int]:
     except TypeError:  # not weak-referenceable: count again next time
         pass
     return out
+
+
+def batch_with_even_tail(ds, n: int, batch: int):
+    """`ds`'s `n` examples in `ceil(n / batch)` batches: full ones, then the last two share the
+    remainder evenly (batches of 16 for 33 examples: 16, 9, 8 instead of 16, 16, 1).
+
+    A last batch smaller than the replicas leaves a replica an empty batch, which TensorFlow's
+    oneDNN convolutions reject ("input depth must be evenly divisible by filter depth").
+    One pass: each example's batch follows from its position (`group_by_window` closes each
+    batch when it is full; the examples come in order, so the batches do too).
+
+    Example:
+    >>> import tensorflow as tf
+    >>> [int(b.shape[0]) for b in batch_with_even_tail(tf.data.Dataset.range(33), 33, 16)]
+    [16, 9, 8]
+    """
+    import tensorflow as tf  # lazy: TensorFlow at import time (see pad_partial_batches)
+
+    if n < 0 or n <= batch or n % batch == 0:
+        return ds.batch(batch)  # unknown length, one batch, or no remainder: nothing to share
+    count = math.ceil(n / batch)
+    head, tail = (count - 2) * batch, batch + n % batch
+    sizes = tf.constant([batch] * (count - 2) + [(tail + 1) // 2, tail // 2], tf.int64)
+
+    def key(position, example):
+        first_tail = tf.cast(position - head >= sizes[-2], tf.int64)
+        return tf.where(position < head, position // batch, count - 2 + first_tail)
+
+    def batched(key, window):
+        return window.map(_drop_position).batch(batch)
+
+    def size(key):
+        return sizes[key]
+
+    ds = ds.enumerate().group_by_window(key_func=key, reduce_func=batched, window_size_func=size)
+    return ds.apply(tf.data.experimental.assert_cardinality(count))
+
+
+def _drop_position(position, example):
+    return example

@@ -82,6 +82,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from trainwell.data.batches import batch_with_even_tail
 from trainwell.data.image_ops import Transform, valid_image
 from trainwell.data.image_sources import (
     IMAGENET_TRAIN_EXAMPLES,
@@ -94,6 +95,7 @@ from trainwell.data.image_sources import (
     open_source,
 )
 from trainwell.data.sources import AUGMENTATIONS, DataError
+from trainwell.data.synthetic import synthetic_datasets
 from trainwell.validation import invalid_argument, is_int, is_number
 
 logger = logging.getLogger("trainwell.data")
@@ -197,6 +199,7 @@ class ImageDatasets:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     one_hot: bool
+    starts_at: bool = False  # whether `train` drops the `start_at` examples (not under FILE sharding)
     _skips: SkipCounter = dataclasses.field(default_factory=SkipCounter, repr=False)
 
     @property
@@ -255,12 +258,16 @@ def _skip_recorder(skips: SkipCounter, split: str, hashed_key: bool):
     return on_error
 
 
-def _drop_position(position, example):
-    return example
-
-
 def _flag_only(image, label, ok):
     return ok
+
+
+def _last_true(*element):
+    return element[-1]
+
+
+def _drop_last(*element):
+    return element[:-1]
 
 
 def _drop_flag(image, label, ok):
@@ -292,6 +299,7 @@ def build_image_datasets(
     cycle_length: int = 16,
     crop_padding: int | None = None,
     train_size: Any = None,
+    start_at: Any = None,
 ) -> ImageDatasets:
     """Builds train/val/test image classification datasets and their metadata.
 
@@ -356,6 +364,11 @@ def build_image_datasets(
             the training batches then have no static side; `crop_padding` `None` pads
             side / 8 of it). Evaluation splits stay at `image_size`. Defaults to `None`
             (`image_size`).
+        start_at: A scalar int `tf.Variable`: each iteration of the training dataset drops
+            that many examples before decoding them (a resumed epoch's position, set for
+            its iterator only; `trainwell.data.epoch_start.EpochStart`). The training dataset
+            then reads, checks and drops bad records before decoding (the same examples,
+            in the same order). Not under FILE auto-sharding. Defaults to `None`.
 
     Returns:
         An `ImageDatasets`.
@@ -391,8 +404,8 @@ def build_image_datasets(
     shard = (num_pipelines, pipeline_id) if num_pipelines > 1 else None
 
     if source.partition(":")[0].strip().lower() == "synthetic":
-        return _synthetic(source, image_size, global_batch_size, batch_size, seed, num_classes or 1000, one_hot,
-                          synthetic_examples)
+        return ImageDatasets(**synthetic_datasets(source, image_size, global_batch_size, batch_size, seed,
+                                                  num_classes or 1000, one_hot, synthetic_examples))
     src = open_source(
         source, data_dir=data_dir, num_classes=num_classes, num_examples=num_examples, label_offset=label_offset,
         cycle_length=cycle_length, input_context=input_context if shard else None,
@@ -415,7 +428,7 @@ def build_image_datasets(
     pipeline = _Pipeline(
         src=src, transform=transform, skips=skips, shard=shard, options=_shard_options(src, shard, deterministic),
         batch_size=batch_size, seed=seed, cache=cache, shuffle_buffer=shuffle_buffer,
-        label_offset=1 if label_offset is None else label_offset,
+        label_offset=1 if label_offset is None else label_offset, start_at=start_at,
     )
 
     counts = {s: (src.splits[s].count if src.splits[s] is not None else 0) for s in SPLITS}
@@ -451,6 +464,7 @@ def build_image_datasets(
         mean=tuple(mean),
         std=tuple(std),
         one_hot=one_hot,
+        starts_at=start_at is not None and not pipeline.file_sharded,
         _skips=skips,
     )
 
@@ -532,6 +546,7 @@ class _Pipeline:
     cache: bool | str
     shuffle_buffer: int
     label_offset: int
+    start_at: Any = None
 
     @property
     def file_sharded(self) -> bool:
@@ -565,8 +580,9 @@ class _Pipeline:
         """`rec`'s `(payload, label, key)` records of this pipeline's shard; `ordered`: files unshuffled."""
         return rec.make(self.shard if (self.shard is not None and not self.src.shards_itself) else None, ordered)
 
-    def checked(self, split, kind, make_image, record: bool = True):
-        """Map `(payload, label, key, *extra)` to `(image, label, ok)`; bad records are counted (with `record`)."""
+    def checked(self, split, kind, make_image, record: bool = True, decode: bool = True):
+        """Map `(payload, label, key, *extra)` to `(image, label, ok)`; bad records are counted (with `record`).
+        `decode=False`: to `(image bytes, int32 label, key, *extra, ok)`, nothing decoded."""
         read = self.to_bytes(kind)
         on_error = _skip_recorder(self.skips, split, hashed_key=kind not in ("path", "bytes_path"))
         if not record:
@@ -578,6 +594,9 @@ class _Pipeline:
             image_bytes, label = read(payload, label)
             label = tf.cast(label, tf.int32)
             ok = tf.logical_and(valid_image(image_bytes), transform.label_ok(label))
+            if not decode:
+                return image_bytes, label, key, *extra, tf.cond(ok, lambda: tf.constant(True),
+                                                                 lambda: on_error(key, image_bytes))
             image = tf.cond(ok, lambda: make_image(image_bytes, *extra), lambda: transform.placeholder(split == "train"))
             flag = tf.cond(ok, lambda: tf.constant(True), lambda: on_error(key, image_bytes))
             return image, transform.label(label), flag
@@ -614,7 +633,7 @@ class _Pipeline:
         if train:
             ds = ds.batch(self.batch_size, drop_remainder=True)
         else:
-            ds = _batch_with_even_tail(ds, int(ds.cardinality()), self.batch_size)
+            ds = batch_with_even_tail(ds, int(ds.cardinality()), self.batch_size)
         if batches is not None:
             ds = ds.take(batches)  # a known cardinality (a `filter` leaves it unknown)
         ds = ds.map(self.transform.normalise, num_parallel_calls=AUTOTUNE).prefetch(AUTOTUNE)
@@ -624,6 +643,17 @@ class _Pipeline:
         """`(image, label, ok)` of the training records: (cached,) shuffled, augmented with a
         per-element seed. `top_up`: the records in their stored order (no shuffle, no cache,
         no seed generator drawn from, skips not counted again), augmented with other seeds."""
+        ds, kind = self.seeded(rec, top_up=top_up)
+        transform = self.transform
+        if rec.kind != "array":
+            fn = self.checked("train", kind, lambda image_bytes, s: transform.train_image(image_bytes, s, encoded=True),
+                              record=not top_up)
+            return ds.map(fn, num_parallel_calls=AUTOTUNE)
+        return ds.map(lambda p, y, k, s: (transform.train_image(p, s, encoded=False), transform.label(y)),
+                      num_parallel_calls=AUTOTUNE)
+
+    def seeded(self, rec: Split, *, top_up: bool = False):
+        """`augmented`'s `(payload, label, key, seed)` records before decoding, and their kind."""
         ds = self.records(rec, ordered=top_up)
         encoded = rec.kind != "array"
         kind = rec.kind
@@ -656,12 +686,41 @@ class _Pipeline:
             step = -1 if top_up else 1
             ds = ds.scan(tf.constant(step if top_up else 0, tf.int64),
                          lambda i, e: (i + step, (*e, tf.stack([seed_t, i]))))
-        if encoded:
-            fn = self.checked("train", kind, lambda image_bytes, s: transform.train_image(image_bytes, s, encoded=True),
-                              record=not top_up)
-            return ds.map(fn, num_parallel_calls=AUTOTUNE)
-        return ds.map(lambda p, y, k, s: (transform.train_image(p, s, encoded=False), transform.label(y)),
-                      num_parallel_calls=AUTOTUNE)
+        return ds, kind
+
+    def started(self, rec: Split, batches: int | None):
+        """`train`'s examples in its order, the first `start_at` of each iteration dropped before decoding.
+
+        The records are read and checked (`valid_image`, the label), the flagged ones dropped
+        and the top-up appended, then the first `start_at` are dropped and the rest decoded:
+        a resumed epoch starts at its position without decoding what it skips. The same
+        images as `train`'s other path unless a decoder rejects an image that passed the
+        check inside the skipped part (rare; TensorFlow logs each).
+        """
+        transform, start_at = self.transform, self.start_at
+
+        def checked(top_up: bool):
+            ds, kind = self.seeded(rec, top_up=top_up)
+            if rec.kind == "array":
+                return ds
+            fn = self.checked("train", kind, lambda image_bytes, s: image_bytes, record=not top_up, decode=False)
+            ds = ds.map(fn, num_parallel_calls=AUTOTUNE)
+            return (ds.ignore_errors(log_warning=True) if self.safety_net else ds).filter(_last_true).map(_drop_last)
+
+        ds = checked(False)
+        if batches is not None and rec.kind != "array":
+            ds = ds.concatenate(checked(True).repeat())  # a repeat of a pass that yields nothing ends
+        def kept(i, example):
+            return i >= tf.cast(start_at, tf.int64)
+
+        def decoded(i, example):
+            payload, label, _, seed = example
+            return transform.train_image(payload, seed, encoded=encoded), transform.label(label)
+
+        encoded = rec.kind != "array"
+        ds = ds.scan(tf.constant(0, tf.int64), lambda i, e: (i + 1, (i, e))).filter(kept)
+        ds = ds.map(decoded, num_parallel_calls=AUTOTUNE)
+        return ds.ignore_errors(log_warning=True) if encoded and self.safety_net else ds
 
     def train(self, rec: Split, batches: int | None = None):
         """The training dataset: (cached,) shuffled, augmented with a per-element seed, batched.
@@ -674,6 +733,9 @@ class _Pipeline:
         batches is unknown: the stream is endless (reshuffled each pass) and Keras counts the
         steps of each epoch.
         """
+        if self.start_at is not None and not self.file_sharded:  # its length: a `filter` leaves it unknown
+            ds = self.finish(self.started(rec, batches), "train", batches=batches)
+            return ds if batches is None else ds.apply(tf.data.experimental.assert_cardinality(batches))
         encoded = rec.kind != "array"
         ds = self.augmented(rec)
         if encoded:
@@ -709,73 +771,12 @@ class _Pipeline:
         Encoded images: `examples` is `readable`'s count (images skipped as corrupt are not
         scored, and nothing can stand in for them: an empty batch breaks convolutions on
         TensorFlow's CPU kernels, a placeholder would be scored). The last two batches share
-        what is left over (`_batch_with_even_tail`): no replica gets an empty batch.
+        what is left over (`trainwell.data.batches.batch_with_even_tail`): no replica gets an empty batch.
         """
         ds = self.evaluation_examples(split, rec)
         if examples is not None:
             ds = ds.apply(tf.data.experimental.assert_cardinality(examples))
         return self.finish(ds, split)
-
-
-def _batch_with_even_tail(ds, n: int, batch: int):
-    """`ds`'s `n` examples in `ceil(n / batch)` batches: full ones, then the last two share the
-    remainder evenly (batches of 16 for 33 examples: 16, 9, 8 instead of 16, 16, 1).
-
-    A last batch smaller than the replicas leaves a replica an empty batch, which TensorFlow's
-    oneDNN convolutions reject ("input depth must be evenly divisible by filter depth").
-    One pass: each example's batch follows from its position (`group_by_window` closes each
-    batch when it is full; the examples come in order, so the batches do too).
-    """
-    if n < 0 or n <= batch or n % batch == 0:
-        return ds.batch(batch)  # unknown length, one batch, or no remainder: nothing to share
-    count = math.ceil(n / batch)
-    head, tail = (count - 2) * batch, batch + n % batch
-    sizes = tf.constant([batch] * (count - 2) + [(tail + 1) // 2, tail // 2], tf.int64)
-
-    def key(position, example):
-        first_tail = tf.cast(position - head >= sizes[-2], tf.int64)
-        return tf.where(position < head, position // batch, count - 2 + first_tail)
-
-    def batched(key, window):
-        return window.map(_drop_position).batch(batch)
-
-    def size(key):
-        return sizes[key]
-
-    ds = ds.enumerate().group_by_window(key_func=key, reduce_func=batched, window_size_func=size)
-    return ds.apply(tf.data.experimental.assert_cardinality(count))
-
-
-def _synthetic(source, image_size, global_batch_size, batch_size, seed, num_classes, one_hot, sizes):
-    train_n, test_n = (int(v) for v in sizes)
-    if train_n < global_batch_size:
-        raise invalid_argument("synthetic_examples", f"a train size >= global_batch_size ({global_batch_size})", sizes)
-    images = tf.random.stateless_normal([batch_size, image_size, image_size, 3], seed=[seed, 1])
-    labels = tf.random.stateless_uniform([batch_size], seed=[seed, 2], maxval=num_classes, dtype=tf.int32)
-    if one_hot:
-        labels = tf.one_hot(labels, num_classes, dtype=tf.float32)
-    batch = tf.data.Dataset.from_tensors((images, labels))
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    steps = {"train": train_n // global_batch_size, "val": 0, "test": math.ceil(test_n / global_batch_size)}
-    return ImageDatasets(
-        train=batch.repeat(steps["train"]).with_options(options),
-        val=None,
-        test=batch.repeat(steps["test"]).with_options(options) if test_n else None,
-        num_classes=num_classes,
-        class_names=[str(i) for i in range(num_classes)],
-        image_size=image_size,
-        channels=3,
-        source=source,
-        augment="none",
-        global_batch_size=global_batch_size,
-        batch_size=batch_size,
-        counts={"train": train_n, "val": 0, "test": test_n},
-        steps=steps,
-        mean=(0.0, 0.0, 0.0),
-        std=(1.0, 1.0, 1.0),
-        one_hot=one_hot,
-    )
 
 
 __all__ = [
