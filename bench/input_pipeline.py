@@ -8,9 +8,13 @@ to a temporary folder, then alternates rounds of
 - naive: the same files, `read_file -> decode_jpeg (full) -> resize 224 -> flip ->
   normalise`, one element at a time (no `num_parallel_calls`), no prefetch,
 
-and prints one JSON object with images/s of both (median over rounds), per core,
-images per CPU-second (the per-core cost, which does not depend on how many cores the
-run got on a shared machine) and the ratios. Each pipeline runs one untimed warm-up
+and, with `--prepared 256,160` (the default), the same training pipeline on the same images
+prepared once by `trainwell prepare-images` at each `max_side` (`tfrecord:DST`, shorter side at
+most `max_side`, the same Inception crop and 224-px output): the ratio of its images per
+CPU-second to today's folder pipeline (target >= 2x) and the cores that would feed 7,120
+images/s (one H200 training ResNet-50) and 8 times that (`cases`). Prints one JSON object with
+images/s of each (median over rounds), per core, images per CPU-second (the per-core cost,
+which does not depend on how many cores the run got on a shared machine) and the ratios. Each pipeline runs one untimed warm-up
 epoch first. The speedup over the naive pipeline comes from parallelism (so it grows
 with the free cores: on a shared 2-core machine it cannot pass about 2x the CPU ratio)
 and from less CPU per image (decoding only the crop; one vectorised normalisation per
@@ -18,7 +22,8 @@ batch). `floor` measures, one image at a time, the CPU cost of the work no such
 pipeline avoids (decoding the crop, resizing it); the naive pipeline's CPU per image
 over that floor bounds the images per CPU-second any pipeline that decodes and resizes
 every image can gain over the naive one. Run:
-`python bench/input_pipeline.py` (options: `--images N`, `--rounds N`, `--epochs-per-round N`;
+`python bench/input_pipeline.py` (options: `--images N`, `--rounds N`, `--epochs-per-round N`,
+`--prepared SIDES`;
 on a many-core machine use more images and epochs, so that each timed pass lasts long
 enough; `taskset -c 0-3 python bench/input_pipeline.py` measures on 4 of the cores).
 """
@@ -41,6 +46,7 @@ import tensorflow as tf  # noqa: E402
 
 from trainwell.data.image_ops import inception_window  # noqa: E402
 from trainwell.data.images import IMAGENET_MEAN, IMAGENET_STD, build_image_datasets  # noqa: E402
+from trainwell.data.prepare import prepare_images  # noqa: E402
 
 NUM_IMAGES = 200
 CLASSES = 4
@@ -48,6 +54,8 @@ IMAGE_SIZE = 224
 BATCH = 32
 ROUNDS = 3
 EPOCHS_PER_ROUND = 3
+#: Images/s of ResNet-50 training on one H200 (bench/README.md, resnet_throughput.py).
+H200_IMAGES_PER_S = 7120
 
 
 def write_jpegs(root: str, num_images: int = NUM_IMAGES) -> float:
@@ -126,7 +134,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"alternating rounds (default {ROUNDS})")
     parser.add_argument("--epochs-per-round", type=int, default=EPOCHS_PER_ROUND,
                         help=f"epochs of each pipeline per round (default {EPOCHS_PER_ROUND})")
+    parser.add_argument("--prepared", default="256,160",
+                        help="max_side values of prepared-shard cases, comma-separated ('' for none; default 256,160)")
     args = parser.parse_args(argv)
+    try:
+        sides = [int(v) for v in args.prepared.split(",") if v.strip()]
+    except ValueError:
+        parser.error(f"--prepared must be comma-separated ints. Received: {args.prepared!r}")
     for name in ("images", "rounds", "epochs_per_round"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1. Received: {getattr(args, name)}")
@@ -139,11 +153,27 @@ def main(argv: list[str] | None = None) -> dict:
         ours = build_image_datasets(f"folder:{root}", IMAGE_SIZE, BATCH, augment="inception",
                                     val_fraction=0.0, test_fraction=0.0, seed=0).train
         naive = naive_dataset(root)
+        prepared, preparing = {}, {}
+        for side in sides:
+            dst = f"{root}-prepared-{side}"
+            c0, w0 = time.process_time(), time.perf_counter()
+            prepare_images(f"folder:{root}", dst, max_side=side, verbose=0, log=lambda line: None)
+            preparing[side] = {"wall_s": round(time.perf_counter() - w0, 2),
+                               "images_per_cpu_s": round(args.images / (time.process_time() - c0), 1),
+                               "mean_jpeg_kib": round(sum(os.path.getsize(os.path.join(dst, n)) for n in os.listdir(dst)
+                                                          if n.startswith("train-")) / args.images / 1024, 1)}
+            prepared[side] = build_image_datasets(f"tfrecord:{dst}", IMAGE_SIZE, BATCH, augment="inception",
+                                                  val_fraction=0.0, test_fraction=0.0, seed=0).train
         measure(ours, 1), measure(naive, 1)  # warm-up: tracing, file cache
+        for ds in prepared.values():
+            measure(ds, 1)
         rounds = []
-        for _ in range(args.rounds):  # alternating, so both see the same machine load
+        for _ in range(args.rounds):  # alternating, so all see the same machine load
             (ow, oc), (nw, nc) = measure(ours, args.epochs_per_round), measure(naive, args.epochs_per_round)
             rounds.append({"ours": ow, "naive": nw, "ours_per_cpu_s": oc, "naive_per_cpu_s": nc})
+            for side, ds in prepared.items():
+                pw, pc = measure(ds, args.epochs_per_round)
+                rounds[-1].update({f"prepared_{side}": pw, f"prepared_{side}_per_cpu_s": pc})
         o = statistics.median(r["ours"] for r in rounds)
         n = statistics.median(r["naive"] for r in rounds)
         oc = statistics.median(r["ours_per_cpu_s"] for r in rounds)
@@ -156,8 +186,19 @@ def main(argv: list[str] | None = None) -> dict:
         floor["ours_cpu_ms_per_image"] = round(1e3 / oc, 3)
         floor["max_cpu_efficiency_ratio"] = round((1e3 / nc) / f["crop_decode_resize_cpu_ms"], 2)
         floor["max_speedup_on_these_cores"] = round(cores * floor["max_cpu_efficiency_ratio"], 2)
+        cases = {"today_folder": {"images_per_s": round(o, 1), "images_per_cpu_s": round(oc, 1)}}
+        for side in prepared:
+            pw = statistics.median(r[f"prepared_{side}"] for r in rounds)
+            pc = statistics.median(r[f"prepared_{side}_per_cpu_s"] for r in rounds)
+            cases[f"prepared_{side}"] = {"images_per_s": round(pw, 1), "images_per_cpu_s": round(pc, 1),
+                                         "ratio_per_cpu_s_to_today": round(pc / oc, 2), "preparing": preparing[side]}
+        for case in cases.values():
+            case["cores_for_7120"] = round(H200_IMAGES_PER_S / case["images_per_cpu_s"], 1)
+            case["cores_for_8x7120"] = round(8 * H200_IMAGES_PER_S / case["images_per_cpu_s"], 1)
         return {
             "benchmark": "input_pipeline",
+            "cases": cases,
+            "target_prepared_ratio": 2.0,
             "images": args.images,
             "rounds_count": args.rounds,
             "epochs_per_round": args.epochs_per_round,
@@ -183,6 +224,8 @@ def main(argv: list[str] | None = None) -> dict:
         }
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        for side in sides:
+            shutil.rmtree(f"{root}-prepared-{side}", ignore_errors=True)
 
 
 if __name__ == "__main__":
