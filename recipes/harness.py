@@ -536,6 +536,7 @@ def standard_callbacks(
     doctor: bool = True,
     doctor_every_n_steps: int = 100,
     chief: bool = True,
+    frozen_weights: str | None = None,
 ) -> list:
     """trainwell's reliability stack plus Keras's loggers, in the order they must run.
 
@@ -567,6 +568,8 @@ def standard_callbacks(
         doctor: Add `TrainingDoctor`. Defaults to `True`.
         doctor_every_n_steps: The doctor's probe interval. Defaults to `100`.
         chief: Whether this process writes the run directory. Defaults to `True`.
+        frozen_weights: `Checkpoint`'s: `"non_trainable"` keeps a LoRA run's frozen
+            base out of its checkpoints. Defaults to `None` (every weight saved).
 
     Returns:
         A list of callbacks for `model.fit`.
@@ -617,6 +620,7 @@ def standard_callbacks(
         Checkpoint(
             run_dir / "checkpoints", save_every=save_every, keep_last=keep_last, keep_best=keep_best,
             monitor=monitor, mode=mode, config=cfg, verbose=int(chief and _verbose(cfg)),
+            frozen_weights=frozen_weights,
         )
     )
     return out

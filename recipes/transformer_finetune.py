@@ -501,6 +501,8 @@ def build_callbacks(cfg: Config, run_dir, schedule=None, chief: bool = True, has
         warmup_epochs=int(math.ceil(cfg.freeze_epochs)),
         doctor=cfg.doctor,
         chief=chief,
+        # LoRA: checkpoints hold what trains (adapters, head, optimizer slots), not the frozen base
+        frozen_weights="non_trainable" if cfg.lora_rank is not None else None,
     )
 
 

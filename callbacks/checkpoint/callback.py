@@ -65,6 +65,16 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
             (`trainwell.compat.metric_direction`), and a metric it cannot place
             is minimized. Defaults to `"auto"`.
         weights_only: Save only model weights and the position. Defaults to `False`.
+        frozen_weights: Model weights that training leaves as they are, kept out
+            of every checkpoint: `"non_trainable"` (each weight not in
+            `model.trainable_weights`: right for LoRA or a frozen pretrained
+            backbone, wrong beside BatchNorm layers that still update their
+            moving statistics) or a list of the weights' paths (as
+            `model.weights` names them). A resume or `load_checkpoint` then needs
+            a model that already holds them (built from the same preset): their
+            fingerprints (a sum and a sum of squares each) are saved and checked,
+            and a save raises if one changed during training. Defaults to `None`
+            (every weight is saved).
         async_save: Write in a background thread. Defaults to `False`.
         config: The run config (a dict, a dataclass, or an object with
             `to_dict()`), stored in every checkpoint. Defaults to `None`.
@@ -91,8 +101,8 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
     #: Config fields a resume is meant to change (`trainwell resume RUN --set epochs=N`): not
     #: compared with the checkpoint's config.
     RESUME_FIELDS = ("epochs", "run_dir", "verbose")
-    _CONFIG = ("directory", "save_every", "keep_last", "keep_best", "monitor", "mode", "weights_only", "async_save",
-               "config", "resume", "warm_start_warmup_steps", "verbose")
+    _CONFIG = ("directory", "save_every", "keep_last", "keep_best", "monitor", "mode", "weights_only",
+               "frozen_weights", "async_save", "config", "resume", "warm_start_warmup_steps", "verbose")
 
     def __init__(
         self,
@@ -103,6 +113,7 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
         monitor="val_loss",
         mode="auto",
         weights_only=False,
+        frozen_weights=None,
         async_save=False,
         config=None,
         resume=True,
@@ -119,6 +130,9 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
             ("monitor", monitor, "a metric name", isinstance(monitor, str) and bool(monitor)),
             ("mode", mode, "one of 'auto', 'min', 'max'", mode in ("auto", "min", "max")),
             ("weights_only", weights_only, "a bool", isinstance(weights_only, bool)),
+            ("frozen_weights", frozen_weights, "None, 'non_trainable' or a list of weight paths",
+             frozen_weights in (None, "non_trainable") or (
+                 isinstance(frozen_weights, (list, tuple)) and all(isinstance(p, str) and p for p in frozen_weights))),
             ("async_save", async_save, "a bool", isinstance(async_save, bool)),
             ("resume", resume, "a bool", isinstance(resume, bool)),
             ("warm_start_warmup_steps", warm_start_warmup_steps, "an int >= 0",
@@ -138,6 +152,7 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
         self.monitor = monitor
         self.mode = mode
         self.weights_only = weights_only
+        self.frozen_weights = frozen_weights if frozen_weights in (None, "non_trainable") else list(frozen_weights)
         self.async_save = async_save
         self.config = config_to_dict(config)
         self.resume = resume
@@ -288,6 +303,7 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
         self._watched: list = []
         self._epoch_commit: dict | None = None
         self._last_written: tuple | None = None
+        self._frozen_at_start: dict | None = None  # fingerprints of frozen_weights when this fit began
         self._prev_initial_epoch = None
         self._is_chief = True
         self._sync_strategy = None
@@ -321,6 +337,7 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
             except BaseException:
                 self._abort_fit()
                 raise
+        self._frozen_meta()  # what frozen_weights hold now: a save checks they did not change
 
 
     def _prepare_directory(self, lock: bool) -> None:

@@ -28,7 +28,9 @@ from trainwell.callbacks.base import StatefulCallback, stateful_callbacks
 from trainwell.callbacks.checkpoint.files import CheckpointMismatchError, read_checkpoint, resume_checkpoint
 from trainwell.callbacks.checkpoint.state import (
     Plan,
+    check_frozen,
     dedup,
+    frozen_keys_of,
     restore_model_arrays,
     restore_vars,
     rng_restore,
@@ -331,7 +333,9 @@ class ResumeMixin:
         if not weights_only and model.optimizer is not None and not model.optimizer.built:
             with model.distribute_strategy.scope():
                 model.optimizer.build(model.trainable_variables)
-        plan = Plan(model, include_optimizer=not weights_only and not self.weights_only)
+        plan = Plan(model, include_optimizer=not weights_only and not self.weights_only,
+                    frozen_keys=frozen_keys_of(meta))
+        check_frozen(plan, meta, path)
         restore_model_arrays(plan, arrays, path)
         if weights_only or self.weights_only:
             return  # a run that saves weights only keeps its optimizer fresh as configured

@@ -30,6 +30,7 @@ import random
 import re
 from typing import Any
 
+import keras
 import numpy as np
 
 from trainwell.callbacks.checkpoint.files import (
@@ -78,9 +79,15 @@ def _optimizer_objects(optimizer) -> list:
 
 
 class Plan:
-    """Which array key maps to which variable of a model (built once per model)."""
+    """Which array key maps to which variable of a model (built once per model).
 
-    def __init__(self, model, include_optimizer: bool):
+    `frozen`: the model weights left out of the checkpoint (`Checkpoint`'s
+    `frozen_weights`): `"non_trainable"` (every weight not in
+    `model.trainable_weights`), their variable paths, or (on restore) the keys a
+    checkpoint lists. Their keys are `frozen_keys`; `model_items()` leaves them out.
+    """
+
+    def __init__(self, model, include_optimizer: bool, frozen=None, frozen_keys=None):
         optimizer = getattr(model, "optimizer", None)
         opt_objs = _optimizer_objects(optimizer)
         skip = {id(o) for o in opt_objs}
@@ -131,17 +138,39 @@ class Plan:
         self.replica_keys.update(k for k, _ in self.metric_vars)
         self.readers: dict = {}
         self.names: dict[str, str] = {}
+        self.frozen_keys = frozenset(frozen_keys) if frozen_keys is not None else self._frozen_keys(model, frozen)
 
-    def model_items(self):
+    def _frozen_keys(self, model, frozen) -> frozenset:
+        if frozen is None:
+            return frozenset()
+        items = list(self.all_model_items())
+        if frozen == "non_trainable":
+            trainable = {id(v) for v in model.trainable_weights}
+            return frozenset(k for k, v in items if id(v) not in trainable)
+        by_path = {str(getattr(v, "path", "")): k for k, v in items}
+        unknown = sorted(p for p in frozen if p not in by_path)
+        if unknown:
+            raise ValueError(f"frozen_weights names {len(unknown)} path(s) that are not weights of {model.name} "
+                             f"(as `model.weights` names them): {unknown[:5]}")
+        return frozenset(by_path[p] for p in frozen)
+
+    def all_model_items(self):
         for path, _, store in self.layer_stores:
             for k, v in store.items():
                 yield (f"model:{path}/{k}" if path else f"model:{k}"), v
+
+    def model_items(self):
+        """The model's (key, variable) pairs a checkpoint holds: all but the frozen ones."""
+        return [(k, v) for k, v in self.all_model_items() if k not in self.frozen_keys]
+
+    def frozen_items(self):
+        return [(k, v) for k, v in self.all_model_items() if k in self.frozen_keys]
 
 
 _PLAN_ATTR = "_trainwell_checkpoint_plan"
 
 
-def plan_for(model, include_optimizer: bool) -> Plan:
+def plan_for(model, include_optimizer: bool, frozen=None) -> Plan:
     """`model`'s `Plan`, kept on the model while its variables stay the same.
 
     Each `fit` makes its own `Checkpoint`; keeping the plan (and the compiled
@@ -154,11 +183,12 @@ def plan_for(model, include_optimizer: bool) -> Plan:
     opt = getattr(model, "optimizer", None)
     key = (
         bool(include_optimizer),
+        frozen if frozen is None or isinstance(frozen, str) else tuple(frozen),
         tuple(id(v) for v in model.variables),
         tuple(id(v) for v in (opt.variables if opt is not None else ())),
         tuple(id(v) for v in model.metrics_variables),
     )
-    return kept_on_model(model, _PLAN_ATTR, key, lambda: Plan(model, include_optimizer=include_optimizer))
+    return kept_on_model(model, _PLAN_ATTR, key, lambda: Plan(model, include_optimizer=include_optimizer, frozen=frozen))
 
 
 def _plan_items(plan: Plan, *, weights_only: bool, include_metrics: bool) -> list[tuple[str, Any]]:
@@ -265,8 +295,49 @@ def restore_model_arrays(plan: Plan, arrays: dict, ckpt: str) -> None:
     _check_section(ckpt, "model weights", expected, saved)
     for path, obj, store in plan.layer_stores:
         prefix = f"model:{path}/" if path else "model:"
-        obj.load_own_variables({k: saved[prefix + str(k)] for k in store})
+        if any(prefix + str(k) in plan.frozen_keys for k in store):
+            # The layer keeps its frozen weights: its other variables are assigned one by one
+            # (`load_own_variables` takes all of them or none).
+            for k, v in store.items():
+                if prefix + str(k) not in plan.frozen_keys:
+                    v.assign(saved[prefix + str(k)])
+        else:
+            obj.load_own_variables({k: saved[prefix + str(k)] for k in store})
     _restore_replicas(list(plan.model_items()), arrays)
+
+
+def frozen_fingerprints(plan: Plan) -> dict:
+    """`{key: {"path", "sum", "sumsq"}}` of the frozen weights: what a resume checks them against.
+
+    Two float32 reductions per weight, computed where the weight lives (no copy to
+    the host): enough to tell another preset or a changed weight from the same one.
+    """
+    out = {}
+    for key, v in plan.frozen_items():
+        x = keras.ops.cast(v, "float32")
+        out[key] = {"path": str(getattr(v, "path", "")), "sum": float(keras.ops.sum(x)),
+                    "sumsq": float(keras.ops.sum(x * x))}
+    return out
+
+
+def changed_frozen(saved: dict, now: dict, rtol: float = 1e-5) -> list[str]:
+    """The keys of `saved` whose fingerprint differs from `now`'s (or that `now` lacks)."""
+    def close(a, b):
+        return abs(a - b) <= rtol * max(abs(a), abs(b), 1.0)
+    return sorted(k for k, f in saved.items()
+                  if k not in now or not (close(f["sum"], now[k]["sum"]) and close(f["sumsq"], now[k]["sumsq"])))
+
+
+def check_frozen(plan: Plan, meta: dict, ckpt: str) -> None:
+    """Raises `CheckpointMismatchError` when the model's frozen weights are not those `meta` was written with."""
+    saved = meta.get("frozen") or {}
+    bad = changed_frozen(saved, frozen_fingerprints(plan))
+    if bad:
+        raise CheckpointMismatchError(
+            f"Checkpoint {ckpt!r} holds no frozen weights (frozen_weights), and the model's differ from those it "
+            f"was written beside: {bad[:5]}{' ...' if len(bad) > 5 else ''}. Build the model from the same "
+            "pretrained weights (preset) before resuming or loading."
+        )
 
 
 def restore_vars(items: list[tuple[str, Any]], arrays: dict, ckpt: str, section: str, prefix: str) -> None:
@@ -332,6 +403,11 @@ def json_safe(obj):
     return json.loads(json.dumps(obj, allow_nan=True))
 
 
+def frozen_keys_of(meta: dict) -> list[str]:
+    """The keys of the weights a checkpoint left out (`frozen_weights`)."""
+    return list(meta.get("frozen") or {})
+
+
 def load_checkpoint(path: str | os.PathLike, model, include_optimizer: bool = False) -> dict:
     """Loads the weights of a checkpoint into a built `model` (e.g. for inference).
 
@@ -368,7 +444,8 @@ def load_checkpoint(path: str | os.PathLike, model, include_optimizer: bool = Fa
     if include_optimizer and model.optimizer is not None and not model.optimizer.built:
         with strategy_scope(model):
             model.optimizer.build(model.trainable_variables)
-    plan = Plan(model, include_optimizer=include_optimizer)
+    plan = Plan(model, include_optimizer=include_optimizer, frozen_keys=frozen_keys_of(meta))
+    check_frozen(plan, meta, str(ckpt))
     restore_model_arrays(plan, arrays, str(ckpt))
     if include_optimizer:
         restore_vars(plan.opt_vars, arrays, str(ckpt), "optimizer", "opt:")

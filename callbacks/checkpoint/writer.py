@@ -44,7 +44,16 @@ from trainwell.callbacks.checkpoint.files import (
     seal,
     zip_crcs,
 )
-from trainwell.callbacks.checkpoint.state import Plan, capture, host, json_safe, plan_for, rng_capture
+from trainwell.callbacks.checkpoint.state import (
+    Plan,
+    capture,
+    changed_frozen,
+    frozen_fingerprints,
+    host,
+    json_safe,
+    plan_for,
+    rng_capture,
+)
 from trainwell.compat.backend import sync_variables
 from trainwell.compat.learning_rate import get_lr_multiplier
 from trainwell import storage
@@ -68,7 +77,24 @@ class CheckpointWriter:
 
 
     def _plan(self) -> Plan:
-        return plan_for(self.model, include_optimizer=not self.weights_only)
+        return plan_for(self.model, include_optimizer=not self.weights_only, frozen=self.frozen_weights)
+
+
+    def _frozen_meta(self) -> dict:
+        """The frozen weights' fingerprints; raises if one changed since this fit began."""
+        if self.frozen_weights is None:
+            return {}
+        now = frozen_fingerprints(self._plan())
+        if self._frozen_at_start is None:  # the first call of a fit: at its start (`on_train_begin`)
+            self._frozen_at_start = now
+        changed = changed_frozen(self._frozen_at_start, now)
+        if changed:
+            raise ValueError(
+                f"Checkpoint: {len(changed)} weight(s) of frozen_weights={self.frozen_weights!r} changed during "
+                f"training, so a checkpoint without them would not resume: {changed[:3]}. BatchNorm's moving "
+                "statistics are non-trainable yet updated; list the frozen weights' paths instead."
+            )
+        return now
 
 
     def _callback_states(self) -> dict:
@@ -127,6 +153,9 @@ class CheckpointWriter:
             "keras_version": keras.__version__,
             "arrays": {},
         }
+        frozen = self._frozen_meta()
+        if frozen:
+            meta["frozen"] = frozen
         if not self.weights_only:
             meta["rng"] = rng_meta
             meta["callbacks"] = self._callback_states()

@@ -1098,11 +1098,11 @@ def test_steps_where_nothing_is_due_take_the_fast_path(tmp_path):
 
 def test_get_config_and_state_round_trip(tmp_path):
     cb = Checkpoint(tmp_path, save_every=7, keep_last=2, keep_best=0, monitor="loss", mode="min",
-                    weights_only=True, async_save=True, config={"a": 1}, resume=False, warm_start_warmup_steps=3,
-                    verbose=0)
+                    weights_only=True, frozen_weights="non_trainable", async_save=True, config={"a": 1}, resume=False,
+                    warm_start_warmup_steps=3, verbose=0)
     cfg = cb.get_config()
     assert cfg == {"directory": str(tmp_path), "save_every": 7, "keep_last": 2, "keep_best": 0, "monitor": "loss",
-                   "mode": "min", "weights_only": True, "async_save": True, "config": {"a": 1}, "resume": False,
+                   "mode": "min", "weights_only": True, "frozen_weights": "non_trainable", "async_save": True, "config": {"a": 1}, "resume": False,
                    "warm_start_warmup_steps": 3, "verbose": 0}
     assert Checkpoint.from_config(cfg).get_config() == cfg
     state = {"global_step": 12, "epoch": 1, "step_in_epoch": 2, "last_save_step": 10,

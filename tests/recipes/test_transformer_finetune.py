@@ -10,6 +10,8 @@ import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here may reach a model hub
 
+from trainwell.callbacks.checkpoint import list_checkpoints
+from trainwell.callbacks.checkpoint.files import read_checkpoint
 from trainwell.config import ConfigError
 from trainwell.recipes import transformer_finetune as recipe
 
@@ -238,6 +240,13 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tiny, tmp_path, lora):
     assert not (tmp_path / "crash.npz").exists()
     index = json.loads((tmp_path / "crash" / "checkpoints" / "checkpoint.json").read_text())["checkpoints"]
     assert spe < max(int(c["global_step"]) for c in index) < spe + 5  # a mid-epoch-2 checkpoint
+    if lora:  # the checkpoint holds what trains, not the frozen base (its fingerprints only)
+        meta, arrays = read_checkpoint(max(list_checkpoints(tmp_path / "crash" / "checkpoints"),
+                                           key=lambda c: int(c["global_step"]))["path"])
+        model_keys = [k for k in arrays if k.startswith("model:")]
+        assert meta["frozen"] and not set(meta["frozen"]) & set(arrays)
+        assert len(model_keys) + len(meta["frozen"]) == len(recipe.build_model(cfg, 2).weights)
+        assert len(model_keys) < len(meta["frozen"])
     resumed = _subprocess(_train_code(crash_kw, tmp_path / "crash.npz"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "HISTORY 2" in resumed.stdout  # the whole history, the epoch before the crash included
