@@ -110,6 +110,19 @@ def test_the_recipe_trains_an_epoch_from_prepared_shards(prepared, tmp_path):
     assert np.isfinite(run.metrics["test_loss"])
 
 
+def test_tfrecord_and_tfds_sources(prepared, tmp_path):
+    # A prepared folder is a TFRecord source like any other: its classes and held-out split carry over.
+    again = prepare_images(prepared[0].directory, tmp_path / "smaller", max_side=12, verbose=0)
+    assert again.index["source"].startswith("tfrecord:") and again.index["class_names"] == ["c0", "c1"]
+    assert again.index["counts"] == {"train": 20, "test": 2}
+    assert max(min(tf.image.extract_jpeg_shape(d).numpy()[:2]) for d, _ in _records(tmp_path / "smaller")) <= 12
+    tfds = pytest.importorskip("tensorflow_datasets")
+    with tfds.testing.mock_data(num_examples=5):
+        cifar = prepare_images("tfds:cifar10", tmp_path / "cifar", max_side=16, verbose=0)
+    assert cifar.index["counts"] == {"train": 5, "test": 5} and len(cifar.index["class_names"]) == 10
+    assert {tuple(tf.image.extract_jpeg_shape(d).numpy()) for d, _ in _records(tmp_path / "cifar")} == {(16, 16, 3)}
+
+
 def test_a_changed_shard_fails_verification(prepared, tmp_path):
     dst = tmp_path / "copy"
     shutil.copytree(prepared[0].directory, dst)
