@@ -418,7 +418,9 @@ def _existing(dst: str, plan: dict) -> dict | None:
         if {k: index.get(k) for k in _PLAN_KEYS} != plan:
             raise DataError(f"{dst!r} holds images prepared with other arguments "
                             f"({ {k: index.get(k) for k in _PLAN_KEYS} }); choose another folder or remove it.")
-        return verify_prepared(dst)
+        index = verify_prepared(dst)
+        shutil.rmtree(os.path.join(dst, PARTIAL_DIR), ignore_errors=True)  # a kill after the index was written
+        return index
     if os.path.isdir(dst):
         others = [n for n in os.listdir(dst) if n != PARTIAL_DIR
                   and not n.startswith(tuple(f"{prefix}-" for _, prefix in SPLIT_PREFIXES))]
