@@ -442,8 +442,11 @@ def lr_find_setup(cfg: Config):
 
 
 # --------------------------------------------------------------------------- callbacks
-def build_callbacks(cfg: Config, run_dir, schedule=None, chief: bool = True) -> list:
+def build_callbacks(cfg: Config, run_dir, schedule=None, chief: bool = True, lora: bool = False) -> list:
     """trainwell's reliability stack, following the held-out `val_token_loss` (lower is better).
+
+    With `lora` (the model trains adapters), checkpoints leave the frozen base out
+    (`Checkpoint(frozen_weights="non_trainable")`): a resume rebuilds it from the preset.
 
     Example:
     >>> cbs = build_callbacks(Config(validate_data=False), "/tmp/run")  # doctest: +SKIP
@@ -454,7 +457,7 @@ def build_callbacks(cfg: Config, run_dir, schedule=None, chief: bool = True) -> 
         cfg, run_dir, monitor="val_token_loss", mode="min", schedule=schedule,
         checkpoint_every=cfg.checkpoint_every, keep_last=cfg.keep_last, nan_rollback=cfg.nan_rollback,
         snapshot_every=cfg.snapshot_every, early_stopping_patience=cfg.early_stopping_patience,
-        doctor=cfg.doctor, chief=chief,
+        doctor=cfg.doctor, chief=chief, frozen_weights="non_trainable" if lora else None,
     )
 
 
@@ -492,7 +495,8 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
             if cfg.peak_lr is None:  # known once the model says LoRA or not; checkpoints and a divergence hint read it
                 cfg.peak_lr = default_peak_lr(_lora_on(model))
             compile_model(cfg, model, steps)
-        cbs = build_callbacks(cfg, ctx.run_dir, schedule=raw_learning_rate(model.optimizer), chief=ctx.is_chief)
+        cbs = build_callbacks(cfg, ctx.run_dir, schedule=raw_learning_rate(model.optimizer), chief=ctx.is_chief,
+                              lora=_lora_on(model))
         cbs += list(callbacks or ())
         total = phase_steps(cfg, steps)[0]
         epochs = -(-total // steps)

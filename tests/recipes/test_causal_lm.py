@@ -10,6 +10,8 @@ import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here may reach a model hub
 
+from trainwell.callbacks.checkpoint import latest_checkpoint
+from trainwell.callbacks.checkpoint.files import read_checkpoint
 from trainwell.config import ConfigError
 from trainwell.data.base import DataError
 from trainwell.recipes import causal_lm as recipe
@@ -254,6 +256,10 @@ def test_lora_run_evaluates_perplexity_writes_samples_and_exports_merged(tiny, t
     exported = keras_hub.models.CausalLM.from_preset(str(run.run_dir / "model"))
     assert not any("lora" in v.path for v in exported.weights) and exported.preprocessor is not None
     np.testing.assert_allclose(exported.backbone(x), run.model.backbone(x), rtol=1e-4, atol=1e-5)
+    # the checkpoints hold what trains, the frozen base only as fingerprints
+    meta, arrays = read_checkpoint(latest_checkpoint(run.run_dir / "checkpoints"))
+    assert meta["frozen"] and not set(meta["frozen"]) & set(arrays)
+    assert 0 < len([k for k in arrays if k.startswith("model:")]) < len(meta["frozen"])
 
 
 def _cli(*args, timeout=120):
