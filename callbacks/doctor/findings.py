@@ -97,6 +97,9 @@ ADVICE: dict[str, tuple[list[str], list[str]]] = {
         ["slow data pipeline (decoding, augmentation, Python generator) without prefetch or parallelism"],
         [
             "prefetch: `dataset.prefetch(tf.data.AUTOTUNE)` as the last step of the pipeline",
+            "measure it per stage: `trainwell input-report RECIPE --config FILE --target N` (images/s and "
+            "images per CPU-second of each stage, the slowest one, the cores N images/s take); when decode is "
+            "the slowest, `trainwell prepare-images SRC DST --max-side 256` and train on `tfrecord:DST`",
             "parallelise preprocessing: `dataset.map(fn, num_parallel_calls=tf.data.AUTOTUNE)`",
             "cache decoded data: `dataset.cache()` (in memory or to a file) before augmentation",
             "move augmentation onto the accelerator (Keras preprocessing layers inside the model)",

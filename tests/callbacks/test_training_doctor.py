@@ -262,6 +262,7 @@ def test_slow_pipeline_is_input_bound():
     f = only(doctor, "input_bound")
     assert f.evidence["wait_fraction"] > 0.5 and f.evidence["step_ms"] > 15
     assert "prefetch" in f.fixes[0]
+    assert any("trainwell input-report" in fix for fix in f.fixes)  # the per-stage measurement (#35)
 
 
 def test_same_model_without_the_delay_is_not_input_bound():
