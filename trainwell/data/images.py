@@ -88,13 +88,12 @@ from trainwell.data.image_sources import (
     IMAGENET_TRAIN_EXAMPLES,
     IMAGENET_VAL_EXAMPLES,
     SPLITS,
-    TFRECORD_IMAGE_KEY,
-    TFRECORD_LABEL_KEY,
     Source,
     Split,
     open_source,
 )
 from trainwell.data.sources import AUGMENTATIONS, DataError
+from trainwell.data.service import distribute
 from trainwell.data.synthetic import synthetic_datasets
 from trainwell.validation import invalid_argument, is_int, is_number
 
@@ -300,6 +299,7 @@ def build_image_datasets(
     crop_padding: int | None = None,
     train_size: Any = None,
     start_at: Any = None,
+    data_service: str | None = None,
 ) -> ImageDatasets:
     """Builds train/val/test image classification datasets and their metadata.
 
@@ -369,6 +369,9 @@ def build_image_datasets(
             its iterator only; `trainwell.data.epoch_start.EpochStart`). The training dataset
             then reads, checks and drops bad records before decoding (the same examples,
             in the same order). Not under FILE auto-sharding. Defaults to `None`.
+        data_service: A tf.data service dispatcher, `"grpc://HOST:PORT"`: the training examples are
+            read, decoded and augmented on its workers, each once per epoch in an order that is not
+            deterministic (`trainwell.data.service`), and batched here; not with `start_at`. Defaults to `None`.
 
     Returns:
         An `ImageDatasets`.
@@ -428,7 +431,7 @@ def build_image_datasets(
     pipeline = _Pipeline(
         src=src, transform=transform, skips=skips, shard=shard, options=_shard_options(src, shard, deterministic),
         batch_size=batch_size, seed=seed, cache=cache, shuffle_buffer=shuffle_buffer,
-        label_offset=1 if label_offset is None else label_offset, start_at=start_at,
+        label_offset=1 if label_offset is None else label_offset, start_at=start_at, data_service=data_service,
     )
 
     counts = {s: (src.splits[s].count if src.splits[s] is not None else 0) for s in SPLITS}
@@ -547,6 +550,7 @@ class _Pipeline:
     shuffle_buffer: int
     label_offset: int
     start_at: Any = None
+    data_service: str | None = None
 
     @property
     def file_sharded(self) -> bool:
@@ -561,19 +565,7 @@ class _Pipeline:
         """`(payload, label) -> (encoded image bytes, label)` for records of `split_kind`."""
         if split_kind == "path":
             return lambda payload, label: (tf.io.read_file(payload), label)
-        if split_kind == "example":
-            # Defaults instead of errors: a record without image or label is flagged and counted.
-            spec = {
-                TFRECORD_IMAGE_KEY: tf.io.FixedLenFeature([], tf.string, default_value=""),
-                TFRECORD_LABEL_KEY: tf.io.FixedLenFeature([], tf.int64, default_value=-(10**9)),
-            }
-            label_offset = self.label_offset
-
-            def parse(payload, label):
-                ex = tf.io.parse_single_example(payload, spec)
-                return ex[TFRECORD_IMAGE_KEY], ex[TFRECORD_LABEL_KEY] - label_offset
-
-            return parse
+        # TFRecords come parsed (image bytes, label - label_offset): the source parses them in batches.
         return lambda payload, label: (payload, label)
 
     def records(self, rec: Split, ordered: bool = False):
@@ -744,7 +736,10 @@ class _Pipeline:
             ds, batches = ds.repeat(), None  # a repeat of a pass that yields nothing ends
         elif batches is not None and encoded:
             ds = ds.concatenate(self.drop_flagged(self.augmented(rec, top_up=True)).repeat())
-        return self.finish(ds, "train", batches=batches)
+        if self.data_service is None:
+            return self.finish(ds, "train", batches=batches)
+        ds = self.finish(distribute(ds, self.data_service), "train", batches=batches)  # its length: unknown
+        return ds if batches is None else ds.apply(tf.data.experimental.assert_cardinality(batches))
 
     def evaluation_examples(self, split, rec: Split):
         """`(image, label)` of each readable example of an evaluation split, once, in order

@@ -1,0 +1,182 @@
+"""tf.data service: a local dispatcher and workers, and sending a pipeline's work to them.
+
+`tf.data.experimental.service` runs a dataset's graph on worker processes (other CPU
+hosts, or more processes of a big one) and streams its elements to the trainer over
+gRPC. trainwell uses one processing mode, `ShardingPolicy.DYNAMIC` ("distributed
+epoch"), and this is what an epoch means with it:
+
+- **Each example once per epoch.** The dispatcher splits the dataset's source (the
+  records or arrays before any shuffle) and hands the splits to the workers as they
+  ask; every iteration of the distributed dataset (Keras makes one per epoch) is a
+  new job that visits each source element exactly once, whatever the number of
+  workers. (`ShardingPolicy.OFF` would make every worker produce the whole dataset:
+  each example N times per epoch with N workers, wrong for training.)
+- **Order not deterministic.** Which worker gets which split, and which worker's
+  element reaches the trainer first, depends on timing: two runs see the same
+  examples per epoch in different orders (and shuffles and augmentation seeds drawn
+  inside the pipeline run on the workers, per job).
+- **Resume.** A resume with the service is exact in the epoch and in the number of
+  examples trained, not in their order: bit-identical resume needs the in-process
+  pipeline (no `data_service`).
+
+`start_local_service` starts a dispatcher and N workers on 127.0.0.1 (tests, one big
+host); `trainwell data-service --workers N` does it from the command line. On several
+hosts, start a `DispatchServer` on one and `WorkerServer`s on the others (see
+docs/recipes.md); the trainer only needs the dispatcher's `grpc://HOST:PORT`.
+
+Example:
+>>> import tensorflow as tf
+>>> with start_local_service(workers=2) as service:
+...     ds = distribute(tf.data.Dataset.range(6), service.target)
+...     sorted(int(x) for x in ds)
+[0, 1, 2, 3, 4, 5]
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import tensorflow as tf
+
+from trainwell.validation import invalid_argument, is_int
+
+__all__ = ["PROCESSING_MODE", "LocalService", "check_target", "distribute", "start_local_service"]
+
+#: The processing mode of `distribute`: each source element once per epoch, order not deterministic.
+PROCESSING_MODE = tf.data.experimental.service.ShardingPolicy.DYNAMIC
+
+_TARGET_RE = re.compile(r"^grpc://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})$")
+
+
+def check_target(target: Any, name: str = "data_service") -> str:
+    """Checks a tf.data service address `grpc://HOST:PORT`; returns it, else raises a one-line ValueError.
+
+    Args:
+        target: The address to check.
+        name: The argument's name in the message. Defaults to `"data_service"`.
+
+    Example:
+    >>> check_target("grpc://10.0.0.5:5050")
+    'grpc://10.0.0.5:5050'
+    >>> check_target("10.0.0.5:5050")
+    Traceback (most recent call last):
+    ...
+    ValueError: Invalid value for argument `data_service`. Expected a tf.data service dispatcher address 'grpc://HOST:PORT' (port 1-65535). Received: data_service='10.0.0.5:5050'
+    """
+    m = _TARGET_RE.fullmatch(target) if isinstance(target, str) else None
+    if m is None or not 1 <= int(m.group("port")) <= 65535:
+        raise invalid_argument(name, "a tf.data service dispatcher address 'grpc://HOST:PORT' (port 1-65535)", target)
+    return target
+
+
+class LocalService:
+    """A tf.data service dispatcher and its workers in this process, on 127.0.0.1.
+
+    Made by `start_local_service`. `target` is the dispatcher's `grpc://127.0.0.1:PORT`;
+    `stop()` (or leaving the `with` block) stops the workers, then the dispatcher.
+
+    Args:
+        dispatcher: The `tf.data.experimental.service.DispatchServer`.
+        workers: Its `WorkerServer`s.
+
+    Example:
+    >>> with start_local_service(workers=1) as service:
+    ...     service.target.startswith("grpc://127.0.0.1:")
+    True
+    """
+
+    def __init__(self, dispatcher, workers) -> None:
+        self.dispatcher = dispatcher
+        self.workers = list(workers)
+        port = dispatcher.target.rpartition(":")[2]
+        self.target = f"grpc://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        """Stops the workers, then the dispatcher (idempotent)."""
+        for w in self.workers:
+            w._stop()  # the public API has only `join`; tf.data's own tests stop servers this way
+        self.workers = []
+        if self.dispatcher is not None:
+            self.dispatcher._stop()
+            self.dispatcher = None
+
+    def join(self) -> None:
+        """Blocks until the dispatcher stops (the `trainwell data-service` command waits here)."""
+        self.dispatcher.join()
+
+    def __enter__(self) -> "LocalService":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_local_service(workers: int = 1, port: int = 0) -> LocalService:
+    """Starts a tf.data service dispatcher and `workers` workers on 127.0.0.1.
+
+    Args:
+        workers: Number of worker servers, >= 1. Defaults to `1`.
+        port: The dispatcher's port; `0` picks a free one. Defaults to `0`. The workers
+            always take free ports.
+
+    Returns:
+        A `LocalService` (a context manager) whose `target` goes to `distribute` or to the
+        ResNet recipe's `data_service`.
+
+    Example:
+    >>> service = start_local_service(workers=2)
+    >>> len(service.workers)
+    2
+    >>> service.stop()
+    """
+    if not is_int(workers) or workers < 1:
+        raise invalid_argument("workers", "an int >= 1", workers)
+    if not is_int(port) or not 0 <= port <= 65535:
+        raise invalid_argument("port", "an int in [0, 65535] (0: a free port)", port)
+    svc = tf.data.experimental.service
+    dispatcher = svc.DispatchServer(svc.DispatcherConfig(port=int(port)))
+    address = "127.0.0.1:" + dispatcher.target.rpartition(":")[2]
+    started = []
+    try:
+        for _ in range(int(workers)):
+            started.append(svc.WorkerServer(svc.WorkerConfig(
+                dispatcher_address=address, worker_address="127.0.0.1:%port%", port=0)))
+    except Exception:
+        for w in started:
+            w._stop()
+        dispatcher._stop()
+        raise
+    return LocalService(dispatcher, started)
+
+
+def distribute(dataset: tf.data.Dataset, target: str, job_name: str | None = None) -> tf.data.Dataset:
+    """`dataset`, produced by the tf.data service at `target` in `PROCESSING_MODE` (DYNAMIC).
+
+    Each iteration of the result is a job (a named one is shared by the trainers that
+    use the same `job_name`) that reads every element of `dataset`'s source once,
+    split across the workers, in an order that is not deterministic (see the module
+    docstring). `dataset`'s source must be splittable (ranges, tensor slices, files
+    read with `TFRecordDataset`...): tf.data raises at the first iteration otherwise.
+
+    Args:
+        dataset: The `tf.data.Dataset` whose graph the workers run.
+        target: The dispatcher, `"grpc://HOST:PORT"`.
+        job_name: Name of a job shared between trainers. Defaults to `None` (a new
+            anonymous job per iteration).
+
+    Returns:
+        The distributed `tf.data.Dataset` (its cardinality is unknown).
+
+    Example:
+    >>> with start_local_service(workers=1) as service:
+    ...     len(list(distribute(tf.data.Dataset.range(4).map(lambda x: x * 2), service.target)))
+    4
+    """
+    if not isinstance(dataset, tf.data.Dataset):
+        raise invalid_argument("dataset", "a tf.data.Dataset", dataset)
+    check_target(target, "target")
+    if job_name is not None and (not isinstance(job_name, str) or not job_name):
+        raise invalid_argument("job_name", "None or a non-empty str", job_name)
+    return dataset.apply(tf.data.experimental.service.distribute(
+        processing_mode=PROCESSING_MODE, service=target, job_name=job_name))
