@@ -74,7 +74,7 @@ def _stage_datasets(cfg, data) -> dict[str, Any]:
     import tensorflow as tf
 
     from trainwell.data.image_ops import Transform, center_window, decode_window, inception_window, valid_image
-    from trainwell.data.image_sources import TFRECORD_IMAGE_KEY, TFRECORD_LABEL_KEY, open_source
+    from trainwell.data.image_sources import open_source
     from trainwell.data.images import EVAL_CROP_FRACTION, SMALL_IMAGE_MAX
     from trainwell.recipes.resnet_imagenet import TEST_FRACTION
 
@@ -87,17 +87,12 @@ def _stage_datasets(cfg, data) -> dict[str, Any]:
                           eval_crop_fraction=EVAL_CROP_FRACTION if cfg.image_size > SMALL_IMAGE_MAX else 1.0,
                           mean=data.mean, std=data.std, num_classes=data.num_classes, one_hot=True,
                           crop_padding=cfg.crop_padding)
-    spec = {TFRECORD_IMAGE_KEY: tf.io.FixedLenFeature([], tf.string, default_value=""),
-            TFRECORD_LABEL_KEY: tf.io.FixedLenFeature([], tf.int64, default_value=0)}
     encoded = rec.kind != "array"
 
     def read(payload, label, key):
         if rec.kind == "path":
             return tf.io.read_file(payload), label
-        if rec.kind == "example":
-            ex = tf.io.parse_single_example(payload, spec)
-            return ex[TFRECORD_IMAGE_KEY], ex[TFRECORD_LABEL_KEY] - 1
-        return payload, label
+        return payload, label  # TFRecords come parsed by the source (image bytes, label)
 
     def seeded(i, element):
         return (*element, tf.stack([tf.constant(cfg.seed, tf.int64), i]))
