@@ -18,6 +18,7 @@ import dataclasses
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -34,6 +35,7 @@ from trainwell.config import (
 )
 from trainwell.data import embedded
 from trainwell.data.resizing import check_size_schedule
+from trainwell.data.service import check_target
 from trainwell.data.sources import AUGMENTATIONS, check_image_source
 from trainwell.models.specs import RESNET_DEPTHS
 
@@ -134,6 +136,9 @@ class Config(BaseConfig):
     crop_padding: Optional[int] = None  # pad-crop shift in px; None: image_size/8 (He et al. CIFAR: 4 at 32)
     cache: bool = False
     val_fraction: float = 0.1  # carved from train when the source has no validation split
+    # tf.data service dispatcher "grpc://HOST:PORT" (`trainwell data-service`): training examples are decoded and
+    # augmented on its workers, each once per epoch in an order that is not deterministic; None: in-process
+    data_service: Optional[str] = None
     # -- performance
     jit_compile: Optional[bool] = None  # None: Keras's "auto"
     steps_per_execution: Optional[int] = None  # None: 8 on a GPU/TPU, 1 on CPUs (harness.steps_per_execution)
@@ -213,6 +218,13 @@ class Config(BaseConfig):
         if self.augment is not None:
             check_choice(self, "augment", AUGMENTATIONS)
         check_dir_path(self.data_dir, "data_dir")  # a file, or a directory this process cannot read
+        if self.data_service is not None:
+            try:
+                check_target(self.data_service)
+            except ValueError:
+                raise_invalid("data_service", self.data_service, "a tf.data service dispatcher 'grpc://HOST:PORT', or null")
+            if self.image_size_schedule is not None:  # the epoch's side is a variable of this process
+                raise_invalid("data_service", self.data_service, "null with image_size_schedule (not supported together yet)")
         check_image_source(self.dataset, self.data_dir)  # names, paths, the folder's classes
         self._check_batch_fits()
 
@@ -307,6 +319,7 @@ def build_data(cfg: Config, input_context=None, train_size=None, start=None):
         one_hot=True,
         train_size=None if train_size is None else train_size.variable,
         start_at=None if start is None else start.variable,
+        data_service=cfg.data_service,
     )
 
 
@@ -584,7 +597,10 @@ def train(cfg: Config | None = None, *, callbacks=None, model_hook=None, segment
     with harness.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
         sizes = epoch_image_size(cfg)
         start, skip = data_start(cfg, ctx.run_dir / "checkpoints")
-        data = build_data(cfg, train_size=sizes, start=start)
+        if cfg.data_service and (start.epoch or skip):  # `Checkpoint` takes the trained batches from the service
+            warnings.warn(f"Resuming with data_service={cfg.data_service!r}: the epoch and the examples trained are "
+                          "exact, their order is not; a bit-identical resume needs data_service=null.", stacklevel=2)
+        data = build_data(cfg, train_size=sizes, start=None if cfg.data_service else start)
         steps = training_steps(cfg, data)
         # Exact resume: the resumed epoch sees the same order and augmentation as it would have.
         train_ds = harness.advance_epochs(data.train, start.epoch)

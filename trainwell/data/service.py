@@ -37,14 +37,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import tensorflow as tf
-
 from trainwell.validation import invalid_argument, is_int
 
 __all__ = ["PROCESSING_MODE", "LocalService", "check_target", "distribute", "start_local_service"]
 
-#: The processing mode of `distribute`: each source element once per epoch, order not deterministic.
-PROCESSING_MODE = tf.data.experimental.service.ShardingPolicy.DYNAMIC
+#: The processing mode of `distribute` (`ShardingPolicy.DYNAMIC`): each source element once per
+#: epoch, order not deterministic.
+PROCESSING_MODE = "distributed_epoch"
 
 _TARGET_RE = re.compile(r"^grpc://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})$")
 
@@ -134,6 +133,8 @@ def start_local_service(workers: int = 1, port: int = 0) -> LocalService:
         raise invalid_argument("workers", "an int >= 1", workers)
     if not is_int(port) or not 0 <= port <= 65535:
         raise invalid_argument("port", "an int in [0, 65535] (0: a free port)", port)
+    import tensorflow as tf  # lazy: a config checks its `data_service` address (`check_target`) without TensorFlow
+
     svc = tf.data.experimental.service
     dispatcher = svc.DispatchServer(svc.DispatcherConfig(port=int(port)))
     address = "127.0.0.1:" + dispatcher.target.rpartition(":")[2]
@@ -150,7 +151,7 @@ def start_local_service(workers: int = 1, port: int = 0) -> LocalService:
     return LocalService(dispatcher, started)
 
 
-def distribute(dataset: tf.data.Dataset, target: str, job_name: str | None = None) -> tf.data.Dataset:
+def distribute(dataset: "tf.data.Dataset", target: str, job_name: str | None = None) -> "tf.data.Dataset":
     """`dataset`, produced by the tf.data service at `target` in `PROCESSING_MODE` (DYNAMIC).
 
     Each iteration of the result is a job (a named one is shared by the trainers that
@@ -169,10 +170,13 @@ def distribute(dataset: tf.data.Dataset, target: str, job_name: str | None = Non
         The distributed `tf.data.Dataset` (its cardinality is unknown).
 
     Example:
+    >>> import tensorflow as tf
     >>> with start_local_service(workers=1) as service:
     ...     len(list(distribute(tf.data.Dataset.range(4).map(lambda x: x * 2), service.target)))
     4
     """
+    import tensorflow as tf  # lazy, as in `start_local_service`
+
     if not isinstance(dataset, tf.data.Dataset):
         raise invalid_argument("dataset", "a tf.data.Dataset", dataset)
     check_target(target, "target")
