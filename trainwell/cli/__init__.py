@@ -9,6 +9,7 @@ names are re-exported here). The work itself is in the recipes, `trainwell.tunin
     trainwell resume RUN_DIR [--set key=value ...]
     trainwell tune RECIPE --tuner {random,bayesian,hyperband,pbt} ...
     trainwell lr-find RECIPE [--config FILE] [--set key=value ...]
+    trainwell data-service --workers N [--port P]
     trainwell info
 
 Exit status: 0 success; 1 the run failed (the error is printed); 2 bad input: a
@@ -60,6 +61,7 @@ from trainwell.cli.lr_find import (  # noqa: F401 (public names of `trainwell.cl
     lr_find_main,
     write_config_value,
 )
+from trainwell.cli.data_service import add_data_service_parser
 from trainwell.cli.input_report import add_input_report_parser
 from trainwell.cli.prepare import add_prepare_parser
 from trainwell.config import (
@@ -572,6 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     lf.set_defaults(func=cmd_lr_find)
     add_prepare_parser(sub)
     add_input_report_parser(sub)
+    add_data_service_parser(sub)
 
     i = sub.add_parser("info", help="versions, devices, precision support, embedded data")
     i.add_argument("--json", action="store_true")
