@@ -71,6 +71,7 @@ from trainwell.config import (
     config_error,
     raise_invalid,
 )
+from trainwell import runtime
 from trainwell.data import instructions
 from trainwell.data.base import resolve_path
 from trainwell.io import atomic_write_text
@@ -359,6 +360,20 @@ def build_model(cfg: Config):
     return model
 
 
+def backbone_class(cfg: Config):
+    """The preset's keras-hub `Backbone` class, read from its config without building it.
+
+    Example:
+    >>> backbone_class(cfg).__name__  # doctest: +SKIP
+    'GemmaBackbone'
+    """
+    # keras-hub has no public way to name a preset's backbone class without loading its
+    # weights; CausalLM.from_preset asks its preset loader, as this does
+    from keras_hub.src.utils.preset_utils import get_preset_loader  # lazy: it imports Keras
+
+    return get_preset_loader(_preset(cfg.preset)).check_backbone_class()
+
+
 def _lora_on(model) -> bool:
     return any("lora_" in v.path for v in model.weights)
 
@@ -489,7 +504,8 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
         preprocessor = build_preprocessor(cfg)
         data_ = build_data(cfg, preprocessor)
         steps = data_.steps_per_epoch
-        train_ds = harness.advance_epochs(data_.train, harness.resume_epoch(ctx.run_dir / "checkpoints"))
+        train_ds = harness.advance_epochs(data_.train, harness.resume_epoch(harness.checkpoint_dir(ctx.run_dir)))
+        runtime.use_backbone_layout(ctx.strategy, backbone_class(cfg))  # model_parallel:DxM: before the build
         with ctx.strategy.scope():
             model = build_model(cfg)
             if cfg.peak_lr is None:  # known once the model says LoRA or not; checkpoints and a divergence hint read it

@@ -33,9 +33,10 @@ from trainwell.validation import invalid_argument
 
 #: Seeds go to `random`, NumPy and TensorFlow; NumPy's legacy seed takes 32 bits.
 MAX_SEED = 2**32 - 1
-STRATEGY_SPECS = ("auto", "mirrored", "multiworker", "tpu", "one_device", "cpu:N")
+STRATEGY_SPECS = ("auto", "mirrored", "multiworker", "tpu", "one_device", "cpu:N", "model_parallel:DxM")
 PRECISION_SPECS = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
 _CPU_RE = re.compile(r"^cpu:(\d+)$")
+_MODEL_PARALLEL_RE = re.compile(r"^model_parallel:(\d+)x(\d+)$")
 
 
 def _backends():
@@ -53,12 +54,14 @@ def validate_strategy_spec(spec: Any) -> None:
     """
     if isinstance(spec, str):
         m = _CPU_RE.match(spec)
-        if spec in STRATEGY_SPECS[:-1] or (m and int(m.group(1)) >= 1):
+        mp = _MODEL_PARALLEL_RE.match(spec)
+        if (spec in STRATEGY_SPECS[:-2] or (m and int(m.group(1)) >= 1)
+                or (mp and min(int(mp.group(1)), int(mp.group(2))) >= 1)):
             return
     elif ("keras" in sys.modules or "tensorflow" in sys.modules) and _backends().is_strategy(spec):
         return  # a strategy exists only once Keras or TensorFlow is loaded: this check never loads them
     raise invalid_argument(
-        "strategy", f"one of {', '.join(repr(s) for s in STRATEGY_SPECS)} (N >= 1), a tf.distribute.Strategy "
+        "strategy", f"one of {', '.join(repr(s) for s in STRATEGY_SPECS)} (N, D, M >= 1), a tf.distribute.Strategy "
         "(TensorFlow backend) or a keras.distribution DataParallel/ModelParallel (JAX backend)", spec)
 
 
@@ -80,6 +83,9 @@ def make_strategy(spec: Any = "auto"):
             - `"one_device"`: `OneDeviceStrategy` on the first GPU, else the CPU.
             - `"cpu:N"`: N logical CPU devices mirrored, so data parallelism can be tested
               without GPUs. Must be requested before TensorFlow initialises.
+            - `"model_parallel:DxM"`: JAX backend only (a one-line error on TensorFlow):
+              a data x model device mesh whose layout comes from the model's backbone
+              (`use_backbone_layout`).
             - an existing `tf.distribute.Strategy`, returned as is.
             Defaults to `"auto"`.
 
@@ -104,6 +110,25 @@ def make_jax_strategy(spec: Any = "auto"):
     """
     validate_strategy_spec(spec)
     return _backends().jax_distribution.make_strategy(spec)
+
+
+def use_backbone_layout(strategy, backbone) -> None:
+    """Shards a `"model_parallel:DxM"` strategy's model by `backbone`'s keras-hub layout map; others: nothing.
+
+    Call it before building the model (`trainwell.compat.jax_distribution.use_backbone_layout`
+    says why the strategy waits for the backbone). A backbone without `get_layout_map`:
+    a one-line `ValueError` naming those that have one.
+
+    Args:
+        strategy: The strategy `make_strategy` returned.
+        backbone: The keras-hub `Backbone` class (or instance) the model will have.
+
+    Example:
+    >>> use_backbone_layout(None, object)  # not model parallel: nothing to do
+    """
+    if strategy is None:
+        return
+    _backends().jax_distribution.use_backbone_layout(strategy, backbone)
 
 
 def ensure_logical_cpus(n: int) -> list[str]:

@@ -99,6 +99,9 @@ def _make_tf_strategy(spec: Any, tf, collective_timeout):
         raise invalid_argument(
             "strategy", "a spec string or a tf.distribute.Strategy: a keras.distribution strategy needs Keras's "
             "JAX backend (KERAS_BACKEND=jax) and this process runs TensorFlow", spec)
+    if spec.startswith("model_parallel:"):
+        raise ValueError("strategy='model_parallel:DxM' runs on Keras's JAX backend only (KERAS_BACKEND=jax); "
+                         f"on TensorFlow use 'mirrored', 'multiworker' or 'cpu:N'. Received: strategy={spec!r}")
     if spec.startswith("cpu:"):
         devices = ensure_logical_cpus(int(spec[4:]))
         if len(devices) == 1:

@@ -28,6 +28,7 @@ from trainwell.validation import invalid_argument
 __all__ = [
     "KERAS_DISTRIBUTION_ENV", "JaxStrategy", "EvenBatchesDataParallel", "ensure_host_devices",
     "initialize_jax_processes", "make_strategy", "is_keras_distribution", "process_group",
+    "use_backbone_layout", "lora_layouts",
 ]
 
 #: Keras's own environment variables for `keras.distribution.initialize()` (JAX multi-process);
@@ -36,6 +37,9 @@ KERAS_DISTRIBUTION_ENV = (
     "KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_PROCESS_ID",
 )
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+_MODEL_PARALLEL_RE = re.compile(r"^model_parallel:(\d+)x(\d+)$")
+#: keras-hub 0.32's backbones with a `get_layout_map` (named in the error for one without).
+LAYOUT_MAP_BACKBONES = ("GemmaBackbone", "LlamaBackbone", "QwenBackbone", "QwenMoeBackbone", "Qwen3MoeBackbone")
 
 
 def is_keras_distribution(obj) -> bool:
@@ -55,9 +59,16 @@ class JaxStrategy:
     fit/evaluate** inside the scope: on JAX a `fit` outside it feeds every batch
     whole to every device (no data parallelism).
 
+    A model-parallel strategy (`make_strategy("model_parallel:DxM")`) starts with
+    a `mesh` and no distribution: its layout comes from the model's backbone, so
+    `use_backbone_layout` must give it one before the model is built (`scope()`
+    refuses until then).
+
     Args:
         distribution: A `keras.distribution.DataParallel` (or `ModelParallel`),
             or `None` for a single device. Defaults to `None`.
+        mesh: A `keras.distribution.DeviceMesh` with axes `("batch", "model")`
+            awaiting a backbone's layout, or `None`. Defaults to `None`.
 
     Example:
     >>> strategy = JaxStrategy()
@@ -67,17 +78,22 @@ class JaxStrategy:
     ...     model = build_model(); model.compile(...); model.fit(...)
     """
 
-    def __init__(self, distribution=None):
+    def __init__(self, distribution=None, mesh=None):
         if distribution is not None and not is_keras_distribution(distribution):
             raise invalid_argument("distribution", "a keras.distribution DataParallel/ModelParallel or None",
                                    distribution)
+        if mesh is not None and (not isinstance(mesh, keras.distribution.DeviceMesh)
+                                 or tuple(mesh.axis_names) != ("batch", "model")):
+            raise invalid_argument("mesh", "a keras.distribution.DeviceMesh with axis_names ('batch', 'model') "
+                                   "or None", mesh)
         self.distribution = distribution
+        self.mesh = mesh
 
     @property
     def num_replicas_in_sync(self) -> int:
         """Data-parallel replicas over every process (the devices of the mesh's batch axis)."""
         if self.distribution is None:
-            return 1
+            return 1 if self.mesh is None else int(self.mesh.shape[0])
         mesh = self.distribution.device_mesh
         return int(mesh.shape[mesh.axis_names.index(self.distribution.batch_dim_name)])
 
@@ -101,6 +117,11 @@ class JaxStrategy:
     def scope(self):
         """Makes the distribution current (Keras's `Distribution.scope()`); restores the previous one on exit."""
         if self.distribution is None:
+            if self.mesh is not None:
+                raise RuntimeError(
+                    f"strategy='model_parallel:{self.mesh.shape[0]}x{self.mesh.shape[1]}' has no layout yet: "
+                    "call trainwell.runtime.use_backbone_layout(strategy, backbone class) before building the "
+                    "model (the causal_lm recipe does).")
             yield self
             return
         with self.distribution.scope():
@@ -187,6 +208,9 @@ def make_strategy(spec: Any) -> JaxStrategy:
             - `"multiworker"`: `initialize_jax_processes()`, then `DataParallel` over
               every device of every process.
             - `"one_device"`: no distribution (JAX's default device).
+            - `"model_parallel:DxM"`: a `JaxStrategy` holding a `DeviceMesh` of shape
+              `(D, M)`, axes `("batch", "model")`, over every device (D * M of them);
+              `use_backbone_layout` then gives it the `ModelParallel` distribution.
             - `"cpu:N"`: `DataParallel` over N CPU devices (`ensure_host_devices`), so
               data parallelism can be tested without accelerators; N = 1: none.
             - a `JaxStrategy` (returned as is) or a `keras.distribution` `DataParallel`/`ModelParallel` (wrapped).
@@ -209,6 +233,8 @@ def make_strategy(spec: Any) -> JaxStrategy:
     # lazy: JAX loads with Keras's JAX backend only
     import jax
 
+    if spec.startswith("model_parallel:"):
+        return _model_parallel_mesh(spec, jax.devices())
     if spec.startswith("cpu:"):
         devices = ensure_host_devices(int(spec[4:]))
         if jax.distributed.is_initialized():
@@ -230,6 +256,85 @@ def make_strategy(spec: Any) -> JaxStrategy:
         if spec == "auto" and len(devices) == 1:
             return JaxStrategy(None)
     return _data_parallel(devices)
+
+
+def _model_parallel_mesh(spec: str, devices) -> JaxStrategy:
+    data, model = (int(g) for g in _MODEL_PARALLEL_RE.match(spec).groups())
+    if data * model != len(devices):
+        raise ValueError(f"strategy='model_parallel:DxM' needs D * M = {len(devices)} (the JAX devices there are). "
+                         f"Received: strategy={spec!r}")
+    mesh = keras.distribution.DeviceMesh(shape=(data, model), axis_names=("batch", "model"), devices=list(devices))
+    return JaxStrategy(mesh=mesh)
+
+
+def use_backbone_layout(strategy, backbone) -> None:
+    """Gives a model-parallel `strategy` its `ModelParallel` distribution from `backbone`'s layout map.
+
+    Why the strategy waits for the backbone: keras-hub's layout map is a static
+    method of the backbone class (`GemmaBackbone.get_layout_map(mesh)`), and Keras
+    places each variable when it is created, under the distribution then current,
+    so the layout must be known before the model is built but cannot be known
+    when the strategy is made (before the recipe reads its preset). A recipe
+    calls this with the preset's backbone class, then builds under
+    `strategy.scope()`; every other strategy is left as it is.
+
+    The layout map gains patterns for LoRA adapters (`lora_layouts`): keras-hub's
+    patterns end in `kernel` and, matched whole, miss `lora_kernel_a/b`.
+
+    Args:
+        strategy: A `JaxStrategy` (anything else, or one with no mesh: nothing happens).
+        backbone: A keras-hub `Backbone` class (or instance) with `get_layout_map`.
+
+    Example:
+    >>> strategy = make_strategy("model_parallel:2x4")  # doctest: +SKIP
+    >>> use_backbone_layout(strategy, keras_hub.models.GemmaBackbone)  # doctest: +SKIP
+    """
+    if not isinstance(strategy, JaxStrategy) or strategy.mesh is None:
+        return
+    get_layout_map = getattr(backbone, "get_layout_map", None)
+    if get_layout_map is None:
+        name = getattr(backbone, "__name__", type(backbone).__name__)
+        raise ValueError(f"strategy='model_parallel' needs a backbone with a layout map (get_layout_map): "
+                         f"{', '.join(LAYOUT_MAP_BACKBONES)}. Received: backbone={name}")
+    layout_map = get_layout_map(strategy.mesh, model_parallel_dim_name="model", data_parallel_dim_name="batch")
+    for pattern, axes in lora_layouts(layout_map).items():
+        layout_map[pattern] = axes
+    strategy.distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+def lora_layouts(layout_map) -> dict:
+    """Layouts for the LoRA adapters of every kernel a `keras.distribution.LayoutMap` shards.
+
+    Keras's LoRA computes `x @ lora_kernel_a @ lora_kernel_b` beside `x @ kernel`
+    with `lora_kernel_a` of shape `kernel.shape[:-1] + (rank,)` and
+    `lora_kernel_b` of shape `(rank, kernel.shape[-1])`. So A is sharded like the
+    kernel's input dimensions (its rank axis whole) and B like the kernel's
+    output dimension (its rank axis whole): each adapter's product lies on the
+    devices of its kernel's. A pattern `...kernel` gives `...lora_kernel_a` and
+    `...lora_kernel_b`; patterns that do not end in `kernel` give none.
+
+    Args:
+        layout_map: The `keras.distribution.LayoutMap`.
+
+    Returns:
+        `{pattern: axes}` to add to it.
+
+    Example:
+    >>> mesh = keras.distribution.DeviceMesh((1, 1), ("batch", "model"), keras.distribution.list_devices()[:1])
+    >>> lm = keras.distribution.LayoutMap(mesh)
+    >>> lm["block.*ffw.kernel"] = ("batch", "model")
+    >>> lora_layouts(lm)
+    {'block.*ffw.lora_kernel_a': ('batch', None), 'block.*ffw.lora_kernel_b': (None, 'model')}
+    """
+    out = {}
+    for pattern in list(layout_map.keys()):
+        if not pattern.endswith("kernel"):
+            continue
+        axes = tuple(layout_map[pattern].axes)
+        stem = pattern[: -len("kernel")]
+        out[stem + "lora_kernel_a"] = (*axes[:-1], None)
+        out[stem + "lora_kernel_b"] = (None, axes[-1])
+    return out
 
 
 def _multiprocess_requested() -> bool:
