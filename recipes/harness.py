@@ -15,13 +15,14 @@ import math
 import os
 import shutil
 import struct
+import tempfile
 import weakref
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from trainwell import rundir, runtime
+from trainwell import rundir, runtime, storage
 from trainwell.config import ConfigError
 from trainwell.data.base import DataError
 from trainwell.io import atomic_write_json, new_figure, remove_stale_temporaries, save_figure
@@ -190,8 +191,9 @@ def _announce(cfg, run_dir: Path, fresh: str | None) -> None:
     # (the CLI starts TensorFlow quietly first; a worker's sitecustomize may import the harness)
     from trainwell.callbacks.checkpoint import CheckpointCorruptError, resume_checkpoint
 
+    run_dir = _URL_RUNS.get(Path(run_dir), run_dir)  # a run on an object store is named by its URL
     try:
-        chosen = resume_checkpoint(run_dir / "checkpoints")
+        chosen = resume_checkpoint(checkpoint_dir(run_dir))
     except CheckpointCorruptError as e:
         raise ConfigError(str(e)) from None
     if not _verbose(cfg):
@@ -202,6 +204,89 @@ def _announce(cfg, run_dir: Path, fresh: str | None) -> None:
         print(f"Run directory: {run_dir} (new run)", flush=True)
     else:
         print(f"Run directory: {run_dir} holds no checkpoint: starting the run from scratch.", flush=True)
+
+
+#: Runs whose directory is a URL: their local staging directory -> the URL (`setup_run`).
+_URL_RUNS: dict[Path, str] = {}
+#: What a run on a URL mirrors: everything but its checkpoints, which `Checkpoint` writes to the URL itself.
+_NOT_MIRRORED = ("checkpoints",)
+
+
+def checkpoint_dir(run_dir: str | os.PathLike) -> str | Path:
+    """Where the checkpoints of the run in `run_dir` are: `run_dir/checkpoints`, or under the run's URL.
+
+    A run whose `run_dir` is a URL writes its other files in a local staging
+    directory (`RunContext.run_dir`) mirrored to the URL; its checkpoints go to
+    `URL/checkpoints` directly (the object store's commit protocol,
+    docs/checkpoint.md). Both the staging directory and the URL name it here.
+
+    Example:
+    >>> checkpoint_dir("runs/exp1")
+    PosixPath('runs/exp1/checkpoints')
+    >>> checkpoint_dir("s3://bucket/run")
+    's3://bucket/run/checkpoints'
+    """
+    url = run_dir if storage.is_url(run_dir) else _URL_RUNS.get(Path(run_dir))
+    return storage.join(url, "checkpoints") if url else Path(run_dir) / "checkpoints"
+
+
+def mirror_run_dir(run_dir: str | os.PathLike) -> int:
+    """Uploads what changed in a URL run's staging directory (no-op for a local run); returns the count.
+
+    Example:
+    >>> mirror_run_dir("runs/exp1")
+    0
+    """
+    staging = Path(run_dir)
+    url = _URL_RUNS.get(staging)
+    if url is None:
+        return 0
+    return storage.mirror_up(staging, url, _MIRRORED.setdefault(staging, {}), skip=_NOT_MIRRORED)
+
+
+_MIRRORED: dict[Path, dict] = {}  # staging directory -> {file: (size, mtime)} as last uploaded
+
+
+def _setup_url_run(cfg, recipe: str, strategy, precision: str) -> "RunContext":
+    """`setup_run` for a `run_dir` URL: a local staging directory holding the URL's files, mirrored back.
+
+    The staging directory gets every object of the URL but the checkpoints (a
+    resume appends to `history.csv`, as locally); `Checkpoint` writes to
+    `URL/checkpoints` and its writer lease keeps a second run off. The files are
+    uploaded after the manifest, at every epoch end and at the end of the run.
+    """
+    url = storage.check_url(cfg.run_dir, "run_dir", what="", error=ConfigError)
+    storage.store_for(url).check_bucket("run_dir", what="", error=ConfigError)
+    if runtime.num_workers(strategy) > 1:
+        raise ConfigError(f"Invalid value for `run_dir`: a URL for a multi-worker run (not supported yet: use a "
+                          f"shared file system). Received: run_dir={url!r}")
+    cfg.run_dir = url
+    staging = Path(tempfile.mkdtemp(prefix="trainwell-run-"))
+    _URL_RUNS[staging] = url
+    try:
+        storage.mirror_down(url, staging, skip=_NOT_MIRRORED)
+        _MIRRORED[staging] = {p.relative_to(staging).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+                              for p in staging.rglob("*") if p.is_file()}
+        _announce(cfg, staging, None)
+        rundir.write_manifest(staging, cfg, strategy=strategy, precision=precision, seed=cfg.seed, recipe=recipe)
+        mirror_run_dir(staging)
+    except BaseException:
+        _end_url_run(staging, upload=False)
+        raise
+    ctx = RunContext(strategy=strategy, precision=precision, run_dir=staging, is_chief=True)
+    ctx._end = weakref.finalize(ctx, _end_url_run, staging)
+    return ctx
+
+
+def _end_url_run(staging: Path, upload: bool = True) -> None:
+    """`RunContext.close()` of a URL run: the last upload, then the staging directory goes."""
+    try:
+        if upload:
+            mirror_run_dir(staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        _URL_RUNS.pop(staging, None)
+        _MIRRORED.pop(staging, None)
 
 
 def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext:
@@ -237,6 +322,8 @@ def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext
     if deterministic is None:
         deterministic = bool(getattr(cfg, "deterministic", False))
     runtime.seed_everything(cfg.seed, deterministic=deterministic)
+    if storage.is_url(cfg.run_dir):
+        return _setup_url_run(cfg, recipe, strategy, precision)
     chief = runtime.is_chief(strategy)
     given = Path(cfg.run_dir) if cfg.run_dir is not None else None
     fresh = "created" if given is None or not given.exists() else None
@@ -618,11 +705,14 @@ def standard_callbacks(
     save_every = checkpoint_every if checkpoint_every == "epoch" else int(checkpoint_every)
     out.append(
         Checkpoint(
-            run_dir / "checkpoints", save_every=save_every, keep_last=keep_last, keep_best=keep_best,
+            checkpoint_dir(run_dir), save_every=save_every, keep_last=keep_last, keep_best=keep_best,
             monitor=monitor, mode=mode, config=cfg, verbose=int(chief and _verbose(cfg)),
             frozen_weights=frozen_weights,
         )
     )
+    if chief and Path(run_dir) in _URL_RUNS:  # after Checkpoint: the epoch's rows and logs, then its commit
+        out.append(keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs=None: mirror_run_dir(run_dir),
+                                                  on_train_end=lambda logs=None: mirror_run_dir(run_dir)))
     return out
 
 

@@ -596,7 +596,7 @@ def train(cfg: Config | None = None, *, callbacks=None, model_hook=None, segment
     cfg = _cfg(cfg, overrides)
     with harness.setup_run(cfg, RECIPE) as ctx:  # releases the run dir's lock at the end
         sizes = epoch_image_size(cfg)
-        start, skip = data_start(cfg, ctx.run_dir / "checkpoints")
+        start, skip = data_start(cfg, harness.checkpoint_dir(ctx.run_dir))
         if cfg.data_service and (start.epoch or skip):  # `Checkpoint` takes the trained batches from the service
             warnings.warn(f"Resuming with data_service={cfg.data_service!r}: the epoch and the examples trained are "
                           "exact, their order is not; a bit-identical resume needs data_service=null.", stacklevel=2)

@@ -550,7 +550,7 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, model_
         data_ = build_data(cfg, preprocessor, data)
         steps = data_.steps_per_epoch
         # Exact resume: the resumed epoch sees the same order as it would have.
-        train_ds = harness.advance_epochs(data_.train, harness.resume_epoch(ctx.run_dir / "checkpoints"))
+        train_ds = harness.advance_epochs(data_.train, harness.resume_epoch(harness.checkpoint_dir(ctx.run_dir)))
 
         def build_compiled(cfg: Config):
             model = build_model(cfg, data_.num_classes)

@@ -27,7 +27,7 @@ import yaml
 
 from trainwell.io import atomic_write_text
 from trainwell.runtime import MAX_SEED, PRECISION_SPECS, STRATEGY_SPECS, validate_strategy_spec
-from trainwell.validation import invalid_argument, is_int, is_number, is_url
+from trainwell.validation import check_url, invalid_argument, is_int, is_number, is_url
 
 
 class ConfigError(ValueError):
@@ -448,6 +448,9 @@ def check_run_dir(run_dir: str | os.PathLike | None, name: str = "run_dir") -> N
     Example:
     >>> check_run_dir("runs/new-run")
     """
+    if is_url(run_dir):  # an object store: the URL is checked here, its bucket when the run starts (`setup_run`)
+        check_url(run_dir, name, what="", error=ConfigError)
+        return
     check_dir_path(run_dir, name, write=True)
 
 
@@ -481,8 +484,8 @@ def check_dir_path(path: str | os.PathLike | None, name: str, write: bool = Fals
     if not str(path).strip():
         raise_invalid(name, path, "null or a directory path")
     if is_url(str(path)):
-        raise config_error(name, str(path), "a URL; a run's directories are local paths so far (object storage is "
-                           "for `Checkpoint(directory=...)`, docs/checkpoint.md)")
+        raise config_error(name, str(path), "a URL; only `run_dir` (and `Checkpoint(directory=...)`) may be on an "
+                           "object store so far (docs/checkpoint.md)")
     given = Path(path).expanduser()
 
     def refuse(why: str) -> typing.NoReturn:

@@ -31,7 +31,6 @@ Example:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -47,67 +46,11 @@ import numpy as np
 
 from trainwell.io import fsync_dir
 from trainwell.rundir import RunDirInUseError
-from trainwell.validation import invalid_argument, is_url  # is_url: part of this module's API too
+# is_url, check_url, redact, SCHEMES: part of this module's API too (validation holds them: config checks URLs)
+from trainwell.validation import SCHEMES, check_url, invalid_argument, is_url, redact  # noqa: F401
 
-# scheme -> (the fsspec driver's package, the extra that installs it)
-SCHEMES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
 LEASE_OBJECT = ".writer-lease"
 LEASE_SECONDS = 600.0
-
-
-def redact(url: str) -> str:
-    """`url` without any user-info (credentials): what a message may show.
-
-    Example:
-    >>> redact("s3://KEY:SECRET@bucket/run")
-    's3://***@bucket/run'
-    """
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return f"{parts.scheme}://***@{parts.netloc.rsplit('@', 1)[1]}{parts.path}"
-
-
-def check_url(url: str, name: str = "directory") -> str:
-    """Validates an object-store URL; returns it without a trailing slash.
-
-    Refused in one line (a ValueError in the "Received:" idiom, the secret
-    redacted): credentials in the URL, an unknown scheme, no bucket, a scheme
-    whose driver package is not installed.
-
-    Args:
-        url: A `scheme://bucket/prefix` URL. Required.
-        name: The argument or field the URL came from, for the message.
-
-    Returns:
-        The URL, trailing slashes removed.
-
-    Example:
-    >>> check_url("s3://bucket/run/")
-    's3://bucket/run'
-    >>> check_url("ftp://host/x")  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    ValueError: Invalid value for argument `directory`. ... (scheme 'ftp' is not supported). Received: directory='ftp://host/x'
-    """
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    if "@" in parts.netloc:
-        raise invalid_argument(
-            name, "a URL without credentials (they come from the environment: AWS_ACCESS_KEY_ID/"
-            "AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS, config files or the metadata server)",
-            redact(url),
-        )
-    if scheme not in SCHEMES:
-        raise invalid_argument(name, f"a local path or an s3:// or gs:// URL (scheme {scheme!r} is not supported)", url)
-    if not parts.netloc:
-        raise invalid_argument(name, f"a {scheme}:// URL naming a bucket", url)
-    package = SCHEMES[scheme]
-    if importlib.util.find_spec(package) is None:
-        raise invalid_argument(
-            name, f"a URL whose driver is installed ({scheme}:// needs {package}: pip install 'trainwell[cloud]')", url
-        )
-    return url.rstrip("/")
 
 
 def join(base: str, *parts: str) -> str:
@@ -153,20 +96,28 @@ class ObjectStore:
     def _p(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
 
-    def check_bucket(self) -> None:
-        """Raises a one-line ValueError when the bucket does not exist or cannot be reached.
+    def check_bucket(self, name: str = "directory", *, what: str = "argument",
+                     error: type[Exception] = ValueError) -> None:
+        """Raises a one-line `error` when the bucket does not exist or cannot be reached.
+
+        Args:
+            name, what, error: The field the URL came from, as `check_url` takes them.
 
         Example:
         >>> ObjectStore("s3://no-such-bucket/x").check_bucket()  # doctest: +SKIP
         """
+        def refuse(expected: str) -> Exception:
+            expected = expected if what == "argument" else f"expected {expected}"
+            return invalid_argument(name, expected, self.url, what=what, error=error)
+
         try:
             ok = self.fs.exists(self.bucket)
         except PermissionError as e:
-            raise invalid_argument("directory", f"a bucket this process may access ({e})", self.url) from None
+            raise refuse(f"a bucket this process may access ({e})") from None
         except OSError as e:
-            raise invalid_argument("directory", f"a reachable bucket ({type(e).__name__}: {e})", self.url) from None
+            raise refuse(f"a reachable bucket ({type(e).__name__}: {e})") from None
         if not ok:
-            raise invalid_argument("directory", f"a URL in an existing bucket (no bucket {self.bucket!r})", self.url)
+            raise refuse(f"a URL in an existing bucket (no bucket {self.bucket!r})")
 
     def put(self, rel: str, data: bytes) -> None:
         """One PUT of `data` as object `rel` (atomic: readers see the old object or the new one)."""
@@ -252,6 +203,65 @@ class ObjectStore:
             return None
         except ValueError:
             return None  # a torn or foreign object: no valid holder
+
+
+    def files(self, skip: tuple[str, ...] = ()) -> list[str]:
+        """Every object under the prefix, as names relative to it, but those under a `skip` sub-prefix."""
+        try:
+            found = self.fs.find(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        names = [p[len(self.root) + 1:] for p in found if p.startswith(self.root + "/")]
+        return sorted(n for n in names if n.split("/", 1)[0] not in skip and n != LEASE_OBJECT)
+
+
+def mirror_down(url: str, local: Path, skip: tuple[str, ...] = ()) -> int:
+    """Copies every object under `url` (but the `skip` sub-prefixes) into the local directory `local`.
+
+    Returns:
+        How many files were copied.
+
+    Example:
+    >>> mirror_down("s3://bucket/run", Path("/tmp/run"), skip=("checkpoints",))  # doctest: +SKIP
+    3
+    """
+    store = store_for(url)
+    names = store.files(skip)
+    for name in names:
+        path = Path(local, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(store.get(name))
+    return len(names)
+
+
+def mirror_up(local: Path, url: str, seen: dict, skip: tuple[str, ...] = ()) -> int:
+    """Uploads the files of `local` that changed since the last call (size and mtime in `seen`, updated).
+
+    One PUT per file: a reader sees each file whole, old or new. Files under a
+    `skip` sub-directory are left out (a run's checkpoints go to the store
+    directly, with their own commit protocol).
+
+    Returns:
+        How many files were uploaded.
+
+    Example:
+    >>> seen = {}; mirror_up(Path("/tmp/run"), "s3://bucket/run", seen)  # doctest: +SKIP
+    3
+    """
+    store = store_for(url)
+    sent = 0
+    for path in sorted(Path(local).rglob("*")):
+        rel = path.relative_to(local).as_posix()
+        if not path.is_file() or rel.split("/", 1)[0] in skip:
+            continue
+        st = path.stat()
+        stamp = (st.st_size, st.st_mtime_ns)
+        if seen.get(rel) == stamp:
+            continue
+        store.put(rel, path.read_bytes())
+        seen[rel] = stamp
+        sent += 1
+    return sent
 
 
 _STORES: dict = {}

@@ -1,5 +1,6 @@
 """trainwell.storage against a real S3-protocol server (moto, on 127.0.0.1): objects, lease, bad URLs."""
 
+import importlib.util
 import json
 import os
 import re
@@ -44,8 +45,8 @@ def test_bad_urls_are_refused_in_one_line(url, says):
 
 
 def test_missing_driver_package_is_one_line(monkeypatch):
-    real = storage.importlib.util.find_spec
-    monkeypatch.setattr(storage.importlib.util, "find_spec", lambda n: None if n == "gcsfs" else real(n))
+    real = importlib.util.find_spec  # the check lives in trainwell.validation (config checks run_dir URLs)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n: None if n == "gcsfs" else real(n))
     with pytest.raises(ValueError, match=r"gs:// needs gcsfs: pip install 'trainwell\[cloud\]'.*Received:"):
         storage.check_url("gs://bucket/run")
 

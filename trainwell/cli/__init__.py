@@ -51,7 +51,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trainwell import launch, recipes, rundir, runtime
+from trainwell import launch, recipes, rundir, runtime, storage
 from trainwell.cli.lr_find import (  # noqa: F401 (public names of `trainwell.cli`)
     CLI_METHOD,
     CLI_PROBE_SCHEDULE,
@@ -235,7 +235,7 @@ def _after_divergence(module, cfg) -> str:
 
     run_dir = getattr(cfg, "run_dir", None)
     try:
-        chosen = resume_checkpoint(Path(run_dir) / "checkpoints") if run_dir else None
+        chosen = resume_checkpoint(storage.join(str(run_dir), "checkpoints")) if run_dir else None
     except CheckpointCorruptError:
         chosen = None
     field = lr_field(module, cfg)
@@ -324,12 +324,31 @@ def _read_manifest(run_dir: Path) -> dict:
     return manifest
 
 
+def _read_url_manifest_path(url: str) -> Path:
+    """A local directory holding the `manifest.json` of the run at `url` (for `_read_manifest`)."""
+    try:
+        data = storage.store_for(storage.check_url(url, "RUN_DIR", what="", error=ConfigError)).get("manifest.json")
+    except FileNotFoundError:
+        raise ConfigError(f"Not a trainwell run directory (no manifest.json): {url!r}") from None
+    except (ValueError, OSError) as e:
+        raise ConfigError(" ".join(str(e).split())) from None
+    local = Path(tempfile.mkdtemp(prefix="trainwell-manifest-"))
+    (local / "manifest.json").write_bytes(data)
+    return local
+
+
 def cmd_resume(args) -> int:
 
-    if is_url(args.run_dir):
-        check_dir_path(args.run_dir, "RUN_DIR")  # refused in one line: run directories are local paths so far
-    run_dir = Path(args.run_dir)
-    manifest = _read_manifest(run_dir)
+    if is_url(args.run_dir):  # a run directory on an object store: its manifest is an object there
+        local = _read_url_manifest_path(args.run_dir)
+        try:
+            manifest = _read_manifest(local)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        run_dir = args.run_dir.rstrip("/")
+    else:
+        run_dir = Path(args.run_dir)
+        manifest = _read_manifest(run_dir)
     recipe = manifest.get("recipe")
     if not isinstance(recipe, str) or recipe not in RECIPES:
         hint = did_you_mean(recipe, RECIPES) if isinstance(recipe, str) else ""
