@@ -151,10 +151,9 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def _converter(kind: str, channels: int, num_classes: int, source_offset: int, max_side: int, quality: int):
-    """`(i, (payload, label, key)) -> (i, key, jpeg, label, ok)`: read, check, resize, encode one record."""
-    spec = {TFRECORD_IMAGE_KEY: tf.io.FixedLenFeature([], tf.string, default_value=""),
-            TFRECORD_LABEL_KEY: tf.io.FixedLenFeature([], tf.int64, default_value=-(10**9))}
+def _converter(kind: str, channels: int, num_classes: int, max_side: int, quality: int):
+    """`(i, (payload, label, key)) -> (i, key, jpeg, label, ok)`: read, check, resize, encode one record
+    (TFRecord sources come parsed: image bytes, label minus the source's `label_offset`)."""
 
     def shrink(image, already_jpeg, image_bytes):
         shape = tf.shape(image)
@@ -174,13 +173,7 @@ def _converter(kind: str, channels: int, num_classes: int, source_offset: int, m
         if kind == "array":  # decoded uint8 images (the embedded sets)
             jpeg = shrink(payload, tf.constant(False), tf.constant(b""))
             return i, key, jpeg, tf.cast(label, tf.int64) + LABEL_OFFSET, tf.constant(True)
-        if kind == "path":
-            image_bytes = tf.io.read_file(payload)
-        elif kind == "example":
-            ex = tf.io.parse_single_example(payload, spec)
-            image_bytes, label = ex[TFRECORD_IMAGE_KEY], ex[TFRECORD_LABEL_KEY] - source_offset
-        else:
-            image_bytes = payload
+        image_bytes = tf.io.read_file(payload) if kind == "path" else payload
         label = tf.cast(label, tf.int64)
         ok = tf.logical_and(valid_image(image_bytes), tf.logical_and(label >= 0, label < num_classes))
 
@@ -302,8 +295,8 @@ def prepare_images(
             f"{len(names) - len(done)} to write")
     bar = _progbar(sum(min(images_per_shard, count - k * images_per_shard) for _, split_names, _, count in splits
                        for k, name in enumerate(split_names) if name not in done), verbose)
-    convert = {kind: _converter(kind, src.channels, src.num_classes, 1 if label_offset is None else label_offset,
-                                max_side, quality) for kind in {rec.kind for _, _, rec, _ in splits}}
+    convert = {kind: _converter(kind, src.channels, src.num_classes, max_side, quality)
+               for kind in {rec.kind for _, _, rec, _ in splits}}
     for _, split_names, rec, count in splits:
         _write_split(rec, count, split_names, convert[rec.kind], _Writer(dst, partial, split_names, progress,
                                                                          images_per_shard, log), workers, bar)
