@@ -23,7 +23,7 @@ from trainwell.compat.versions import gate, upstream_changed
 
 __all__ = [
     "audit", "tf_global_generator", "host_array", "strategy_num_workers", "dataset_batch_size",
-    "wait_for_coordination_leader", "kernel_caches_kept", "stateful_random_functions",
+    "wait_for_coordination_leader", "kernel_caches_kept", "stateful_random_functions", "stop_data_service_server",
 ]
 
 
@@ -234,6 +234,17 @@ def stateful_random_functions() -> list[str]:
     return [name for name, holds in known.items() if holds]
 
 
+def stop_data_service_server(server) -> None:
+    """Stops a tf.data service `DispatchServer` or `WorkerServer` now (`server._stop()`: the public API has only `join`).
+
+    Example:
+    >>> svc = tf.data.experimental.service
+    >>> stop_data_service_server(svc.DispatchServer(svc.DispatcherConfig(port=0)))
+    """
+    gate("tf.data.experimental.service.DispatchServer._stop", "tensorflow")
+    server._stop()
+
+
 def audit() -> list[str]:
     """The private TensorFlow names used here that the installed TensorFlow lacks (`[]`: all there).
 
@@ -244,6 +255,9 @@ def audit() -> list[str]:
     from tensorflow.python.ops import stateful_random_ops  # lazy: only an audit imports TensorFlow's private module
 
     missing = []
+    svc = tf.data.experimental.service
+    if not (hasattr(svc.DispatchServer, "_stop") and hasattr(svc.WorkerServer, "_stop")):
+        missing.append("tf.data.experimental.service.DispatchServer._stop")
     if not hasattr(stateful_random_ops, "global_generator"):
         missing.append("stateful_random_ops.global_generator")
     if not hasattr(tf.constant(0.0), "_numpy"):

@@ -93,11 +93,13 @@ class LocalService:
 
     def stop(self) -> None:
         """Stops the workers, then the dispatcher (idempotent)."""
+        from trainwell.compat.tf_internals import stop_data_service_server  # lazy: it imports TensorFlow
+
         for w in self.workers:
-            w._stop()  # the public API has only `join`; tf.data's own tests stop servers this way
+            stop_data_service_server(w)
         self.workers = []
         if self.dispatcher is not None:
-            self.dispatcher._stop()
+            stop_data_service_server(self.dispatcher)
             self.dispatcher = None
 
     def join(self) -> None:
@@ -135,6 +137,8 @@ def start_local_service(workers: int = 1, port: int = 0) -> LocalService:
         raise invalid_argument("port", "an int in [0, 65535] (0: a free port)", port)
     import tensorflow as tf  # lazy: a config checks its `data_service` address (`check_target`) without TensorFlow
 
+    from trainwell.compat.tf_internals import stop_data_service_server  # lazy: it imports TensorFlow, as above
+
     svc = tf.data.experimental.service
     dispatcher = svc.DispatchServer(svc.DispatcherConfig(port=int(port)))
     address = "127.0.0.1:" + dispatcher.target.rpartition(":")[2]
@@ -145,8 +149,8 @@ def start_local_service(workers: int = 1, port: int = 0) -> LocalService:
                 dispatcher_address=address, worker_address="127.0.0.1:%port%", port=0)))
     except Exception:
         for w in started:
-            w._stop()
-        dispatcher._stop()
+            stop_data_service_server(w)
+        stop_data_service_server(dispatcher)
         raise
     return LocalService(dispatcher, started)
 
