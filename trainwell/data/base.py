@@ -7,7 +7,10 @@ a circle.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
+from typing import Callable, Iterator
 
 
 class DataError(ValueError):
@@ -73,3 +76,26 @@ def open_tfds_builder(name: str, data_dir: str | None = None):
     except Exception as e:  # DatasetNotFoundError and friends
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise DataError(f"Unknown TFDS dataset {name!r} (source 'tfds:{name}'): {first}") from None
+
+
+def json_lines(path: Path, bad_line: Callable[[int, str, str], str]) -> Iterator[tuple[int, object, str]]:
+    """`(line number, value, line)` of each non-blank line of a JSON-lines file (UTF-8, a BOM allowed).
+
+    A line that is not JSON raises `DataError` with `bad_line(n, reason, line)`
+    (each reader words it for its format); a file that is not UTF-8 raises
+    `UnicodeDecodeError`, which the reader reports.
+
+    Example:
+    >>> import tempfile; p = Path(tempfile.mkdtemp(), "a.jsonl"); _ = p.write_text('{"a": 1}\\n\\n[2]\\n')
+    >>> [(n, value) for n, value, _ in json_lines(p, lambda n, why, line: f"line {n}: {why}")]
+    [(1, {'a': 1}), (3, [2])]
+    """
+    with Path(path).open(encoding="utf-8-sig") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise DataError(bad_line(n, getattr(e, "msg", "nested too deeply"), line.strip())) from None
+            yield n, value, line.strip()

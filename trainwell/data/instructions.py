@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from trainwell.data.base import DataError, DataNotFoundError
+from trainwell.data.base import DataError, DataNotFoundError, json_lines
 from trainwell.validation import invalid_argument
 
 #: The chat roles a `messages` line may use.
@@ -156,18 +156,13 @@ def read_jsonl(path: str | Path, template: str = "plain") -> list[tuple[Segment,
     if not path.is_file():
         raise DataNotFoundError(f"Data file not found: {str(path)!r}")
     examples = []
+    def bad_line(n: int, why: str, line: str) -> str:
+        return (f"{str(path)!r} line {n} is not JSON ({why}); expected one JSON object per line. "
+                f"Received: {_short(line)!r}")
+
     try:
-        with path.open(encoding="utf-8-sig") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except (json.JSONDecodeError, RecursionError) as e:
-                    msg = getattr(e, "msg", "nested too deeply")
-                    raise DataError(f"{str(path)!r} line {n} is not JSON ({msg}); expected one JSON object per line. "
-                                    f"Received: {_short(line.strip())!r}") from None
-                examples.append(parse_example(row, str(path), n, template))
+        for n, row, _ in json_lines(path, bad_line):
+            examples.append(parse_example(row, str(path), n, template))
     except UnicodeDecodeError as e:
         raise DataError(f"{str(path)!r} is not UTF-8 text. Received: byte 0x{e.object[e.start]:02x}") from None
     if not examples:

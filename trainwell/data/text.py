@@ -63,7 +63,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from trainwell.data.base import DataError, DataNotFoundError, open_tfds_builder, resolve_path
+from trainwell.data.base import DataError, DataNotFoundError, json_lines, open_tfds_builder, resolve_path
 from trainwell.data.embedded import load_rotten_tomatoes, stratified_split
 from trainwell.data.text_pipelines import (  # noqa: F401 - documented here: trainwell.data.text.build_text_datasets
     TextDatasets,
@@ -282,23 +282,13 @@ def _read_jsonl(path: Path) -> tuple[list[str], list[dict]]:
     rows: list[dict] = []
     fields: list[str] = []
     try:
-        with path.open(encoding="utf-8-sig") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except (json.JSONDecodeError, RecursionError) as e:
-                    msg = getattr(e, "msg", "nested too deeply")
-                    raise DataError(f"Invalid JSON on line {n} of {str(path)!r}: {msg}.") from None
-                if not isinstance(row, dict):
-                    raise DataError(
-                        f"Line {n} of {str(path)!r} is not a JSON object. Received: {_short(line.strip())}"
-                    )
-                for k in row:
-                    if k not in fields:
-                        fields.append(k)
-                rows.append(row)
+        for n, row, line in json_lines(path, lambda n, why, _: f"Invalid JSON on line {n} of {str(path)!r}: {why}."):
+            if not isinstance(row, dict):
+                raise DataError(f"Line {n} of {str(path)!r} is not a JSON object. Received: {_short(line)}")
+            for k in row:
+                if k not in fields:
+                    fields.append(k)
+            rows.append(row)
     except UnicodeDecodeError:
         raise _not_utf8(path) from None
     return fields, rows
