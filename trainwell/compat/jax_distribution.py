@@ -26,7 +26,7 @@ from trainwell.data.batches import pad_partial_batches
 from trainwell.validation import invalid_argument
 
 __all__ = [
-    "KERAS_DISTRIBUTION_ENV", "JaxStrategy", "EvenBatchesDataParallel", "ensure_host_devices",
+    "KERAS_DISTRIBUTION_ENV", "JaxStrategy", "EvenBatchesDataParallel", "EvenBatchesModelParallel", "ensure_host_devices",
     "initialize_jax_processes", "make_strategy", "is_keras_distribution", "process_group",
     "use_backbone_layout", "lora_layouts",
 ]
@@ -299,7 +299,7 @@ def use_backbone_layout(strategy, backbone) -> None:
     layout_map = get_layout_map(strategy.mesh, model_parallel_dim_name="model", data_parallel_dim_name="batch")
     for pattern, axes in lora_layouts(layout_map).items():
         layout_map[pattern] = axes
-    strategy.distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    strategy.distribution = EvenBatchesModelParallel(layout_map=layout_map, batch_dim_name="batch")
 
 
 def lora_layouts(layout_map) -> dict:
@@ -346,7 +346,17 @@ def _data_parallel(devices) -> JaxStrategy:
     return JaxStrategy(EvenBatchesDataParallel(devices=list(devices)))
 
 
-class EvenBatchesDataParallel(keras.distribution.DataParallel):
+class _PadsPartialBatches:
+    """`distribute_dataset` that pads a short last batch (see `EvenBatchesDataParallel`)."""
+
+    def distribute_dataset(self, dataset):
+        replicas = JaxStrategy(self).num_replicas_in_sync
+        if replicas > 1:
+            dataset = pad_partial_batches(dataset, replicas)
+        return super().distribute_dataset(dataset)
+
+
+class EvenBatchesDataParallel(_PadsPartialBatches, keras.distribution.DataParallel):
     """Keras's `DataParallel` whose datasets split evenly: a short last batch is padded.
 
     Keras's `DataParallel` splits each batch evenly over every process's
@@ -366,11 +376,17 @@ class EvenBatchesDataParallel(keras.distribution.DataParallel):
     <EvenBatchesDataParallel device_mesh=...>
     """
 
-    def distribute_dataset(self, dataset):
-        replicas = JaxStrategy(self).num_replicas_in_sync
-        if replicas > 1:
-            dataset = pad_partial_batches(dataset, replicas)
-        return super().distribute_dataset(dataset)
+
+class EvenBatchesModelParallel(_PadsPartialBatches, keras.distribution.ModelParallel):
+    """Keras's `ModelParallel` whose datasets split evenly over the mesh's batch axis, as `EvenBatchesDataParallel`.
+
+    `use_backbone_layout` builds this: a held-out split of 5 examples on a 2 x 4
+    mesh ends with a batch JAX cannot split in two; padded with zero-weighted
+    examples, it is scored as on one device.
+
+    Example:
+    >>> use_backbone_layout(make_strategy("model_parallel:2x4"), GemmaBackbone)  # doctest: +SKIP
+    """
 
 
 def local_devices(platform: str) -> list:

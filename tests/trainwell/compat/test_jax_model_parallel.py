@@ -100,7 +100,7 @@ with open(root + "/train.jsonl", "w") as f:
         f.write(json.dumps({"prompt": f"cat{i % 3}?", "response": " red"}) + "\\n")
 run = causal_lm.train(preset=preset, dataset="jsonl:" + root + "/train.jsonl", sequence_length=16, batch_size=8,
                       epochs=1, max_steps=1, strategy="model_parallel:2x4", precision="mixed_bfloat16",
-                      run_dir=root + "/run", verbose="0", doctor=False, num_samples=0, export=False, val_fraction=0.4)
+                      run_dir=root + "/run", verbose="0", doctor=False, num_samples=0, export=False, val_fraction=0.25)
 block = run.model.backbone.get_layer("decoder_block_0")
 print(json.dumps({"eval_loss": run.metrics["eval_loss"], "spec": str(block.attention.query_dense.kernel.value.sharding.spec),
                   "compute_dtype": block.compute_dtype}))
@@ -144,8 +144,9 @@ def test_lora_adapters_follow_their_kernels_layout(jax_run):
         assert f"decoder_block_0/attention/{name}/lora_kernel_b" not in sharded  # kernel's last axis is whole
 
 
-@pytest.mark.slow  # ~40 s: the recipe's run directory, fit and evaluation compile; the only test of that path
+@pytest.mark.slow  # ~25 s: the recipe's run directory, fit and evaluation compile; the only test of that path
 def test_causal_lm_recipe_runs_model_parallel_in_mixed_bfloat16():
+    # 5 held-out examples: a batch the mesh's batch axis (2) cannot split unless padded (EvenBatchesModelParallel)
     recipe = _run_jax(_RECIPE)
     assert recipe["spec"] == "P('model', 'batch', None)" and recipe["compute_dtype"] == "bfloat16", recipe
     assert 0 < recipe["eval_loss"] < 10, recipe
