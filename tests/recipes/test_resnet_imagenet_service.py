@@ -41,3 +41,31 @@ def test_a_run_with_two_local_workers_trains_every_step_of_each_epoch(tmp_path):
     assert steps.per_epoch == [n // 128] * 2  # 1259 examples: 9 full batches each epoch, none short
     assert run.config.data_service == service.target
     assert 0.0 <= run.metrics["test_accuracy"] <= 1.0 and len(run.history["loss"]) == 2
+
+
+@pytest.mark.slow  # two runs of the recipe: the resume semantics with the service (exact count, not order)
+def test_a_mid_epoch_resume_with_the_service_trains_exactly_the_remaining_steps_and_warns(tmp_path):
+    steps_per_epoch = recipe.Config(**TINY).train_examples() // 128  # 9
+
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(keras.ops.convert_to_numpy(self.model.optimizer.iterations)) == 6:
+                raise RuntimeError("crash in epoch 1")
+
+    class Trained(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.steps = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.steps += 1
+
+    trained, run_dir = Trained(), str(tmp_path / "run")
+    kw = dict(TINY, run_dir=run_dir, checkpoint_every="4")
+    with start_local_service(workers=1) as service:
+        with pytest.raises(RuntimeError, match="crash in epoch 1"):
+            recipe.train(**kw, data_service=service.target, callbacks=[Crash()])
+        with pytest.warns(UserWarning, match="exact, their order is not"):
+            run = recipe.train(**kw, data_service=service.target, callbacks=[trained])
+    # resumed at step 4: the 5 steps left of epoch 1, then epoch 2; the optimizer counted every step once
+    assert trained.steps == 2 * steps_per_epoch - 4
+    assert int(keras.ops.convert_to_numpy(run.model.optimizer.iterations)) == 2 * steps_per_epoch
