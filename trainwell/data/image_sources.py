@@ -265,22 +265,34 @@ def _tfrecord_source(pattern, *, val_fraction, test_fraction, split_seed, seed, 
             )
             # Parsed (and carved) PARSE_BATCH records at a time, in their order: one
             # `parse_example` per group costs a fraction of one `parse_single_example` per record.
-            ds = ds.batch(PARSE_BATCH).map(parsed(keep), num_parallel_calls=AUTOTUNE, deterministic=True).unbatch()
+            ds = ds.batch(PARSE_BATCH).interleave(parsed(keep), cycle_length=1, num_parallel_calls=AUTOTUNE,
+                                                   deterministic=True).unbatch()
             return ds if record_shard is None else ds.shard(*record_shard)
 
         return make
 
-    def parsed(keep):
-        def parse(records, f):
-            """`(image bytes, label - label_offset, shard name)` of the records `keep` keeps."""
-            ex = tf.io.parse_example(records, _EXAMPLE_SPEC)
-            out = (ex[TFRECORD_IMAGE_KEY], ex[TFRECORD_LABEL_KEY] - label_offset, f)
-            if keep is None:
-                return out
-            kept = keep(records, f)
-            return tuple(tf.boolean_mask(t, kept) for t in out)
+    def parse(records, f):
+        ex = tf.io.parse_example(records, _EXAMPLE_SPEC)
+        return ex[TFRECORD_IMAGE_KEY], ex[TFRECORD_LABEL_KEY] - label_offset, f, records
 
-        return parse
+    def one(record, f):
+        """One record parsed; one that is not an `Example` becomes an empty image the check flags."""
+        bad = tf.data.Dataset.from_tensors((tf.constant(""), tf.constant(-(10**9), tf.int64) - label_offset, f, record))
+        fine = tf.data.Dataset.from_tensors((record[None], f[None])).map(parse).unbatch()
+        return fine.ignore_errors().concatenate(bad).take(1)
+
+    def parsed(keep):
+        def group(records, f):
+            """`(image bytes, label - label_offset, shard name)` of the records `keep` keeps, one group.
+            A record that is not an `Example` fails `parse_example` for the whole group: that group
+            is parsed again record by record (rare; the other records as before, in their place)."""
+            fast = tf.data.Dataset.from_tensors((records, f)).map(parse).ignore_errors()
+            slow = tf.data.Dataset.from_tensor_slices((records, f)).flat_map(one).batch(PARSE_BATCH)
+            return fast.concatenate(slow).take(1).map(
+                lambda image, label, f, records: tuple(
+                    t if keep is None else tf.boolean_mask(t, keep(records, f)) for t in (image, label, f)))
+
+        return group
 
     counts_given = num_examples is not None
 

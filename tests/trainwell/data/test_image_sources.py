@@ -55,3 +55,21 @@ def test_batched_parse_yields_the_per_record_examples_in_order(prepared, monkeyp
         assert [(bytes(i), int(y), f.decode()) for i, y, f in got] == [(i, y, f.decode()) for i, y, f in want]
         assert want  # the carve leaves records in both splits
     assert src.splits["train"].count + src.splits["val"].count == 20
+
+
+def test_a_record_that_is_not_an_example_is_flagged_in_its_place(tmp_path, monkeypatch):
+    monkeypatch.setattr(image_sources, "PARSE_BATCH", 4)
+    jpegs = [tf.io.encode_jpeg(np.full((4, 4, 3), i, np.uint8)).numpy() for i in range(6)]
+    with tf.io.TFRecordWriter(str(tmp_path / "train-00000-of-00001")) as w:
+        for i, jpeg in enumerate(jpegs):
+            w.write(b"\xff\x00 not a proto" if i == 2 else tf.train.Example(features=tf.train.Features(feature={
+                TFRECORD_IMAGE_KEY: tf.train.Feature(bytes_list=tf.train.BytesList(value=[jpeg])),
+                TFRECORD_LABEL_KEY: tf.train.Feature(int64_list=tf.train.Int64List(value=[1 + i % 2]))})
+            ).SerializeToString())
+    src = open_source(f"tfrecord:{tmp_path}", data_dir=None, num_classes=2, num_examples=None, label_offset=None,
+                      cycle_length=1, input_context=None, val_fraction=0.0, test_fraction=0.0, split_seed=0, seed=0)
+    got = [(bytes(i), int(y)) for i, y, _ in src.splits["train"].make(None, ordered=True).as_numpy_iterator()]
+    # The group holding it is parsed record by record: the others keep their place, it becomes an
+    # empty image (the pipeline's check flags and counts it) instead of failing its whole group.
+    assert got == [(j, i % 2) for i, j in enumerate(jpegs[:2])] + [(b"", -(10**9) - 1)] + [
+        (j, i % 2) for i, j in enumerate(jpegs) if i > 2]
