@@ -137,7 +137,7 @@ class Config(BaseConfig):
     cache: bool = False
     val_fraction: float = 0.1  # carved from train when the source has no validation split
     # tf.data service dispatcher "grpc://HOST:PORT" (`trainwell data-service`): training examples are decoded and
-    # augmented on its workers, each once per epoch in an order that is not deterministic; None: in-process
+    # augmented on its workers, each once per pass in an order that is not deterministic; None: in-process
     data_service: Optional[str] = None
     # -- performance
     jit_compile: Optional[bool] = None  # None: Keras's "auto"

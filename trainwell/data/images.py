@@ -370,8 +370,9 @@ def build_image_datasets(
             then reads, checks and drops bad records before decoding (the same examples,
             in the same order). Not under FILE auto-sharding. Defaults to `None`.
         data_service: A tf.data service dispatcher, `"grpc://HOST:PORT"`: the training examples are
-            read, decoded and augmented on its workers, each once per epoch in an order that is not
-            deterministic (`trainwell.data.service`), and batched here; not with `start_at`. Defaults to `None`.
+            read, decoded and augmented on its workers as one endless stream (each pass has each example
+            once, reshuffled, in an order that is not deterministic; `trainwell.data.service`) and batched
+            here; Keras counts each epoch's steps. Not with `start_at`. Defaults to `None`.
 
     Returns:
         An `ImageDatasets`.
@@ -732,14 +733,13 @@ class _Pipeline:
         ds = self.augmented(rec)
         if encoded:
             ds = self.drop_flagged(ds)
-        if self.file_sharded:
+        if self.file_sharded or self.data_service is not None:
             ds, batches = ds.repeat(), None  # a repeat of a pass that yields nothing ends
         elif batches is not None and encoded:
             ds = ds.concatenate(self.drop_flagged(self.augmented(rec, top_up=True)).repeat())
-        if self.data_service is None:
-            return self.finish(ds, "train", batches=batches)
-        ds = self.finish(distribute(ds, self.data_service), "train", batches=batches)  # its length: unknown
-        return ds if batches is None else ds.apply(tf.data.experimental.assert_cardinality(batches))
+        if self.data_service is not None:  # one endless job whose passes reshuffle (trainwell.data.service)
+            ds = distribute(ds, self.data_service)
+        return self.finish(ds, "train", batches=batches)
 
     def evaluation_examples(self, split, rec: Split):
         """`(image, label)` of each readable example of an evaluation split, once, in order

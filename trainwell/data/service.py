@@ -5,19 +5,25 @@ hosts, or more processes of a big one) and streams its elements to the trainer o
 gRPC. trainwell uses one processing mode, `ShardingPolicy.DYNAMIC` ("distributed
 epoch"), and this is what an epoch means with it:
 
-- **Each example once per epoch.** The dispatcher splits the dataset's source (the
+- **Each example once per pass.** The dispatcher splits the dataset's source (the
   records or arrays before any shuffle) and hands the splits to the workers as they
-  ask; every iteration of the distributed dataset (Keras makes one per epoch) is a
-  new job that visits each source element exactly once, whatever the number of
-  workers. (`ShardingPolicy.OFF` would make every worker produce the whole dataset:
-  each example N times per epoch with N workers, wrong for training.)
+  ask; an iteration of the distributed dataset is a job that visits each source
+  element exactly once, whatever the number of workers. (`ShardingPolicy.OFF` would
+  make every worker produce the whole dataset: each example N times per epoch with N
+  workers, wrong for training.)
+- **One job per run, not per epoch.** A job's workers build the pipeline afresh, so a
+  job per epoch would repeat the first epoch's seeded shuffle and augmentation every
+  epoch (measured: identical batches with one worker). The image pipeline
+  (`build_image_datasets(data_service=...)`) therefore sends `repeat()`ed passes as
+  one endless job: each pass reshuffled and re-augmented as in-process, and an epoch
+  is the next `steps_per_epoch` batches of that stream (Keras counts them). Where the
+  batch size divides the examples an epoch is one pass; otherwise the examples the
+  in-process pipeline drops at an epoch's end start the next epoch instead.
 - **Order not deterministic.** Which worker gets which split, and which worker's
-  element reaches the trainer first, depends on timing: two runs see the same
-  examples per epoch in different orders (and shuffles and augmentation seeds drawn
-  inside the pipeline run on the workers, per job).
+  element reaches the trainer first, depends on timing.
 - **Resume.** A resume with the service is exact in the epoch and in the number of
-  examples trained, not in their order: bit-identical resume needs the in-process
-  pipeline (no `data_service`).
+  steps trained (`Checkpoint` takes the trained batches from the stream), not in the
+  examples' order: a bit-identical resume needs the in-process pipeline.
 
 `start_local_service` starts a dispatcher and N workers on 127.0.0.1 (tests, one big
 host); `trainwell data-service --workers N` does it from the command line. On several

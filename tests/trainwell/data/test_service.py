@@ -69,21 +69,33 @@ def shaded_folder(tmp_path_factory):
     return root
 
 
-def _epoch_images(ds):
-    """The (rounded mean, label) of each image of one iteration of `ds`, as a multiset."""
-    out = collections.Counter()
-    for images, labels in ds:
-        for m, y in zip(np.round(images.numpy().mean(axis=(1, 2, 3)), 3), labels.numpy().argmax(-1)):
-            out[(float(m), int(y))] += 1
+def _epoch_images(iterator, batches):
+    """The (rounded mean, label) of each image of the next `batches` batches, in order."""
+    out = []
+    for _ in range(batches):
+        images, labels = next(iterator)
+        out += [(float(m), int(y)) for m, y in zip(np.round(images.numpy().mean(axis=(1, 2, 3)), 3),
+                                                   labels.numpy().argmax(-1))]
     return out
 
 
-def test_image_pipeline_through_the_service_trains_each_example_once_per_epoch(service, shaded_folder):
+def test_image_pipeline_through_the_service_trains_each_example_once_per_pass(service, shaded_folder):
     kwargs = dict(augment="none", val_fraction=0.0, test_fraction=0.0, seed=3)
     local = build_image_datasets(f"folder:{shaded_folder}", 8, 4, **kwargs)
     remote = build_image_datasets(f"folder:{shaded_folder}", 8, 4, data_service=service.target, **kwargs)
-    assert int(remote.train.cardinality()) == local.steps["train"] == 3  # 12 images, batches of 4
-    expected = _epoch_images(local.train)
+    assert local.steps["train"] == 3  # 12 images, batches of 4: an epoch is one pass
+    assert int(remote.train.cardinality()) == tf.data.INFINITE_CARDINALITY  # one job; Keras counts the steps
+    expected = collections.Counter(_epoch_images(iter(local.train), 3))
     assert sum(expected.values()) == 12 and len(expected) == 12  # 12 distinct images
-    for _ in range(2):  # two epochs: the same 12 images each, once
-        assert _epoch_images(remote.train) == expected
+    stream = iter(remote.train)
+    for _ in range(2):  # two epochs of one stream: the same 12 images each, once
+        assert collections.Counter(_epoch_images(stream, 3)) == expected
+
+
+def test_each_pass_through_the_service_is_reshuffled(shaded_folder):
+    # one worker: its order is the pipeline's seeded one; a job per epoch would repeat it every epoch
+    kwargs = dict(augment="none", val_fraction=0.0, test_fraction=0.0, seed=3)
+    with start_local_service(workers=1) as one:
+        stream = iter(build_image_datasets(f"folder:{shaded_folder}", 8, 4, data_service=one.target, **kwargs).train)
+        first, second = _epoch_images(stream, 3), _epoch_images(stream, 3)
+    assert sorted(first) == sorted(second) and first != second
