@@ -367,11 +367,9 @@ def backbone_class(cfg: Config):
     >>> backbone_class(cfg).__name__  # doctest: +SKIP
     'GemmaBackbone'
     """
-    # keras-hub has no public way to name a preset's backbone class without loading its
-    # weights; CausalLM.from_preset asks its preset loader, as this does
-    from keras_hub.src.utils.preset_utils import get_preset_loader  # lazy: it imports Keras
+    from trainwell.compat.keras_internals import preset_backbone_class  # lazy: it imports Keras
 
-    return get_preset_loader(_preset(cfg.preset)).check_backbone_class()
+    return preset_backbone_class(_preset(cfg.preset))
 
 
 def _lora_on(model) -> bool:

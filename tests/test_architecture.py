@@ -15,7 +15,7 @@ The rules, each checked for every module of the package:
 - back-edge: an import (at module level or inside a function) of a higher floor;
 - facade: `from trainwell import NAME` where NAME is not a submodule;
 - cycle: modules that import each other, directly or through others (any import);
-- private: outside the seam `trainwell.compat`, `keras.src`, `keras_tuner.src`,
+- private: outside the seam `trainwell.compat`, `keras.src`, `keras_tuner.src`, `keras_hub.src`,
   `tensorflow.python` imported; `obj._name` read on an object other than `self`/`cls`
   where `_name` is a private name Keras, KerasTuner or `tf.distribute` define; a
   `__internal__` namespace (`tf.__internal__`); or, in a class with bases, a private
@@ -180,7 +180,7 @@ def upstream_private_methods() -> frozenset:
     return _scan_upstream()[1]
 
 
-PRIVATE_MODULES = ("keras.src", "keras_tuner.src", "tensorflow.python")
+PRIVATE_MODULES = ("keras.src", "keras_tuner.src", "keras_hub.src", "tensorflow.python")
 
 
 # --------------------------------------------------------------------------- the rules

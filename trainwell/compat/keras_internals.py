@@ -57,6 +57,7 @@ __all__ = [
     "OwnWeightDecay",
     "uses_weight_decay",
     "variable_index",
+    "preset_backbone_class",
 ]
 
 
@@ -511,6 +512,27 @@ def variable_index(optimizer, variable) -> int:
 
 # --------------------------------------------------------------------------- audit
 
+def preset_backbone_class(preset: str):
+    """The keras-hub `Backbone` class of `preset` (a name or a directory), read from its config: nothing built.
+
+    keras-hub has no public way to name a preset's backbone class without loading
+    the model; `CausalLM.from_preset` asks the preset's loader
+    (`keras_hub.src.utils.preset_utils.get_preset_loader`), and so does this. A
+    layout map (model parallel) must be known before the model is built.
+
+    Example:
+    >>> preset_backbone_class("/path/to/gemma_preset").__name__  # doctest: +SKIP
+    'GemmaBackbone'
+    """
+    name = "keras_hub.src.utils.preset_utils.get_preset_loader"
+    gate(name, "keras_hub")
+    try:
+        from keras_hub.src.utils.preset_utils import get_preset_loader  # lazy: keras-hub loads with its recipes
+    except ImportError:
+        raise upstream_changed(name, "keras_hub") from None
+    return get_preset_loader(preset).check_backbone_class()
+
+
 def _has_module_attr(module: str, attr: str) -> Callable[[], bool]:
     def check() -> bool:
         try:
@@ -548,6 +570,8 @@ _CHECKS: tuple[tuple[str, Callable[[], bool]], ...] = (
     ("BaseOptimizer._apply_weight_decay", _has_class_attr("keras.optimizers", "Optimizer", "_apply_weight_decay")),
     ("BaseOptimizer._use_weight_decay", _has_class_attr("keras.optimizers", "Optimizer", "_use_weight_decay")),
     ("BaseOptimizer._get_variable_index", _has_class_attr("keras.optimizers", "Optimizer", "_get_variable_index")),
+    ("keras_hub preset_utils.get_preset_loader",
+     _has_module_attr("keras_hub.src.utils.preset_utils", "get_preset_loader")),
 )
 
 

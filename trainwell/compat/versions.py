@@ -28,6 +28,8 @@ import keras
 TESTED_KERAS = ((3, 8), (3, 16))
 #: TensorFlow versions the private accesses are tested with, as `(lo, hi)`.
 TESTED_TF = ((2, 18), (2, 22))
+#: keras-hub versions its private accesses are tested with (one: `preset_backbone_class`).
+TESTED_KERAS_HUB = ((0, 32), (0, 33))
 
 _warned: set[str] = set()
 _lock = threading.Lock()
@@ -69,6 +71,29 @@ def tf_version() -> tuple[int, int]:
     return _major_minor(tf.__version__)
 
 
+def keras_hub_version() -> tuple[int, int]:
+    """The installed keras-hub version as `(major, minor)`, `(0, 0)` without keras-hub.
+
+    Example:
+    >>> keras_hub_version() >= (0, 20)
+    True
+    """
+    try:
+        import keras_hub  # here: imported only when a keras-hub accessor runs
+    except ImportError:  # pragma: no cover - keras-hub is a dependency
+        return (0, 0)
+    return _major_minor(keras_hub.__version__)
+
+
+def _installed(library: str) -> tuple[tuple[int, int], tuple[tuple[int, int], tuple[int, int]]]:
+    """`(installed version, tested bounds)` of `library`: "keras", "tensorflow" or "keras_hub"."""
+    if library == "keras":
+        return keras_version(), TESTED_KERAS
+    if library == "keras_hub":
+        return keras_hub_version(), TESTED_KERAS_HUB
+    return tf_version(), TESTED_TF
+
+
 def in_range(version: tuple[int, int], bounds: tuple[tuple[int, int], tuple[int, int]]) -> bool:
     """Whether `lo <= version < hi` for `bounds = (lo, hi)`.
 
@@ -89,12 +114,12 @@ def gate(name: str, library: str = "keras") -> None:
 
     Args:
         name: The private name about to be used, e.g. `"Model._symbolic_build"`. Required.
-        library: `"keras"` or `"tensorflow"`. Defaults to `"keras"`.
+        library: `"keras"`, `"tensorflow"` or `"keras_hub"`. Defaults to `"keras"`.
 
     Example:
     >>> gate("Model._symbolic_build")  # silent on a tested Keras
     """
-    version, bounds = (keras_version(), TESTED_KERAS) if library == "keras" else (tf_version(), TESTED_TF)
+    version, bounds = _installed(library)
     if in_range(version, bounds) or name in _warned:
         return
     with _lock:
@@ -116,8 +141,7 @@ def upstream_changed(name: str, library: str = "keras", detail: str = "") -> Ups
     >>> str(upstream_changed("Model._foo")).startswith("trainwell needs the private keras name")
     True
     """
-    version = keras_version() if library == "keras" else tf_version()
-    bounds = TESTED_KERAS if library == "keras" else TESTED_TF
+    version, bounds = _installed(library)
     return UpstreamChanged(
         f"trainwell needs the private {library} name `{name}`, which {library} {_fmt(version)} does not have"
         f"{f' ({detail})' if detail else ''}; trainwell is tested with {library} {_fmt(bounds[0])} to below "

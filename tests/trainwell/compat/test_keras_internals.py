@@ -121,3 +121,17 @@ def test_optimizer_hooks_weight_decay_pass_exclusion_and_variable_index():
         assert (ki.variable_index(opt, a), ki.variable_index(opt, bias)) == (0, 1)
         assert ki.variable_index(opt, bias.value) == 1  # the backend variable the TF backend passes to update_step
     assert stepped == [pytest.approx([0.95, 1.9]), [1.0, 2.0]]  # Keras decays through the name the mixin silences
+
+
+def test_preset_backbone_class_reads_the_class_without_building(monkeypatch):
+    # keras-hub's private preset loader (the one keras-hub name trainwell reads): the embedded MiniLM
+    # preset is a BERT; the model-parallel strategy needs the class (its layout map) before any build.
+    import keras_hub
+
+    from trainwell.recipes.transformer_finetune import resolve_preset
+
+    built = []
+    monkeypatch.setattr(keras_hub.models.Backbone, "from_config", classmethod(lambda cls, *a, **k: built.append(cls)))
+    assert ki.preset_backbone_class(resolve_preset("minilm")) is keras_hub.models.BertBackbone
+    assert built == []
+    assert versions.in_range(versions.keras_hub_version(), versions.TESTED_KERAS_HUB)
