@@ -22,6 +22,32 @@ def python_subprocess():
     return run_python
 
 
+def recipe_train_code(module: str, kw: dict, out, kill_at: int = 0) -> str:
+    """A script that trains `trainwell.recipes.<module>` with `kw`, saves the weights to `out` and prints
+    `HISTORY <epochs>`; with `kill_at`, it SIGKILLs itself after that many training batches (after the
+    recipe's own callbacks: its Checkpoint has run). The recipes' crash-and-compare tests run it."""
+    return (
+        "import os, signal, keras, numpy as np\n"
+        f"from trainwell.recipes import {module} as r\n"
+        f"KILL_AT = {kill_at}\n"
+        "class Kill(keras.callbacks.Callback):  # after the recipe's own callbacks (its Checkpoint)\n"
+        "    seen = 0\n"
+        "    def on_train_batch_end(self, batch, logs=None):\n"
+        "        Kill.seen += 1\n"
+        "        if Kill.seen == KILL_AT:\n"
+        "            os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"run = r.train(callbacks=[Kill()] if KILL_AT else None, **{kw!r})\n"
+        f"np.savez({str(out)!r}, *run.model.get_weights())\n"
+        "print('HISTORY', len(run.history['loss']))\n"
+    )
+
+
+@pytest.fixture
+def train_code():
+    """`recipe_train_code`, for tests (conftest helpers reach tests as fixtures)."""
+    return recipe_train_code
+
+
 @pytest.fixture
 def tf_cache_clears(monkeypatch) -> list:
     """A list that gets one entry per clear of TensorFlow's kernel caches (what `tf.random.set_seed` does)."""

@@ -285,41 +285,24 @@ def test_too_long_example_in_a_run_leaves_no_run_directory(tiny, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-def _train_code(kw: dict, out: Path, kill_at: int = 0) -> str:
-    return (
-        "import os, signal, keras, numpy as np\n"
-        "from trainwell.recipes import causal_lm as r\n"
-        f"KILL_AT = {kill_at}\n"
-        "class Kill(keras.callbacks.Callback):  # after the recipe's own callbacks (its Checkpoint)\n"
-        "    seen = 0\n"
-        "    def on_train_batch_end(self, batch, logs=None):\n"
-        "        Kill.seen += 1\n"
-        "        if Kill.seen == KILL_AT:\n"
-        "            os.kill(os.getpid(), signal.SIGKILL)\n"
-        f"run = r.train(callbacks=[Kill()] if KILL_AT else None, **{kw!r})\n"
-        f"np.savez({str(out)!r}, *run.model.get_weights())\n"
-        "print('HISTORY', len(run.history['loss']))\n"
-    )
-
-
 def _subprocess(code: str, timeout=300):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "HF_HUB_OFFLINE": "1"})
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_matches_uninterrupted_run(tiny, tmp_path):
+def test_resume_after_sigkill_matches_uninterrupted_run(tiny, tmp_path, train_code):
     kw = tiny_kw(tiny, epochs=2, checkpoint_every="2", deterministic=True, export=False, num_samples=0,
                  lora="on", lora_rank=2)
     spe = recipe.build_data(recipe.Config(**kw), recipe.build_preprocessor(recipe.Config(**kw))).steps_per_epoch
-    ref = _subprocess(_train_code({**kw, "run_dir": str(tmp_path / "ref")}, tmp_path / "ref.npz"))
+    ref = _subprocess(train_code("causal_lm", {**kw, "run_dir": str(tmp_path / "ref")}, tmp_path / "ref.npz"))
     assert ref.returncode == 0, ref.stderr[-3000:]
     crash_kw = {**kw, "run_dir": str(tmp_path / "crash")}
-    crashed = _subprocess(_train_code(crash_kw, tmp_path / "crash.npz", kill_at=spe + 3))
+    crashed = _subprocess(train_code("causal_lm", crash_kw, tmp_path / "crash.npz", kill_at=spe + 3))
     assert crashed.returncode == -9, crashed.stderr[-3000:]
     index = json.loads((tmp_path / "crash" / "checkpoints" / "checkpoint.json").read_text())["checkpoints"]
     assert spe < max(int(c["global_step"]) for c in index) < spe + 3  # a mid-epoch-2 checkpoint
-    resumed = _subprocess(_train_code(crash_kw, tmp_path / "crash.npz"))
+    resumed = _subprocess(train_code("causal_lm", crash_kw, tmp_path / "crash.npz"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "HISTORY 2" in resumed.stdout
     a, b = np.load(tmp_path / "ref.npz"), np.load(tmp_path / "crash.npz")

@@ -205,37 +205,21 @@ def test_mixed_float16_on_two_replicas(tiny, tmp_path):
     assert out["loss"][-1] < out["loss"][0] and np.isfinite(out["metrics"]["test_loss"])
 
 
-def _train_code(kw: dict, out: Path, kill_at: int = 0) -> str:
-    return (
-        "import os, signal, keras, numpy as np\n"
-        "from trainwell.recipes import transformer_finetune as r\n"
-        f"KILL_AT = {kill_at}\n"
-        "class Kill(keras.callbacks.Callback):  # after the recipe's own callbacks (its Checkpoint)\n"
-        "    seen = 0\n"
-        "    def on_train_batch_end(self, batch, logs=None):\n"
-        "        Kill.seen += 1\n"
-        "        if Kill.seen == KILL_AT:\n"
-        "            os.kill(os.getpid(), signal.SIGKILL)\n"
-        f"run = r.train(callbacks=[Kill()] if KILL_AT else None, **{kw!r})\n"
-        f"np.savez({str(out)!r}, *run.model.get_weights())\n"
-        "print('HISTORY', len(run.history['loss']))\n"
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [{}, {"lora_rank": 4, "lora_alpha": 8.0}], ids=["full", "lora"])
-def test_resume_after_sigkill_matches_uninterrupted_run(tiny, tmp_path, lora):
+def test_resume_after_sigkill_matches_uninterrupted_run(tiny, tmp_path, lora, train_code):
     # LoRA: a checkpoint's load once reset the adapters to zero (Keras's own save of a LoRA layer
     # writes the merged kernel), so a resumed LoRA run lost what it had trained.
     kw = tiny_kw(tiny, epochs=2, checkpoint_every="3", deterministic=True, early_stopping_patience=None,
                  export=False, max_train_examples=160, **lora)
     cfg = recipe.Config(**kw)
     spe = recipe.build_data(cfg, recipe.build_preprocessor(cfg)).steps_per_epoch
-    ref = _subprocess(_train_code({**kw, "run_dir": str(tmp_path / "ref")}, tmp_path / "ref.npz"))
+    ref = _subprocess(train_code("transformer_finetune", {**kw, "run_dir": str(tmp_path / "ref")},
+                                 tmp_path / "ref.npz"))
     assert ref.returncode == 0, ref.stderr[-3000:]
     crash_kw = {**kw, "run_dir": str(tmp_path / "crash")}
     # SIGKILLed in epoch 2, a step or two after a mid-epoch checkpoint
-    crashed = _subprocess(_train_code(crash_kw, tmp_path / "crash.npz", kill_at=spe + 5))
+    crashed = _subprocess(train_code("transformer_finetune", crash_kw, tmp_path / "crash.npz", kill_at=spe + 5))
     assert crashed.returncode == -9, crashed.stderr[-3000:]
     assert not (tmp_path / "crash.npz").exists()
     index = json.loads((tmp_path / "crash" / "checkpoints" / "checkpoint.json").read_text())["checkpoints"]
@@ -247,7 +231,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tiny, tmp_path, lora):
         assert meta["frozen"] and not set(meta["frozen"]) & set(arrays)
         assert len(model_keys) + len(meta["frozen"]) == len(recipe.build_model(cfg, 2).weights)
         assert len(model_keys) < len(meta["frozen"])
-    resumed = _subprocess(_train_code(crash_kw, tmp_path / "crash.npz"))
+    resumed = _subprocess(train_code("transformer_finetune", crash_kw, tmp_path / "crash.npz"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "HISTORY 2" in resumed.stdout  # the whole history, the epoch before the crash included
     a, b = np.load(tmp_path / "ref.npz"), np.load(tmp_path / "crash.npz")
