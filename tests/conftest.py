@@ -48,6 +48,39 @@ def train_code():
     return recipe_train_code
 
 
+def save_tiny_gemma_preset(path, sequence_length: int, num_query_heads: int = 2, num_key_value_heads: int = 1) -> str:
+    """A randomly initialised 1-layer Gemma causal LM (hidden 16) with a 64-piece SentencePiece BPE trained
+    here, saved as a keras-hub preset directory (backend-neutral: a JAX subprocess loads it too)."""
+    import io
+
+    import keras
+    import keras_hub
+    import numpy as np
+    import sentencepiece as spm
+
+    keras.utils.set_random_seed(0)
+    words = ["red", "blue", "green", "cat", "dog", "sun", "moon", "User", "Assistant", "System", "Be", "brief"]
+    corpus = [" ".join(np.random.default_rng(i).choice(words, 6)) + " ?:." for i in range(200)]
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=proto, vocab_size=64, model_type="bpe", num_threads=1,
+        pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
+        unk_piece="<unk>", minloglevel=2)
+    tok = keras_hub.models.GemmaTokenizer(proto=proto.getvalue())
+    pre = keras_hub.models.GemmaCausalLMPreprocessor(tok, sequence_length=sequence_length)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=tok.vocabulary_size(), num_layers=1, num_query_heads=num_query_heads,
+        num_key_value_heads=num_key_value_heads, hidden_dim=16, intermediate_dim=32, head_dim=8)
+    keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=pre).save_to_preset(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma():
+    """`save_tiny_gemma_preset`, for tests."""
+    return save_tiny_gemma_preset
+
+
 @pytest.fixture
 def tf_cache_clears(monkeypatch) -> list:
     """A list that gets one entry per clear of TensorFlow's kernel caches (what `tf.random.set_seed` does)."""

@@ -51,30 +51,6 @@ def save_tiny_gpt2_preset(path, sequence_length=SEQ):
     return str(path)
 
 
-def save_tiny_gemma_preset(path, sequence_length=SEQ):
-    """A randomly initialised 1-layer Gemma (hidden 16) with a 64-piece SentencePiece BPE trained here."""
-    import io
-
-    import keras
-    import keras_hub
-    import sentencepiece as spm
-
-    keras.utils.set_random_seed(0)
-    words = WORDS + ["User", "Assistant", "System", "Be", "brief"]
-    corpus = [" ".join(np.random.default_rng(i).choice(words, 6)) + " ?:." for i in range(200)]
-    proto = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus), model_writer=proto, vocab_size=64, model_type="bpe", num_threads=1,
-        pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
-        unk_piece="<unk>", minloglevel=2)
-    tok = keras_hub.models.GemmaTokenizer(proto=proto.getvalue())
-    pre = keras_hub.models.GemmaCausalLMPreprocessor(tok, sequence_length=sequence_length)
-    backbone = keras_hub.models.GemmaBackbone(vocabulary_size=tok.vocabulary_size(), num_layers=1, num_query_heads=2,
-                                              num_key_value_heads=1, hidden_dim=16, intermediate_dim=32, head_dim=8)
-    keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=pre).save_to_preset(str(path))
-    return str(path)
-
-
 def make_rows(n, seed=0):
     """`"Colour of X?"` -> the colour: a mapping a tiny model learns; every third row a chat."""
     rng = np.random.default_rng(seed)
@@ -177,10 +153,10 @@ def test_too_long_refused_without_truncation_and_cut_from_the_prompt_with_it(tin
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gemma"])
-def test_prompt_targets_contribute_exactly_zero_to_the_loss(tiny, family, tmp_path):
+def test_prompt_targets_contribute_exactly_zero_to_the_loss(tiny, family, tmp_path, tiny_gemma):
     import keras
 
-    preset = tiny["preset"] if family == "gpt2" else save_tiny_gemma_preset(tmp_path / "gemma")
+    preset = tiny["preset"] if family == "gpt2" else tiny_gemma(tmp_path / "gemma", SEQ)
     cfg = recipe.Config(**tiny_kw(tiny, preset=preset))
     pre = recipe.build_preprocessor(cfg)
     data = recipe.build_data(cfg, pre)

@@ -19,33 +19,14 @@ JAX_ENV = {"KERAS_BACKEND": "jax", "HF_HUB_OFFLINE": "1",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
                         "--xla_llvm_disable_expensive_passes=true"}
 
-_TINY_GEMMA = """
-import io, numpy as np, keras, keras_hub, sentencepiece as spm
 
-def save_tiny_gemma(path, sequence_length):
-    # 4 query and 4 key/value heads: the layout map shards the heads over the model axis (M = 4)
-    keras.utils.set_random_seed(0)
-    words = ["red", "blue", "green", "cat", "dog", "sun", "moon", "User", "Assistant", "System", "Be", "brief"]
-    corpus = [" ".join(np.random.default_rng(i).choice(words, 6)) + " ?:." for i in range(200)]
-    proto = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus), model_writer=proto, vocab_size=64, model_type="bpe", num_threads=1,
-        pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
-        unk_piece="<unk>", minloglevel=2)
-    tok = keras_hub.models.GemmaTokenizer(proto=proto.getvalue())
-    pre = keras_hub.models.GemmaCausalLMPreprocessor(tok, sequence_length=sequence_length)
-    backbone = keras_hub.models.GemmaBackbone(vocabulary_size=tok.vocabulary_size(), num_layers=1, num_query_heads=4,
-                                              num_key_value_heads=4, hidden_dim=16, intermediate_dim=32, head_dim=8)
-    keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=pre).save_to_preset(str(path))
-    return str(path)
-"""
-
-_CORE = _TINY_GEMMA + """
+_CORE = """
 import json, sys, tempfile, jax
+import numpy as np, keras, keras_hub
 from trainwell import runtime
 from trainwell.models.lora import enable_lora
 
-preset = save_tiny_gemma(tempfile.mkdtemp() + "/preset", 16)
+preset = sys.argv[1]  # saved by the test (tests/conftest.py save_tiny_gemma_preset)
 mp = runtime.make_strategy("model_parallel:2x4")
 one = runtime.make_strategy("one_device")
 out = {"devices": len(jax.devices()), "replicas": mp.num_replicas_in_sync}
@@ -89,12 +70,12 @@ except ValueError as e:
 print(json.dumps(out))
 """
 
-_RECIPE = _TINY_GEMMA + """
-import json, tempfile
+_RECIPE = """
+import json, sys, tempfile
 from trainwell.recipes import causal_lm
 
 root = tempfile.mkdtemp()
-preset = save_tiny_gemma(root + "/preset", 16)
+preset = sys.argv[1]
 with open(root + "/train.jsonl", "w") as f:
     for i in range(20):
         f.write(json.dumps({"prompt": f"cat{i % 3}?", "response": " red"}) + "\\n")
@@ -107,17 +88,22 @@ print(json.dumps({"eval_loss": run.metrics["eval_loss"], "spec": str(block.atten
 """
 
 
-def _run_jax(script: str) -> dict:
+def _run_jax(script: str, preset: str) -> dict:
     pytest.importorskip("jax", reason="JAX is not installed (pip install 'trainwell[jax]')")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+    r = subprocess.run([sys.executable, "-c", script, preset], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **JAX_ENV})
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def _gemma(tiny_gemma, root) -> str:
+    # 4 query and 4 key/value heads: the layout map shards the heads over the model axis (M = 4)
+    return tiny_gemma(root / "preset", 16, num_query_heads=4, num_key_value_heads=4)
+
+
 @pytest.fixture(scope="module")
-def jax_run():
-    return _run_jax(_CORE)
+def jax_run(tmp_path_factory, tiny_gemma):
+    return _run_jax(_CORE, _gemma(tiny_gemma, tmp_path_factory.mktemp("mp")))
 
 
 def test_model_parallel_shards_the_kernels_and_trains_as_one_device(jax_run):
@@ -145,9 +131,9 @@ def test_lora_adapters_follow_their_kernels_layout(jax_run):
 
 
 @pytest.mark.slow  # ~25 s: the recipe's run directory, fit and evaluation compile; the only test of that path
-def test_causal_lm_recipe_runs_model_parallel_in_mixed_bfloat16():
+def test_causal_lm_recipe_runs_model_parallel_in_mixed_bfloat16(tmp_path, tiny_gemma):
     # 5 held-out examples: a batch the mesh's batch axis (2) cannot split unless padded (EvenBatchesModelParallel)
-    recipe = _run_jax(_RECIPE)
+    recipe = _run_jax(_RECIPE, _gemma(tiny_gemma, tmp_path))
     assert recipe["spec"] == "P('model', 'batch', None)" and recipe["compute_dtype"] == "bfloat16", recipe
     assert 0 < recipe["eval_loss"] < 10, recipe
 
