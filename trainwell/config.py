@@ -276,9 +276,11 @@ class BaseConfig:
         epochs: Number of training epochs.
         batch_size: Global batch size (summed over replicas).
         precision: `"auto"`, `"mixed_float16"`, `"mixed_bfloat16"` or `"float32"`.
-        strategy: `"auto"`, `"mirrored"`, `"multiworker"`, `"tpu"`, `"one_device"` or `"cpu:N"`.
+        strategy: `"auto"`, `"mirrored"`, `"multiworker"`, `"tpu"`, `"one_device"`, `"cpu:N"` or
+            `"model_parallel:DxM"` (JAX: a data x model device mesh laid out by the backbone's keras-hub layout map).
         seed: Random seed.
-        run_dir: Run directory; `None` makes a fresh one under `runs/`.
+        run_dir: Run directory; `None` makes a fresh one under `runs/`; an `s3://` or `gs://` URL
+            writes the run to object storage (docs/checkpoint.md).
 
     Example:
     >>> @dataclasses.dataclass
@@ -313,7 +315,7 @@ class BaseConfig:
             validate_strategy_spec(self.strategy)
         except ValueError:
             raise_invalid("strategy", self.strategy, "one of " + ", ".join(repr(p) for p in STRATEGY_SPECS),
-                  did_you_mean(self.strategy, STRATEGY_SPECS[:-1]))
+                  did_you_mean(self.strategy, [s for s in STRATEGY_SPECS if ":" not in s]))
         check_seed(self, "seed")
         check_run_dir(self.run_dir)
 
