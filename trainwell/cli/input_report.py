@@ -73,6 +73,7 @@ def _stage_datasets(cfg, data) -> dict[str, Any]:
     # lazy: TensorFlow and the data modules load when a report runs, not with the command's parser
     import tensorflow as tf
 
+    # lazy, as TensorFlow above: the data modules and the recipe import it
     from trainwell.data.image_ops import Transform, center_window, decode_window, inception_window, valid_image
     from trainwell.data.image_sources import open_source
     from trainwell.data.images import EVAL_CROP_FRACTION, SMALL_IMAGE_MAX

@@ -203,6 +203,7 @@ def _stderr(line: str) -> None:
 
 
 def prepare_images(
+    # one piece: validate, open the source, resume or start, write every split's shards, verify, index last
     source: str,
     dst: str | os.PathLike,
     *,
