@@ -67,8 +67,8 @@ class CategoricalCrossentropy(keras.losses.CategoricalCrossentropy):
     >>> round(float(loss(y, logits)), 3)  # 400 * 0.1 / 3, as Keras's
     13.333
     >>> loss.label_smoothing = 0.0
-    >>> round(float(loss(y, logits)), 3)
-    0.0
+    >>> float(loss(y, logits)) < 1e-3  # 0 up to rounding (some CPUs' kernels give -0.0)
+    True
     """
 
     variable_config_keys = ("label_smoothing",)
