@@ -302,7 +302,19 @@ _PROGRESSIVE = {**TINY, "image_size": 16, "epochs": 2, "batch_size": 256, "augme
                 "checkpoint_every": "5", "nan_rollback": False, "image_size_schedule": [[0, 8], [0.5, 16]]}
 
 
-def test_progressive_resizing_traces_once_per_size_and_keeps_the_lr_schedule(tmp_path):
+@pytest.fixture
+def op_determinism_off_after():
+    """These runs are in-process with `deterministic=True`, which turns TensorFlow's op determinism on for
+    the whole process (`runtime.seed_everything`); later tests in the same worker (tf.random's global
+    generator) need it off again."""
+    yield
+    # TensorFlow has no public switch back (its `enable_op_determinism` is one-way); the test restores it
+    from tensorflow.python.framework import config as tf_config
+
+    tf_config.disable_op_determinism()
+
+
+def test_progressive_resizing_traces_once_per_size_and_keeps_the_lr_schedule(tmp_path, op_determinism_off_after):
     """#35.3: an epoch at 8 px, then one at 16 px, in one fit."""
     from trainwell.compat import raw_learning_rate
 
@@ -322,7 +334,7 @@ def test_progressive_resizing_traces_once_per_size_and_keeps_the_lr_schedule(tmp
 
 
 @pytest.mark.slow  # three runs of the recipe: what no faster test proves (bit-identical across the size change)
-def test_progressive_resizing_resumes_bit_identically_across_a_size_change(tmp_path):
+def test_progressive_resizing_resumes_bit_identically_across_a_size_change(tmp_path, op_determinism_off_after):
     import keras
 
     steps = 1259 // 256
