@@ -31,7 +31,7 @@ from trainwell.callbacks.checkpoint.preemption import PreemptionGuard
 from trainwell.callbacks.checkpoint.resume import ResumeMixin, order_rng_capture, unwrap_hooks, wrap_hook
 from trainwell.callbacks.checkpoint.state import config_to_dict, load_checkpoint
 from trainwell.callbacks.checkpoint.writer import CheckpointWriter
-from trainwell.compat.backend import wrap_train_function
+from trainwell.compat.backend import callback_model, wrap_train_function
 from trainwell.compat.keras_internals import get_initial_epoch, set_initial_epoch
 from trainwell.compat.metrics import finite_value
 from trainwell.rundir import lock_run_dir
@@ -407,7 +407,7 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
         # (`make_train_function(force=True)`, e.g. WarmupCosine installing its
         # schedule); wrap the new one. fit() looks the function up after
         # on_train_batch_begin, so this takes effect for the coming step.
-        fn = getattr(self.model, "train_function", None)
+        fn = getattr(callback_model(self), "train_function", None)  # each step: no JAX state sync
         if self._in_fit and fn is not None and getattr(fn, "_trainwell_checkpoint_owner", None) is not self:
             self._wrap_train_function()
 
@@ -546,7 +546,7 @@ class Checkpoint(PreemptionGuard, ResumeMixin, CheckpointWriter, StatefulCallbac
 
 
     def _spe(self) -> int:
-        return int(getattr(self.model, "steps_per_execution", 1) or 1)
+        return int(getattr(callback_model(self), "steps_per_execution", 1) or 1)  # each step: no JAX state sync
 
 
     def _train_step(self, orig, iterator):

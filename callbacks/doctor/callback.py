@@ -38,6 +38,7 @@ from trainwell.callbacks.doctor.step_rules import (
     explain_dead_units,
     run_queue_delays,
 )
+from trainwell.compat.backend import callback_model
 from trainwell.compat.keras_internals import adapter_sample_source, fit_epoch_iterator
 from trainwell.compat.learning_rate import current_lr, inner_optimizer
 from trainwell.io import atomic_write_json
@@ -347,7 +348,8 @@ class TrainingDoctor(StatefulCallback):
         self._write_json()
 
     def _is_lso(self) -> bool:
-        return isinstance(getattr(self.model, "optimizer", None), keras.optimizers.LossScaleOptimizer)
+        # each step: no JAX state sync (`callback_model`)
+        return isinstance(getattr(callback_model(self), "optimizer", None), keras.optimizers.LossScaleOptimizer)
 
     def _chief(self) -> bool:
         return runtime.is_chief(getattr(self.model, "distribute_strategy", None))
@@ -405,7 +407,7 @@ class TrainingDoctor(StatefulCallback):
     def on_train_batch_begin(self, batch, logs=None) -> None:
         self._begin_batch = int(batch)
         if self._probe is not None and self.track_updates:
-            spe = int(getattr(self.model, "steps_per_execution", 1) or 1)
+            spe = int(getattr(callback_model(self), "steps_per_execution", 1) or 1)  # each step: no JAX state sync
             if self._probe_due(self.step, self.step + spe):
                 with contextlib.suppress(Exception):  # without it the probe's update ratios are masked
                     self._probe.snapshot()
@@ -449,9 +451,10 @@ class TrainingDoctor(StatefulCallback):
         return rule(*args, self.step, lr=_current_lr(self.model.optimizer), thresholds=self._th)
 
     def _track_loss_scale(self) -> None:
-        if not getattr(self.model.optimizer, "built", False):
+        model = callback_model(self)  # each step: no JAX state sync; the scale is read from the live state
+        if not getattr(model.optimizer, "built", False):
             return
-        scale = current_loss_scale(self.model)
+        scale = current_loss_scale(model)
         if self._last_scale is not None and scale < self._last_scale:
             k = int(round(math.log2(self._last_scale / scale))) if scale > 0 else 1
             self.backoff_steps.extend([self.step] * max(k, 1))

@@ -22,6 +22,8 @@ The API:
   before reading or assigning variables inside a `fit`.
 - `StateReader(model, variables)`: the current values of some variables without
   a sync (the NaN check reads a few every step; a sync writes every variable).
+- `callback_model(callback)`: a callback's model without the sync that Keras's
+  `Callback.model` does on JAX (for per-step hooks that read attributes only).
 - `wrap_train_function(fn, step)`: the train function with `step(run, iterator)`
   around it, the same on both trainers.
 - `compile_function(fn)`: one compiled dispatch (`tf.function` or `jax.jit`).
@@ -62,6 +64,7 @@ __all__ = [
     "backend_tensor",
     "sync_variables",
     "StateReader",
+    "callback_model",
     "wrap_train_function",
     "compile_function",
     "kept_on_model",
@@ -147,6 +150,34 @@ def sync_variables(model) -> None:
     if not is_jax() or _live_jax_state(model) is None:
         return
     model.jax_state_sync()
+
+
+def callback_model(callback):
+    """The model of a Keras `callback`, without the JAX state sync of `Callback.model`.
+
+    On JAX, reading Keras's `Callback.model` inside `fit` writes the whole training state
+    back into the variables (`jax_state_sync`), which the next step then reads back: for
+    ResNet-50 about 20 ms of host time per read, serial with the accelerator as soon as
+    any callback waits for a step's logs (measured on an H200: bench/README.md). Per-step
+    hooks that need the model's attributes (its train function, optimizer, strategy,
+    `steps_per_execution`) but not variable values use this; values come from
+    `StateReader`. On other backends this is `callback.model`.
+
+    Args:
+        callback: A `keras.callbacks.Callback` whose `set_model` was called. Required.
+
+    Example:
+    >>> import keras
+    >>> cb = keras.callbacks.Callback()
+    >>> model = keras.Sequential()
+    >>> cb.set_model(model)
+    >>> callback_model(cb) is model
+    True
+    """
+    if not is_jax():
+        return callback.model
+    gate("Callback._model")
+    return callback._model
 
 
 class StateReader:

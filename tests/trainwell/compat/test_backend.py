@@ -112,3 +112,12 @@ def test_reseeding_keeps_compiled_functions_unless_a_traced_function_holds_rando
     print("ok")
     """)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_callback_model_reads_the_attribute_keras_set_model_sets():
+    # `compat.backend.callback_model` reads `Callback._model` on JAX (the property syncs the state):
+    # this fails when Keras keeps a callback's model under another name.
+    cb = keras.callbacks.Callback()
+    model = keras.Sequential()
+    cb.set_model(model)
+    assert cb._model is model
