@@ -74,14 +74,14 @@ def parse_config(name: str) -> dict:
     """`"recipe-mixed-spe8"` -> `{"kind": "recipe", "precision": "mixed_float16", "spe": 8}`."""
     if name == "torch-amp":
         return {"name": name, "kind": "torch", "precision": "mixed_float16", "spe": 1}
-    m = re.fullmatch(r"(recipe|apps)-(f32|mixed|bf16)(?:-spe(\d+))?(\+stack)?", name)
+    m = re.fullmatch(r"(recipe|apps)-(f32|mixed|bf16)(?:-spe(\d+))?(\+(?:stack|nan|ckpt|es))?", name)
     if not m or (m.group(3) and int(m.group(3)) < 1) or (m.group(4) and m.group(1) != "recipe"):
         raise ValueError(
             "Invalid config. Expected 'recipe-' or 'apps-' + 'f32'/'mixed'/'bf16' [+ '-speN'] (recipe only: "
-            f"[+ '+stack']), or 'torch-amp'. Received: {name!r}"
+            f"[+ '+stack' / '+nan' / '+ckpt' / '+es']), or 'torch-amp'. Received: {name!r}"
         )
     return {"name": name, "kind": m.group(1), "precision": PRECISIONS[m.group(2)], "spe": int(m.group(3) or 1),
-            "stack": bool(m.group(4))}
+            "stack": m.group(4)[1:] if m.group(4) else None}
 
 
 def _import_recipe():
@@ -151,10 +151,34 @@ class KerasConfig:
             yield self.x, self.y
 
     def _stack(self, directory: str) -> list:
-        """trainwell's callbacks with per-step work, at their defaults, for one `fit`."""
+        """trainwell's callbacks with per-step work, at their defaults, for one `fit`: all of them
+        (`+stack`) or one (`+nan`, `+ckpt`, `+es`), to tell which one costs."""
         from trainwell.callbacks import Checkpoint, EarlyStopping, NaNRollback
 
-        return [NaNRollback(), Checkpoint(directory, verbose=0), EarlyStopping(monitor="loss", patience=10)]
+        members = {"nan": lambda: NaNRollback(), "ckpt": lambda: Checkpoint(directory, verbose=0),
+                   "es": lambda: EarlyStopping(monitor="loss", patience=10)}
+        which = list(members) if self.spec["stack"] == "stack" else [self.spec["stack"]]
+        return [members[k]() for k in which]
+
+    def host_profile(self, top: int = 25) -> list[str]:
+        """One more round under cProfile: the host functions with the most time of their own
+        (a wait on the device shows in the function that reads a value back)."""
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        self._fit(1 + max(1, -(-self.args.steps // self.spec["spe"])))
+        prof.disable()
+        lines = []
+        for key, restrict in (("tottime", top), ("cumulative", "trainwell|/callbacks/")):
+            buf = io.StringIO()
+            stats = pstats.Stats(prof, stream=buf).sort_stats(key)
+            stats.print_stats(restrict) if key == "tottime" else stats.print_stats(restrict, top)
+            rows = [line for line in buf.getvalue().splitlines() if line.strip()]
+            lines += [f"-- by {key}"] + rows[next(i for i, r in enumerate(rows) if "ncalls" in r):]
+        return lines
 
     def _fit(self, executions: int):
         import shutil
@@ -275,6 +299,8 @@ def parse_args(argv=None):
     p.add_argument("--torch-warmup-steps", type=int, default=20, help="Default 20.")
     p.add_argument("--budget-s", type=float, default=360.0,
                    help="Wall-clock budget: a configuration is not built when less than 120 s is left. Default 360.")
+    p.add_argument("--host-profile", action="store_true",
+                   help="After the rounds, one more round of each '+' configuration under cProfile (JSON: host_profile).")
     p.add_argument("--out", default=None, help="Also write the JSON here after every stage.")
     p.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -326,6 +352,15 @@ def main(argv=None) -> dict | None:
                 runners.pop(name)
             out["configs"][name] = runner.result()
             save()
+    if args.host_profile:
+        out["host_profile"] = {}
+        for name, runner in runners.items():
+            if "+" in name:
+                try:
+                    out["host_profile"][name] = runner.host_profile()
+                except Exception as e:
+                    out["errors"][f"{name} host_profile"] = f"{type(e).__name__}: {e}"[:2000]
+                save()
     res = out["configs"]
     out["ratios"] = {}
     for name in res:
@@ -333,7 +368,7 @@ def main(argv=None) -> dict | None:
             for base in res:
                 if not base.startswith("recipe") and res[base]["images_per_s"]:
                     out["ratios"][f"{name} / {base}"] = ratio(res[name]["images_per_s"], res[base]["images_per_s"])
-    stacks = {n: n[: -len("+stack")] for n in res if n.endswith("+stack")}
+    stacks = {n: n.split("+")[0] for n in res if "+" in n}
     out["callback_stack"] = {
         f"{n} / {bare}": ratio(res[n]["images_per_s"], res[bare]["images_per_s"])
         for n, bare in stacks.items() if bare in res and res[n]["images_per_s"] and res[bare]["images_per_s"]
