@@ -37,7 +37,8 @@ class RunResult:
         history: Per-epoch metrics of the whole run, including epochs trained before
             a resume (read back from `history.csv`), as `{name: [values]}`.
         metrics: Metrics on the held-out test split, e.g. `{"test_accuracy": 0.99}`.
-        run_dir: The run directory (config, manifest, checkpoints, logs, plots).
+        run_dir: The run directory (config, manifest, checkpoints, logs, plots); for a
+            run on an object store, its URL (a `str`: the local staging copy is gone).
         config: The resolved config.
 
     Example:
@@ -49,7 +50,7 @@ class RunResult:
     model: Any
     history: dict[str, list[float]]
     metrics: dict[str, float]
-    run_dir: Path
+    run_dir: Path | str
     config: Any = None
 
 
@@ -485,18 +486,19 @@ def finish_run(ctx: RunContext, cfg, model, test_metrics: dict[str, float], hist
     >>> run = finish_run(ctx, cfg, model, {"test_accuracy": 0.99})  # doctest: +SKIP
     """
     full = read_history_csv(ctx.run_dir / "history.csv")
+    where = _URL_RUNS.get(Path(ctx.run_dir), ctx.run_dir)  # a run on an object store: its URL
     if not full and history is not None:
         full = {k: [float(x) for x in v] for k, v in history.history.items()}
     if trained_nothing(history):
         metrics_file = ctx.run_dir / "metrics.json"
         metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
-        return RunResult(model=model, history=full, metrics=metrics, run_dir=ctx.run_dir, config=cfg)
+        return RunResult(model=model, history=full, metrics=metrics, run_dir=where, config=cfg)
     metrics = {k: float(v) for k, v in test_metrics.items()}
     if ctx.is_chief:
         atomic_write_json(ctx.run_dir / "metrics.json", metrics)
         if plots:
             plot_history(full, ctx.run_dir / "curves.png")
-    return RunResult(model=model, history=full, metrics=metrics, run_dir=ctx.run_dir, config=cfg)
+    return RunResult(model=model, history=full, metrics=metrics, run_dir=where, config=cfg)
 
 
 def trained_nothing(history) -> bool:

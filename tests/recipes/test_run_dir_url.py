@@ -34,12 +34,13 @@ def test_a_run_on_a_bucket_writes_there_and_resumes_from_there(s3_bucket, capsys
         assert name in names, names
     assert any(n.startswith("tensorboard/") for n in names) and any(n.startswith("checkpoints/ckpt-") for n in names)
     assert json.loads(store.get("manifest.json"))["config"]["run_dir"] == url
-    assert not run.run_dir.exists()  # the staging directory is gone
+    assert run.run_dir == url and not harness._URL_RUNS  # the result names the URL; the staging directory is gone
     assert len(_history_rows(store)) == 1
     # resume from the URL with one more epoch: the history there grows, the checkpoint is the next one
     assert cli.main(["resume", url, "--set", "epochs=2"]) == 0
     out = capsys.readouterr()
     assert "secret" not in out.out + out.err  # no credential in any output
+    assert f"run directory: {url}" in out.out  # not the staging directory, gone by then
     assert [int(r["epoch"]) for r in _history_rows(store)] == [0, 1]
     assert json.loads(store.get("manifest.json"))["config"]["epochs"] == 2
     assert harness.resume_epoch(harness.checkpoint_dir(url)) == 2
