@@ -76,6 +76,8 @@ class RunContext:
     run_dir: Path
     is_chief: bool = True
     _end: Any = dataclasses.field(default=None, repr=False, compare=False)
+    #: The run turned TensorFlow's op determinism on (`deterministic=True`): `close()` turns it off.
+    _op_determinism: bool = dataclasses.field(default=False, repr=False, compare=False)
 
     @property
     def num_replicas(self) -> int:
@@ -86,9 +88,13 @@ class RunContext:
         return runtime.fit_scope(self.strategy)
 
     def close(self) -> None:
-        """Releases the run directory (see the class docstring); idempotent."""
+        """Releases the run directory (see the class docstring) and turns op determinism off again
+        if the run turned it on; idempotent."""
         if self._end is not None:
             self._end()
+        if self._op_determinism:
+            self._op_determinism = False
+            runtime.end_op_determinism()
 
     def __enter__(self) -> "RunContext":
         return self
@@ -304,8 +310,8 @@ def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext
         cfg: A recipe config (`trainwell.config.BaseConfig` subclass).
         recipe: The recipe's command-line name (recorded in the manifest so
             `trainwell resume RUN_DIR` knows what to run).
-        deterministic: Enable op determinism. Defaults to `cfg.deterministic` if the
-            config has that field, else `False`.
+        deterministic: Enable op determinism, until `close()`. Defaults to
+            `cfg.deterministic` if the config has that field, else `False`.
 
     Returns:
         A `RunContext`; its `close()` releases the run directory.
@@ -322,7 +328,19 @@ def setup_run(cfg, recipe: str, deterministic: bool | None = None) -> RunContext
     precision = runtime.set_precision(cfg.precision)
     if deterministic is None:
         deterministic = bool(getattr(cfg, "deterministic", False))
-    runtime.seed_everything(cfg.seed, deterministic=deterministic)
+    turned_on = runtime.seed_everything(cfg.seed, deterministic=deterministic)
+    try:
+        ctx = _setup_run_dir(cfg, recipe, strategy, precision)
+    except BaseException:
+        if turned_on:
+            runtime.end_op_determinism()
+        raise
+    ctx._op_determinism = turned_on
+    return ctx
+
+
+def _setup_run_dir(cfg, recipe: str, strategy, precision: str) -> RunContext:
+    """`setup_run` after the strategy, precision and seeds: the run directory, its lock and manifest."""
     if storage.is_url(cfg.run_dir):
         return _setup_url_run(cfg, recipe, strategy, precision)
     chief = runtime.is_chief(strategy)

@@ -388,20 +388,25 @@ def set_precision(spec: str = "auto") -> str:
     return name
 
 
-def seed_everything(seed: int, deterministic: bool = False) -> None:
+def seed_everything(seed: int, deterministic: bool = False) -> bool:
     """Seeds Python, NumPy, TensorFlow and Keras; optionally makes ops deterministic.
 
     Uses `keras.utils.set_random_seed` (Python `random`, NumPy, TF and the Keras
     backend seed generator) and, with `deterministic=True`,
     `tf.config.experimental.enable_op_determinism()`, which makes reruns on the
-    same hardware bit-identical at some cost in speed.
+    same hardware bit-identical at some cost in speed, for the whole process:
+    `end_op_determinism()` turns it off again (a recipe's run does at its end).
 
     Args:
         seed: An integer in [0, 2**32 - 1] (NumPy's legacy seed takes 32 bits).
         deterministic: Whether to enable op determinism. Defaults to `False`.
 
+    Returns:
+        Whether this call turned op determinism on (it was off before).
+
     Example:
     >>> seed_everything(42)
+    False
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         raise invalid_argument("seed", "an int in [0, 2**32 - 1] (NumPy's seed range)", seed)
@@ -410,11 +415,27 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
 
     os.environ.setdefault("PYTHONHASHSEED", str(seed))
     keras.utils.set_random_seed(seed)
-    if deterministic:
-        # lazy: TensorFlow loads only for this switch, not with this module
-        import tensorflow as tf
+    if not deterministic:
+        return False
+    # lazy: TensorFlow loads only for this switch, not with this module
+    import tensorflow as tf
 
-        tf.config.experimental.enable_op_determinism()
+    from trainwell.compat.tf_internals import op_determinism_enabled  # lazy, as TensorFlow above
+
+    was_on = op_determinism_enabled()
+    tf.config.experimental.enable_op_determinism()
+    return not was_on
+
+
+def end_op_determinism() -> None:
+    """Turns TensorFlow's op determinism off again (after `seed_everything(..., deterministic=True)`).
+
+    Example:
+    >>> end_op_determinism()
+    """
+    from trainwell.compat.tf_internals import disable_op_determinism  # lazy: loads TensorFlow
+
+    disable_op_determinism()
 
 
 def is_chief(strategy=None) -> bool:

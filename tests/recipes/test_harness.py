@@ -84,6 +84,25 @@ def test_a_run_that_fails_before_producing_anything_leaves_no_run_directory(tmp_
     assert not (run_dir / ".trainwell.lock").exists()
 
 
+def test_op_determinism_lasts_as_long_as_the_run_that_asked_for_it(tmp_path):
+    import tensorflow as tf
+
+    from trainwell.compat.tf_internals import disable_op_determinism, op_determinism_enabled
+
+    with recipe.setup_run(Cfg(run_dir=str(tmp_path / "a")), "resnet-imagenet", deterministic=True):
+        assert op_determinism_enabled()
+    assert not op_determinism_enabled()
+    tf.random.uniform([1])  # refused while determinism is on: unseeded
+    # A process that turned it on itself keeps it on.
+    tf.config.experimental.enable_op_determinism()
+    try:
+        with recipe.setup_run(Cfg(run_dir=str(tmp_path / "b")), "resnet-imagenet", deterministic=True):
+            pass
+        assert op_determinism_enabled()
+    finally:
+        disable_op_determinism()
+
+
 def test_a_failed_run_removes_the_parent_directories_it_made(tmp_path, monkeypatch):
     # A config error found after the run directory was made (a damaged TFRecord file, say) left
     # `runs/` behind for a default run directory, and `a/b/` for `run_dir=a/b/run`.

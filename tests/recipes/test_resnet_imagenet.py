@@ -303,18 +303,16 @@ _PROGRESSIVE = {**TINY, "image_size": 16, "epochs": 2, "batch_size": 256, "augme
 
 
 @pytest.fixture
-def op_determinism_off_after():
-    """These runs are in-process with `deterministic=True`, which turns TensorFlow's op determinism on for
-    the whole process (`runtime.seed_everything`); later tests in the same worker (tf.random's global
-    generator) need it off again."""
+def op_determinism_ends_with_the_run():
+    """These runs are in-process with `deterministic=True`: TensorFlow's op determinism is on for the run
+    only (left on, later tests in the same worker failed: tf.random's global generator refuses)."""
     yield
-    # TensorFlow has no public switch back (its `enable_op_determinism` is one-way); the test restores it
-    from tensorflow.python.framework import config as tf_config
+    from trainwell.compat.tf_internals import op_determinism_enabled
 
-    tf_config.disable_op_determinism()
+    assert not op_determinism_enabled()
 
 
-def test_progressive_resizing_traces_once_per_size_and_keeps_the_lr_schedule(tmp_path, op_determinism_off_after):
+def test_progressive_resizing_traces_once_per_size_and_keeps_the_lr_schedule(tmp_path, op_determinism_ends_with_the_run):
     """#35.3: an epoch at 8 px, then one at 16 px, in one fit."""
     from trainwell.compat import raw_learning_rate
 
@@ -334,7 +332,7 @@ def test_progressive_resizing_traces_once_per_size_and_keeps_the_lr_schedule(tmp
 
 
 @pytest.mark.slow  # three runs of the recipe: what no faster test proves (bit-identical across the size change)
-def test_progressive_resizing_resumes_bit_identically_across_a_size_change(tmp_path, op_determinism_off_after):
+def test_progressive_resizing_resumes_bit_identically_across_a_size_change(tmp_path, op_determinism_ends_with_the_run):
     import keras
 
     steps = 1259 // 256

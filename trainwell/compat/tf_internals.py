@@ -193,6 +193,35 @@ def kernel_caches_kept():
         context.Context._set_global_seed = original
 
 
+# --------------------------------------------------------------------------- op determinism, on and off again
+def op_determinism_enabled() -> bool:
+    """Whether `tf.config.experimental.enable_op_determinism()` is in effect (TensorFlow has no public reader).
+
+    Example:
+    >>> op_determinism_enabled()
+    False
+    """
+    gate("framework.config.is_op_determinism_enabled", "tensorflow")
+    from tensorflow.python.framework import config  # lazy: TensorFlow's private module, only for this switch
+
+    return bool(config.is_op_determinism_enabled())
+
+
+def disable_op_determinism() -> None:
+    """Turns TensorFlow's op determinism off again: `enable_op_determinism` has no public way back.
+
+    A run with `deterministic=True` turns it on for the whole process; left on after
+    the run, unseeded `tf.random` ops and the global generator refuse to run.
+
+    Example:
+    >>> disable_op_determinism()
+    """
+    gate("framework.config.disable_op_determinism", "tensorflow")
+    from tensorflow.python.framework import config  # lazy: TensorFlow's private module, only for this switch
+
+    config.disable_op_determinism()
+
+
 _RANDOM_OPS_BY_FUNCTION: dict[str, bool] = {}
 
 
@@ -258,6 +287,10 @@ def audit() -> list[str]:
     svc = tf.data.experimental.service
     if not (hasattr(svc.DispatchServer, "_stop") and hasattr(svc.WorkerServer, "_stop")):
         missing.append("tf.data.experimental.service.DispatchServer._stop")
+    from tensorflow.python.framework import config  # lazy: TensorFlow's private module, as above
+
+    if not (hasattr(config, "is_op_determinism_enabled") and hasattr(config, "disable_op_determinism")):
+        missing.append("framework.config.disable_op_determinism")
     if not hasattr(stateful_random_ops, "global_generator"):
         missing.append("stateful_random_ops.global_generator")
     if not hasattr(tf.constant(0.0), "_numpy"):
