@@ -81,6 +81,26 @@ def tiny_gemma():
     return save_tiny_gemma_preset
 
 
+def write_photo_folder(root, count: int, sides: tuple[int, int], name: str = "{i}.jpg"):
+    """`count` random JPEGs of `sides[0]`-`sides[1]` px a side (seeded) in `root/c0` and `root/c1`, alternating."""
+    import numpy as np  # here: conftest is imported by every test, most without NumPy or TensorFlow
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        (root / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        shape = (int(rng.integers(sides[0], sides[1] + 1)), int(rng.integers(sides[0], sides[1] + 1)), 3)
+        image = rng.integers(0, 256, shape, dtype=np.uint8)
+        (root / f"c{i % 2}" / name.format(i=i)).write_bytes(tf.io.encode_jpeg(image).numpy())
+    return root
+
+
+@pytest.fixture(scope="session")
+def photo_folder():
+    """`write_photo_folder`: a class folder of random JPEGs."""
+    return write_photo_folder
+
+
 @pytest.fixture
 def tf_cache_clears(monkeypatch) -> list:
     """A list that gets one entry per clear of TensorFlow's kernel caches (what `tf.random.set_seed` does)."""

@@ -47,7 +47,7 @@ import numpy as np
 from trainwell.io import fsync_dir
 from trainwell.rundir import RunDirInUseError
 # is_url, check_url, redact, SCHEMES: part of this module's API too (validation holds them: config checks URLs)
-from trainwell.validation import SCHEMES, check_url, invalid_argument, is_url, redact  # noqa: F401
+from trainwell.validation import SCHEMES, check_url, invalid_value, is_url, redact  # noqa: F401
 
 LEASE_OBJECT = ".writer-lease"
 LEASE_SECONDS = 600.0
@@ -107,8 +107,7 @@ class ObjectStore:
         >>> ObjectStore("s3://no-such-bucket/x").check_bucket()  # doctest: +SKIP
         """
         def refuse(expected: str) -> Exception:
-            expected = expected if what == "argument" else f"expected {expected}"
-            return invalid_argument(name, expected, self.url, what=what, error=error)
+            return invalid_value(name, expected, self.url, what=what, error=error)
 
         try:
             ok = self.fs.exists(self.bucket)

@@ -101,6 +101,21 @@ def invalid_argument(name: str, expected: str, value: Any, *, what: str = "argum
     return error(f"Invalid value for {subject}: {expected}.{hint} Received: {name}={value!r}")
 
 
+def invalid_value(name: str, expected: str, value: Any, *, what: str = "argument",
+                  error: type[Exception] = ValueError) -> Exception:
+    """`invalid_argument` with one wording of `expected` for an argument and a field alike.
+
+    For other than an argument, "expected " is put before `expected`, so a check
+    shared by a function argument and a config field words its message once.
+
+    Example:
+    >>> str(invalid_value("run_dir", "a URL naming a bucket", "s3://", what=""))
+    "Invalid value for `run_dir`: expected a URL naming a bucket. Received: run_dir='s3://'"
+    """
+    return invalid_argument(name, expected if what == "argument" else f"expected {expected}", value,
+                            what=what, error=error)
+
+
 def redact(url: str) -> str:
     """`url` without any user-info (credentials): what a message may show.
 
@@ -139,8 +154,7 @@ def check_url(url: str, name: str = "directory", *, what: str = "argument", erro
     ValueError: Invalid value for argument `directory`. ... (scheme 'ftp' is not supported). Received: directory='ftp://host/x'
     """
     def refuse(expected: str, value: str) -> Exception:
-        return invalid_argument(name, expected if what == "argument" else f"expected {expected}", value,
-                                what=what, error=error)
+        return invalid_value(name, expected, value, what=what, error=error)
 
     parts = urlsplit(url)
     scheme = parts.scheme.lower()

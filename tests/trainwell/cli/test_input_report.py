@@ -4,21 +4,15 @@ import json
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from trainwell import cli
 from trainwell.cli.input_report import STAGES, format_report
 
 
 @pytest.fixture(scope="module")
-def photos(tmp_path_factory):
+def photos(tmp_path_factory, photo_folder):
     """12 JPEGs of 40-60 px in 2 classes and one corrupt file (the report must not stop on it)."""
-    root = tmp_path_factory.mktemp("photos")
-    rng = np.random.default_rng(0)
-    for i in range(12):
-        (root / f"c{i % 2}").mkdir(exist_ok=True)
-        image = rng.integers(0, 256, (int(rng.integers(40, 61)), int(rng.integers(40, 61)), 3), dtype=np.uint8)
-        (root / f"c{i % 2}" / f"{i}.jpg").write_bytes(tf.io.encode_jpeg(image).numpy())
+    root = photo_folder(tmp_path_factory.mktemp("photos"), 12, (40, 60))
     (root / "c0" / "broken.jpg").write_bytes(b"\xff\xd8 truncated")
     return root
 

@@ -13,14 +13,9 @@ SPEC = {TFRECORD_IMAGE_KEY: tf.io.FixedLenFeature([], tf.string, default_value="
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
+def prepared(tmp_path_factory, photo_folder):
     """20 tiny JPEGs in 2 classes prepared 6 a shard: 4 training shards of uneven length."""
-    root = tmp_path_factory.mktemp("photos")
-    rng = np.random.default_rng(0)
-    for i in range(20):
-        (root / f"c{i % 2}").mkdir(exist_ok=True)
-        image = rng.integers(0, 256, (int(rng.integers(8, 20)), int(rng.integers(8, 20)), 3), dtype=np.uint8)
-        (root / f"c{i % 2}" / f"{i:02d}.jpg").write_bytes(tf.io.encode_jpeg(image).numpy())
+    root = photo_folder(tmp_path_factory.mktemp("photos"), 20, (8, 19), name="{i:02d}.jpg")
     dst = tmp_path_factory.mktemp("prepared") / "dst"
     prepare_images(f"folder:{root}", dst, max_side=16, images_per_shard=6, workers=1, verbose=0)
     return dst
