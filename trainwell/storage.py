@@ -263,6 +263,55 @@ def mirror_up(local: Path, url: str, seen: dict, skip: tuple[str, ...] = ()) -> 
     return sent
 
 
+class StagedDirectory:
+    """A local copy of the objects under `url`, for code that writes only local files (KerasTuner).
+
+    `__init__` copies the objects down into a directory named after the URL under
+    the temporary directory (the same path on every rerun, so absolute paths the
+    writer records stay valid on resume; emptied first, so it holds the URL's
+    state and nothing a killed run left), `sync()` uploads what changed, `close()`
+    uploads and removes the copy. A writer killed between syncs loses what it
+    wrote since the last one, as a local run loses its unsaved work.
+
+    Args:
+        url: An object-store URL (checked by `check_url`). Required.
+
+    Example:
+    >>> staged = StagedDirectory("s3://bucket/tuning/p")  # doctest: +SKIP
+    >>> staged.path  # doctest: +SKIP
+    PosixPath('/tmp/trainwell-staged-5f1c.../p')
+    """
+
+    def __init__(self, url: str) -> None:
+        import hashlib  # here: only a staged directory names itself by a hash
+
+        self.url = url.rstrip("/")
+        digest = hashlib.sha256(self.url.encode()).hexdigest()[:16]
+        self.root = Path(tempfile.gettempdir(), f"trainwell-staged-{digest}")
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.path = self.root / Path(urlsplit(self.url).path).name
+        self.path.mkdir(parents=True)
+        mirror_down(self.url, self.path)
+        self._seen = {p.relative_to(self.path).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+                      for p in self.path.rglob("*") if p.is_file()}
+
+    def where(self, local) -> str:
+        """The URL of `local`, a path inside the copy."""
+        rel = Path(local).relative_to(self.path).as_posix()
+        return self.url if rel == "." else f"{self.url}/{rel}"
+
+    def sync(self) -> int:
+        """Uploads the files that changed since the last sync; returns how many."""
+        return mirror_up(self.path, self.url, self._seen)
+
+    def close(self) -> None:
+        """The last upload, then the local copy goes (also when the upload fails)."""
+        try:
+            self.sync()
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
 _STORES: dict = {}
 
 

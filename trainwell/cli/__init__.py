@@ -78,7 +78,7 @@ from trainwell.data import embedded
 from trainwell.data.base import DataError
 from trainwell.data.sources import check_data_ready
 from trainwell.recipes import RECIPES
-from trainwell.validation import is_url
+from trainwell.validation import invalid_value, is_url
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DIVERGED = 0, 1, 2, 3
 
@@ -396,10 +396,18 @@ def cmd_tune(args) -> int:
 
     directory = getattr(args, "directory", None) or "tuning"
     workers = int(getattr(args, "workers", 0) or 0)  # >= 0: the parser's `_int_arg(0)` refused the rest
-    check_dir_path(directory, "--directory", write=True)  # a file, read-only, permission denied: one line
+    on_store = is_url(directory)
+    if on_store:  # a bad URL or a missing bucket: one line before anything loads
+        storage.store_for(storage.check_url(directory, "--directory", what="", error=ConfigError)).check_bucket(
+            "--directory", what="", error=ConfigError)
+        if workers > 0 or has_chief_oracle():
+            raise invalid_value("--directory", "a local or shared directory for a distributed search (a URL is "
+                                               "not supported there yet)", directory, what="", error=ConfigError)
+    else:
+        check_dir_path(directory, "--directory", write=True)  # a file, read-only, permission denied: one line
     hm = _hypermodel_from_args(args)
     check_data_ready(hm.cfg.dataset, getattr(hm.cfg, "data_dir", None))  # e.g. a TFDS set not prepared: one line
-    if not getattr(args, "dry_run", False):
+    if not getattr(args, "dry_run", False) and not on_store:
         rundir.make_writable_dir(directory, "--directory", what="search directory")  # what only trying tells (/proc)
     if getattr(args, "dry_run", False):
         hp = keras_tuner.HyperParameters()

@@ -30,7 +30,8 @@ from trainwell.recipes import get
 from trainwell.tuning.pbt import PBTTuner
 from trainwell.tuning.summary import SearchResult, summarize
 from trainwell.tuning.tuners import RecipeBayesianOptimization, RecipeHyperband, RecipeRandomSearch
-from trainwell.validation import invalid_argument, is_int
+from trainwell.storage import StagedDirectory, store_for
+from trainwell.validation import check_url, invalid_argument, is_int, is_url, redact
 
 TUNERS = ("random", "bayesian", "hyperband", "pbt")
 
@@ -175,6 +176,10 @@ def check_search(hypermodel, tuner: str = "random", *, max_trials: int = 10, dir
     _checked_search(hypermodel, tuner, max_trials, directory, project_name, overwrite, max_epochs)
 
 
+def _project_name(hypermodel, tuner: str, project_name) -> str:
+    return project_name or f"{getattr(hypermodel, 'name', None) or 'search'}-{tuner}"
+
+
 def _checked_search(hypermodel, tuner, max_trials, directory, project_name, overwrite, max_epochs):
     """The checked arguments of a search: `(hypermodel, project_dir, epochs)` (`epochs`: Hyperband and PBT's)."""
     if tuner not in TUNERS:
@@ -183,7 +188,10 @@ def _checked_search(hypermodel, tuner, max_trials, directory, project_name, over
         raise invalid_argument("max_trials", "an int >= 1", max_trials)
     if max_epochs is not None and not (is_int(max_epochs) and max_epochs >= 1):
         raise invalid_argument("max_epochs", "an int >= 1", max_epochs)
-    project_name = project_name or f"{getattr(hypermodel, 'name', None) or 'search'}-{tuner}"
+    if is_url(str(directory)):  # `search` stages a URL's project locally; a bare tuner writes local files only
+        raise invalid_argument("directory", "a local directory (a URL works with `search()`, which copies the "
+                                            "project locally and uploads it)", redact(str(directory)))
+    project_name = _project_name(hypermodel, tuner, project_name)
     cfg_epochs = int(getattr(getattr(hypermodel, "cfg", None), "epochs", 0) or 0)
     epochs = None
     if tuner in ("hyperband", "pbt"):
@@ -265,6 +273,11 @@ def search(
     `KERASTUNER_ORACLE_PORT`; see `launch_distributed`) the chief serves the oracle
     and writes the summary, and a worker runs trials and returns an empty result.
 
+    A `directory` on an object store (`s3://bucket/tuning`, `gs://...`) holds the
+    project as a local directory would: the search runs on a local copy of it
+    (KerasTuner writes local files), uploaded after every trial and at the end, so
+    a killed search continues from its last finished trial.
+
     Args:
         recipe: A recipe name (`"resnet-imagenet"`), a recipe module, `"module:factory"`
             or a `RecipeHyperModel`.
@@ -274,7 +287,8 @@ def search(
         max_trials: Trials of random and Bayesian search (Hyperband sizes its own
             brackets; PBT runs `population_size` x generations trials plus
             replacements). Defaults to `10`.
-        directory: Parent directory of the search. Defaults to `"tuning"`.
+        directory: Parent directory of the search, or an `s3://`/`gs://` URL.
+            Defaults to `"tuning"`.
         project_name: Its subdirectory. Defaults to `"<recipe>-<tuner>"`.
         overwrite: Start afresh instead of continuing. Defaults to `False`.
         objective: Metric name or `keras_tuner.Objective`. Defaults to the recipe's
@@ -316,12 +330,50 @@ def search(
     max_trials, max_epochs, population_size, ready_interval = quick.search_lengths(
         max_trials, max_epochs, population_size, ready_interval)
     hm = resolve_hypermodel(recipe, config, overrides)
+    staged = _staged_project(directory, _project_name(hm, tuner, project_name))
+    try:
+        return _search(hm, tuner, staged, max_trials=max_trials, directory=directory, project_name=project_name,
+                       overwrite=overwrite, objective=objective, max_epochs=max_epochs, factor=factor,
+                       population_size=population_size, ready_interval=ready_interval, seed=seed,
+                       hyperparameters=hyperparameters, callbacks=callbacks, top_k=top_k, export=export,
+                       verbose=verbose, max_consecutive_failed_trials=max_consecutive_failed_trials, **tuner_kwargs)
+    finally:
+        if staged is not None:
+            staged.close()
+
+
+def _staged_project(directory, project_name: str):
+    """A local copy of the project of a search whose `directory` is a URL (`None` for a local one)."""
+    if not is_url(str(directory)):
+        return None
+    url = check_url(str(directory), "directory")
+    store_for(url).check_bucket("directory")
+    if has_chief_oracle():
+        raise invalid_argument("directory", "a local or shared directory for a distributed search (a URL is "
+                                            "not supported there yet)", redact(url))
+    return StagedDirectory(f"{url}/{project_name}")
+
+
+def _search(hm, tuner, staged, *, max_trials, directory, project_name, overwrite, objective, max_epochs, factor,
+            population_size, ready_interval, seed, hyperparameters, callbacks, top_k, export, verbose,
+            max_consecutive_failed_trials, **tuner_kwargs) -> SearchResult:
+    """`search` after resolving the hypermodel; with `staged`, on that local copy of the project."""
+    if staged is not None:
+        directory, project_name = staged.path.parent, staged.path.name
     t = make_tuner(
         hm, tuner, max_trials=max_trials, directory=directory, project_name=project_name, overwrite=overwrite,
         objective=objective, max_epochs=max_epochs, factor=factor, population_size=population_size,
         ready_interval=ready_interval, seed=seed, hyperparameters=hyperparameters,
         max_consecutive_failed_trials=max_consecutive_failed_trials, **tuner_kwargs,
     )
+    if staged is not None:
+        trial_end = t.on_trial_end
+
+        def on_trial_end(trial):  # KerasTuner's per-trial hook: the finished trial goes up
+            trial_end(trial)
+            staged.sync()
+
+        t.on_trial_end = on_trial_end
     stopped = False
     try:
         t.search(callbacks=list(callbacks or []), verbose=verbose)
@@ -333,7 +385,7 @@ def search(
     project_dir = Path(t.project_dir)
     if has_chief_oracle() and not is_chief_oracle():
         return SearchResult(t, {}, None, None, [], project_dir, {})
-    result = summarize(t, top_k=top_k, export=export, print_table=True)
+    result = summarize(t, top_k=top_k, export=export, print_table=True, where=staged.where if staged else str)
     if stopped:
         last = t.oracle.trials[t.oracle.end_order[-1]]
         reason = next((r["reason"] for r in result.rows if r["trial_id"] == last.trial_id), "")

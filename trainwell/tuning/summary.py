@@ -35,8 +35,8 @@ class SearchResult:
         best_trial_id: Its id (`None` if none completed).
         best_score: Its objective value.
         rows: One dict per trial, best first (what `summary.json` holds).
-        project_dir: The search's directory.
-        files: Paths written: `summary_json`, `summary_csv`, `plot`, `lineage_plot`, `best_model`.
+        project_dir: The search's directory (its URL for a search on an object store).
+        files: Paths (or URLs) written: `summary_json`, `summary_csv`, `plot`, `lineage_plot`, `best_model`.
         best_config: The best trial's recipe config: the base config with the search
             space's values mapped onto the recipe's fields (`best_hyperparameters` are the
             space's names, e.g. the ResNet recipe's `peak_lr` and `warmup_fraction`; its
@@ -54,7 +54,7 @@ class SearchResult:
     best_trial_id: str | None
     best_score: float | None
     rows: list
-    project_dir: Path
+    project_dir: Path | str
     files: dict
     best_config: Any = None
 
@@ -195,11 +195,19 @@ def _print_summary(summary: dict, objective, top_k: int, files: dict) -> None:
     print("files: " + ", ".join(f"{k}={v}" for k, v in files.items()))
 
 
-def summarize(tuner, top_k: int = 10, export: bool = True, print_table: bool = True) -> SearchResult:
+def summarize(tuner, top_k: int = 10, export: bool = True, print_table: bool = True, where=str) -> SearchResult:
     """Prints and saves the summary table, plots the trials and exports the best model.
 
     Writes `summary.json` and `summary.csv` (one row per trial), `trials.png`,
     `pbt_lineage.png` for PBT, and `best_model/` to the tuner's project directory.
+
+    Args:
+        tuner: A KerasTuner tuner after its search. Required.
+        top_k: Rows of the printed table. Defaults to `10`.
+        export: Export the best trial's model. Defaults to `True`.
+        print_table: Print the summary. Defaults to `True`.
+        where: How a written path is named in the summary and the result (`str`; a
+            search on an object store names its files by their URL). Defaults to `str`.
 
     Example:
     >>> result = summarize(tuner)  # doctest: +SKIP
@@ -228,16 +236,16 @@ def summarize(tuner, top_k: int = 10, export: bool = True, print_table: bool = T
     if lineage is not None:
         summary["lineage"] = lineage
     atomic_write_json(project_dir / "summary.json", summary)
-    files["summary_json"] = str(project_dir / "summary.json")
+    files["summary_json"] = where(project_dir / "summary.json")
     _write_csv(rows, objective.name, project_dir / "summary.csv")
-    files["summary_csv"] = str(project_dir / "summary.csv")
-    files["plot"] = str(plot_trials(rows, objective.name, project_dir / "trials.png", objective.direction))
+    files["summary_csv"] = where(project_dir / "summary.csv")
+    files["plot"] = where(plot_trials(rows, objective.name, project_dir / "trials.png", objective.direction))
     if lineage is not None:
-        files["lineage_plot"] = str(plot_lineage(lineage, project_dir / "pbt_lineage.png", objective.name))
+        files["lineage_plot"] = where(plot_lineage(lineage, project_dir / "pbt_lineage.png", objective.name))
     if export and best is not None and hasattr(tuner.hypermodel, "export"):
         trial = oracle.get_trial(best["trial_id"])
         try:
-            files["best_model"] = str(
+            files["best_model"] = where(
                 tuner.hypermodel.export(trial.hyperparameters, tuner.trial_run_dir(trial.trial_id),
                                         project_dir / BEST_MODEL_DIR, objective)
             )
@@ -257,7 +265,7 @@ def summarize(tuner, top_k: int = 10, export: bool = True, print_table: bool = T
         best_trial_id=best["trial_id"] if best else None,
         best_score=best["score"] if best else None,
         rows=rows,
-        project_dir=project_dir,
+        project_dir=project_dir if where is str else where(project_dir),
         files=files,
         best_config=best_config,
     )
