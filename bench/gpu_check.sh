@@ -16,6 +16,7 @@
 #   run(command="bash bench/gpu_check.sh", carry=["bench/.wheels"], timeout_s=540)
 # The JSON lands in $OUT/gpu_check.json (the device tool's output folder) and on stdout.
 # A CPU smoke test of the same path (tiny sizes, here):  bash bench/gpu_check.sh --smoke
+# Which callback of the stack costs (one member at a time, with a host profile):  bash bench/gpu_check.sh --callbacks
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -67,6 +68,13 @@ if [[ "${1:-}" == "--smoke" ]]; then
   # Same path on a CPU, tiny: checks that the configurations build and run, not their speed.
   exec "$PY" bench/resnet_throughput_jax.py --batch 4 --image-size 32 --steps 4 --rounds 1 --warmup-executions 1 \
     --configs recipe-f32-spe2,recipe-f32-spe2+stack,apps-f32-spe2 --out "$OUT/gpu_check_smoke.json"
+fi
+if [[ "${1:-}" == "--callbacks" ]]; then
+  # Which callback costs: the bare recipe, each member of the stack alone and the whole stack, at spe 8 and 1,
+  # one round each, then one more round of each '+' configuration under cProfile (about 6 minutes).
+  exec timeout 480 "$PY" bench/resnet_throughput_jax.py --steps 48 --rounds 1 --budget-s 420 --host-profile \
+    --configs recipe-mixed-spe8,recipe-mixed-spe8+stack,recipe-mixed-spe1,recipe-mixed-spe1+nan,recipe-mixed-spe1+ckpt,recipe-mixed-spe1+stack \
+    --out "$OUT/gpu_callbacks.json"
 fi
 echo "== ResNet-50, mixed float16, batch 256, 224 px (JSON also in $OUT/gpu_check.json)"
 exec timeout 480 "$PY" bench/resnet_throughput_jax.py --steps 48 --rounds 2 --budget-s 420 \
