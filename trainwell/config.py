@@ -486,8 +486,8 @@ def check_dir_path(path: str | os.PathLike | None, name: str, write: bool = Fals
     if not str(path).strip():
         raise_invalid(name, path, "null or a directory path")
     if is_url(str(path)):
-        raise config_error(name, str(path), "a URL; only `run_dir` (and `Checkpoint(directory=...)`) may be on an "
-                           "object store so far (docs/checkpoint.md)")
+        raise config_error(name, str(path), "a URL; only `run_dir`, a search's `--directory` and "
+                           "`Checkpoint(directory=...)` may be on an object store so far (docs/checkpoint.md)")
     given = Path(path).expanduser()
 
     def refuse(why: str) -> typing.NoReturn:

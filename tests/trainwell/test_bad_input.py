@@ -93,7 +93,7 @@ CASES = [
     ("data_dir is a file", _train(R, "dataset=tfds:mnist", "data_dir={a_file}"), "is a file; expected a directory"),
     ("text data_dir is a file", _train(T, "data_dir={a_file}"), "is a file; expected a directory"),
     ("resume a file", ["resume", "{a_file}", "--dry-run"], "is a file; expected the run's directory"),
-    # -- URLs: run_dir may be one (#33), checked before anything runs; data_dir and tune's directory not yet
+    # -- URLs: run_dir and tune's directory may be one (#33), checked before anything runs; data_dir not yet
     ("run_dir URL with credentials", _train(R, "dataset=digits", "run_dir=s3://KEY:SECRET@bucket/run"),
      "Invalid value for `run_dir`: expected a URL without credentials"),
     ("run_dir URL of an unknown scheme", _train(R, "dataset=digits", "run_dir=ftp://host/run"),
@@ -102,8 +102,11 @@ CASES = [
     ("data_dir is a URL", _train(T, "data_dir=gs://bucket/data"), "Invalid value for `data_dir`: a URL"),
     ("resume a URL with credentials", ["resume", "s3://KEY:SECRET@bucket/run", "--dry-run"],
      "Invalid value for `RUN_DIR`: expected a URL without credentials"),
-    ("tune directory is a URL", ["tune", R, "--directory", "s3://bucket/t", "--dry-run", "--set", "dataset=digits"],
-     "Invalid value for `--directory`: a URL"),
+    ("tune directory URL with credentials",
+     ["tune", R, "--directory", "s3://KEY:SECRET@bucket/t", "--dry-run", "--set", "dataset=digits"],
+     "Invalid value for `--directory`: expected a URL without credentials"),
+    ("TFRecords on a file system TensorFlow lacks", _train(R, "dataset=tfrecord:s3://bucket/data/train-*"),
+     "s3:// is not one of TensorFlow's file systems"),
     ("tune directory is a file", ["tune", R, "--directory", "{a_file}", "--dry-run", "--set", "dataset=digits"],
      "Invalid value for `--directory`: '{a_file}' is a file; expected a directory"),
     ("tune directory under a file", ["tune", R, "--directory", "{a_file}/d", "--dry-run", "--set", "dataset=digits"],

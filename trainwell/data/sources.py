@@ -140,7 +140,14 @@ def check_image_source(source: str, data_dir: str | None = None, field: str = "d
 
 
 def _check_tfrecord_glob(pattern: str, data_dir: str | None, field: str, source: str) -> None:
-    if "://" in pattern:  # gs://, s3://: checked when the data is read
+    if "://" in pattern:  # read by TensorFlow's file systems (gs:// built in): the files are checked when read
+        import tensorflow as tf  # lazy: only a URL asks TensorFlow which file systems it has
+
+        scheme = pattern.split("://", 1)[0].lower()
+        schemes = [s for s in tf.io.gfile.get_registered_schemes() if s]
+        if scheme not in schemes:
+            raise config_error(field, source, f"{scheme}:// is not one of TensorFlow's file systems "
+                                              f"({', '.join(schemes)}): copy the shards to a local disk or gs://")
         return
     full = Path(resolve_path(pattern, data_dir))
     if full.is_dir():
