@@ -62,9 +62,9 @@ import tensorflow as tf
 from trainwell.data.image_ops import valid_image
 from trainwell.data.image_sources import TFRECORD_IMAGE_KEY, TFRECORD_LABEL_KEY, open_source
 from trainwell.data.prepared_index import INDEX_FORMAT, INDEX_NAME, read_index, sha256_of
-from trainwell.data.sources import DataError
+from trainwell.data.sources import DataError, check_source_url
 from trainwell.io import atomic_write_json
-from trainwell.validation import invalid_argument, is_int
+from trainwell.validation import invalid_argument, is_int, is_url, redact
 
 __all__ = ["PrepareResult", "prepare_images", "source_name", "verify_prepared"]
 
@@ -258,9 +258,12 @@ def prepare_images(
     _check(max_side, quality, images_per_shard, workers)
     if not isinstance(dst, (str, os.PathLike)) or not os.fspath(dst).strip():
         raise invalid_argument("dst", "a folder path", dst)
+    if is_url(os.fspath(dst)):  # its index, checksums and resumable parts are local files
+        raise invalid_argument("dst", "a local folder (copy the shards to a bucket afterwards)", redact(os.fspath(dst)))
     log = log or _stderr
     start = time.perf_counter()
     source = source_name(source)
+    check_source_url(source, "src")
     dst = os.path.abspath(os.fspath(dst))
     workers = workers or _cores()
     src = open_source(source, data_dir=data_dir, num_classes=num_classes, num_examples=None,

@@ -125,6 +125,7 @@ def check_image_source(source: str, data_dir: str | None = None, field: str = "d
     if kind == "embedded" and rest in EMBEDDED_IMAGE_DATASETS:
         return check_image_source(rest, data_dir, field)
     if kind in ("folder", "tfrecord", "tfds") and rest:
+        check_source_url(source, field)
         if kind == "folder":
             with _as_config_error(field, source):
                 check_image_folder(Path(resolve_path(rest, data_dir)))
@@ -139,15 +140,33 @@ def check_image_source(source: str, data_dir: str | None = None, field: str = "d
     raise config_error(field, source, f"expected {_expected(IMAGE_SOURCE_FORMS)}", hint)
 
 
-def _check_tfrecord_glob(pattern: str, data_dir: str | None, field: str, source: str) -> None:
-    if "://" in pattern:  # read by TensorFlow's file systems (gs:// built in): the files are checked when read
-        import tensorflow as tf  # lazy: only a URL asks TensorFlow which file systems it has
+def check_source_url(source: str, field: str = "dataset") -> None:
+    """A `folder:` or `tfrecord:` source on a URL: one-line `ConfigError` where it cannot be read.
 
-        scheme = pattern.split("://", 1)[0].lower()
-        schemes = [s for s in tf.io.gfile.get_registered_schemes() if s]
-        if scheme not in schemes:
-            raise config_error(field, source, f"{scheme}:// is not one of TensorFlow's file systems "
-                                              f"({', '.join(schemes)}): copy the shards to a local disk or gs://")
+    A class folder is listed with `os.walk` (local or mounted file systems only);
+    TFRecord shards are read by TensorFlow's file systems (`gs://` is built in,
+    `s3://` needs a plugin). Other sources and local paths pass.
+
+    Example:
+    >>> check_source_url("tfrecord:/data/train-*")
+    """
+    kind, rest = _kind(source)
+    if "://" not in rest or kind not in ("folder", "tfrecord"):
+        return
+    if kind == "folder":
+        raise config_error(field, source, "expected a local folder: a class folder is not read from an object "
+                                          "store (copy it to a local disk, or mount it)")
+    import tensorflow as tf  # lazy: only a URL asks TensorFlow which file systems it has
+
+    scheme = rest.split("://", 1)[0].lower()
+    schemes = [s for s in tf.io.gfile.get_registered_schemes() if s]
+    if scheme not in schemes:
+        raise config_error(field, source, f"{scheme}:// is not one of TensorFlow's file systems "
+                                          f"({', '.join(schemes)}): copy the shards to a local disk or gs://")
+
+
+def _check_tfrecord_glob(pattern: str, data_dir: str | None, field: str, source: str) -> None:
+    if "://" in pattern:  # `check_source_url` took the scheme; the files are checked when read
         return
     full = Path(resolve_path(pattern, data_dir))
     if full.is_dir():
@@ -462,6 +481,7 @@ __all__ = [
     "check_image_folder",
     "check_image_source",
     "check_preset",
+    "check_source_url",
     "check_text_source",
     "check_tfds_name",
     "image_problem",
