@@ -269,8 +269,8 @@ class StagedDirectory:
     `__init__` copies the objects down into a directory named after the URL under
     the temporary directory (the same path on every rerun, so absolute paths the
     writer records stay valid on resume; emptied first, so it holds the URL's
-    state and nothing a killed run left), `sync()` uploads what changed, `close()`
-    uploads and removes the copy. A writer killed between syncs loses what it
+    state and nothing a killed run left), `sync()` uploads what changed and deletes
+    what was deleted, `close()` syncs and removes the copy. A writer killed between syncs loses what it
     wrote since the last one, as a local run loses its unsaved work.
 
     Args:
@@ -301,8 +301,15 @@ class StagedDirectory:
         return self.url if rel == "." else f"{self.url}/{rel}"
 
     def sync(self) -> int:
-        """Uploads the files that changed since the last sync; returns how many."""
-        return mirror_up(self.path, self.url, self._seen)
+        """Uploads the files that changed since the last sync and deletes the objects of files
+        deleted here (KerasTuner's `overwrite`, pruned checkpoints); returns how many it uploaded."""
+        sent = mirror_up(self.path, self.url, self._seen)
+        gone = [rel for rel in self._seen if not (self.path / rel).is_file()]
+        store = store_for(self.url) if gone else None
+        for rel in gone:
+            store.remove(rel)
+            del self._seen[rel]
+        return sent
 
     def close(self) -> None:
         """The last upload, then the local copy goes (also when the upload fails)."""

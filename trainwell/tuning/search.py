@@ -367,6 +367,7 @@ def _search(hm, tuner, staged, *, max_trials, directory, project_name, overwrite
         max_consecutive_failed_trials=max_consecutive_failed_trials, **tuner_kwargs,
     )
     if staged is not None:
+        staged.sync()  # the project as the tuner made it (with `overwrite`, the old search's objects go)
         trial_end = t.on_trial_end
 
         def on_trial_end(trial):  # KerasTuner's per-trial hook: the finished trial goes up

@@ -27,6 +27,10 @@ def test_a_search_on_a_bucket_writes_there_and_continues_from_there(s3_bucket, t
     assert "Reloading Tuner from" in capsys.readouterr().out  # KerasTuner found the oracle the bucket held
     assert len(again.rows) == 3 and {r["trial_id"] for r in result.rows} < {r["trial_id"] for r in again.rows}
     assert sum(n.endswith("/trial.json") for n in store.files()) == 3
+    # overwrite=True starts afresh on the bucket too: the old search's trials go.
+    tuning.search(tiny_hypermodel(epochs=1), "random", max_trials=1, directory=url, verbose=0, export=False,
+                  overwrite=True)
+    assert sum(n.endswith("/trial.json") for n in store.files()) == 1
 
 
 def test_a_search_directory_url_is_checked_before_anything_runs(s3_bucket):
