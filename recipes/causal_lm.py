@@ -521,7 +521,7 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
         with ctx.fit_scope():
             history = model.fit(train_ds, validation_data=data_.val, epochs=epochs, steps_per_epoch=steps,
                                 callbacks=cbs, verbose=verbose, shuffle=False)
-            trained = not harness.trained_nothing(history)
+            trained = not harness.trained_nothing(history, ctx.run_dir)
             metrics = {}
             if trained:
                 ev = model.evaluate(data_.val, verbose=verbose, return_dict=True, steps=quick.test_steps())

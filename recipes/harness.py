@@ -507,7 +507,7 @@ def finish_run(ctx: RunContext, cfg, model, test_metrics: dict[str, float], hist
     where = _URL_RUNS.get(Path(ctx.run_dir), ctx.run_dir)  # a run on an object store: its URL
     if not full and history is not None:
         full = {k: [float(x) for x in v] for k, v in history.history.items()}
-    if trained_nothing(history):
+    if trained_nothing(history, ctx.run_dir):
         metrics_file = ctx.run_dir / "metrics.json"
         metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
         return RunResult(model=model, history=full, metrics=metrics, run_dir=where, config=cfg)
@@ -519,16 +519,21 @@ def finish_run(ctx: RunContext, cfg, model, test_metrics: dict[str, float], hist
     return RunResult(model=model, history=full, metrics=metrics, run_dir=where, config=cfg)
 
 
-def trained_nothing(history) -> bool:
+def trained_nothing(history, run_dir=None) -> bool:
     """Whether a recipe's `fit` trained no epoch: a resume of a run that has all its epochs,
     or that stopped early (`Checkpoint` says so in one line, with how to train longer). The
     recipe then neither evaluates nor exports again, and `finish_run` leaves the run's files.
+
+    With `run_dir`, a run without `metrics.json` (killed after its last checkpoint, before
+    its evaluation) does not count: its resume evaluates, exports and writes the files.
 
     Example:
     >>> trained_nothing(None)
     False
     """
-    return history is not None and not history.epoch
+    if history is None or history.epoch:
+        return False
+    return run_dir is None or (Path(run_dir) / "metrics.json").is_file()
 
 
 #: `steps_per_execution` the recipes use on a GPU or TPU when the config leaves it `None`.

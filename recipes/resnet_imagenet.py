@@ -629,7 +629,7 @@ def train(cfg: Config | None = None, *, callbacks=None, model_hook=None, segment
                 callbacks=callbacks, verbose=cfg.verbose, shuffle=False,  # the pipeline shuffles (seeded)
             )
             test = {}
-            if data.test is not None and not segment and not harness.trained_nothing(history):
+            if data.test is not None and not segment and not harness.trained_nothing(history, ctx.run_dir):
                 if cfg.verbose != 0:
                     print(f"Evaluating on the test split ({data.counts['test']} images) ...", flush=True)
                 test = model.evaluate(data.test, verbose=cfg.verbose, return_dict=True,

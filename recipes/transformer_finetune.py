@@ -586,7 +586,7 @@ def train(cfg: Config | None = None, data: Any = None, *, callbacks=None, model_
                 callbacks=callbacks, verbose=verbose, shuffle=False,  # the pipeline shuffles (seeded)
             )
             test = {}
-            trained = not harness.trained_nothing(history)  # a resume with no epoch left: nothing to redo
+            trained = not harness.trained_nothing(history, ctx.run_dir)  # a resume with no epoch left: nothing to redo
             if data_.test is not None and not segment and trained:
                 _say(cfg, f"Evaluating on the test split ({len(data_.splits.test[1])} examples) ...")
                 test = model.evaluate(data_.test, verbose=verbose, return_dict=True,

@@ -106,6 +106,13 @@ def test_train_end_to_end_on_digits(tmp_path):
                          run_dir=str(tmp_path / "run"))
     assert (run.run_dir / "metrics.json").stat().st_mtime_ns == written
     assert again.metrics == json.loads((run.run_dir / "metrics.json").read_text()) and again.history == run.history
+    # A run killed after its last checkpoint, before its evaluation: the rerun evaluates and writes its files.
+    (run.run_dir / "metrics.json").unlink()
+    (run.run_dir / "curves.png").unlink()
+    third = recipe.train(**{**TINY, "width": 8, "base_lr": 0.4, "warmup_epochs": None, "augment": None},
+                         run_dir=str(tmp_path / "run"))
+    assert third.metrics == pytest.approx(run.metrics) and (run.run_dir / "curves.png").is_file()
+    assert json.loads((run.run_dir / "metrics.json").read_text()) == pytest.approx(run.metrics)
 
 
 def test_a_batch_larger_than_a_built_training_set_says_so():
