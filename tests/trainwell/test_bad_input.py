@@ -102,6 +102,8 @@ CASES = [
     ("data_dir is a URL", _train(T, "data_dir=gs://bucket/data"), "Invalid value for `data_dir`: a URL"),
     ("resume a URL with credentials", ["resume", "s3://KEY:SECRET@bucket/run", "--dry-run"],
      "Invalid value for `RUN_DIR`: expected a URL without credentials"),
+    ("tune objective typo", ["tune", R, "--objective", "val_acuracy", "--dry-run", "--set", "dataset=digits"],
+     "Did you mean 'val_accuracy'"),
     ("tune directory URL with credentials",
      ["tune", R, "--directory", "s3://KEY:SECRET@bucket/t", "--dry-run", "--set", "dataset=digits"],
      "Invalid value for `--directory`: expected a URL without credentials"),

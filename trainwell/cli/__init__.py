@@ -407,6 +407,7 @@ def cmd_tune(args) -> int:
         check_dir_path(directory, "--directory", write=True)  # a file, read-only, permission denied: one line
     hm = _hypermodel_from_args(args)
     check_data_ready(hm.cfg.dataset, getattr(hm.cfg, "data_dir", None))  # e.g. a TFDS set not prepared: one line
+    tuning.resolve_objective(hm, getattr(args, "objective", None))  # a name with no direction: one line, also dry
     if not getattr(args, "dry_run", False) and not on_store:
         rundir.make_writable_dir(directory, "--directory", what="search directory")  # what only trying tells (/proc)
     if getattr(args, "dry_run", False):
@@ -419,7 +420,7 @@ def cmd_tune(args) -> int:
         # What each process's `search()` would refuse (another config in the project): one line here.
         tuning.check_search(hm, args.tuner, max_trials=int(args.max_trials), directory=directory,
                             project_name=project, overwrite=bool(getattr(args, "overwrite", False)),
-                            max_epochs=getattr(args, "max_epochs", None))
+                            max_epochs=getattr(args, "max_epochs", None), objective=getattr(args, "objective", None))
         if getattr(args, "overwrite", False):
             shutil.rmtree(Path(directory) / project, ignore_errors=True)
         child = argparse.Namespace(**{**vars(args), "directory": directory, "project_name": project})

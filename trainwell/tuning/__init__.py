@@ -53,6 +53,7 @@ from trainwell.tuning.search import (
     check_search,
     make_tuner,
     resolve_hypermodel,
+    resolve_objective,
     search,
 )
 from trainwell.tuning.summary import SearchResult, format_table, plot_trials, summarize, trial_rows
@@ -78,5 +79,5 @@ __all__ = [
     "atomic_keras_tuner_saves", "batch_size_choice", "check_project_config", "check_search", "copy_checkpoint",
     "format_table", "has_checkpoint", "hp_values", "launch_distributed", "log_float", "log_range", "make_tuner",
     "plot_lineage", "plot_trials", "recipe_hypermodel", "reconcile_reloaded_trials", "recover_interrupted_trials",
-    "resolve_hypermodel", "search", "starts_from_copied_checkpoint", "summarize", "trial_rows",
+    "resolve_hypermodel", "resolve_objective", "search", "starts_from_copied_checkpoint", "summarize", "trial_rows",
 ]

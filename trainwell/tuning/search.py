@@ -24,7 +24,7 @@ from trainwell.compat.keras_tuner import (
     is_chief_oracle,
     recover_interrupted_trials,
 )
-from trainwell.config import ConfigError
+from trainwell.config import ConfigError, config_error, did_you_mean
 from trainwell.io import atomic_write_json
 from trainwell.recipes import get
 from trainwell.tuning.pbt import PBTTuner
@@ -78,8 +78,9 @@ class SearchFailedError(RuntimeError):
     """
 
 
-def _search_config(hypermodel, tuner=None) -> dict | None:
-    """What a search records in `SEARCH_CONFIG_FILE`: the hypermodel's config, the tuner, `TRAINWELL_QUICK`."""
+def _search_config(hypermodel, tuner=None, objective=None) -> dict | None:
+    """What a search records in `SEARCH_CONFIG_FILE`: the hypermodel's config, the tuner, the objective,
+    `TRAINWELL_QUICK`."""
     get_config = getattr(hypermodel, "get_config", None)
     out = json.loads(json.dumps(get_config(), default=str)) if callable(get_config) else {}
     out.pop("recipe", None)  # a module path, which depends on how it was imported; `name` stays
@@ -87,6 +88,8 @@ def _search_config(hypermodel, tuner=None) -> dict | None:
         (out.get("cfg") or {}).pop(k, None)
     if tuner is not None:
         out["tuner"] = tuner  # KerasTuner cannot reload one tuner's oracle as another's
+    if objective is not None:  # the trials' scores are the objective's: another one would rank them wrongly
+        out["objective"] = f"{objective.name} ({objective.direction})"
     caps = quick.caps()
     if caps is not None:
         out["quick"] = caps.batches  # smoke-test trials are never ranked with real ones
@@ -94,7 +97,7 @@ def _search_config(hypermodel, tuner=None) -> dict | None:
 
 
 def check_project_config(hypermodel, project_dir, overwrite: bool = False, write: bool = True,
-                         tuner: str | None = None) -> None:
+                         tuner: str | None = None, objective=None) -> None:
     """Refuses to continue a search in `project_dir` that was started with another config.
 
     A rerun of a search continues it (KerasTuner reloads the trials), which only makes
@@ -103,8 +106,8 @@ def check_project_config(hypermodel, project_dir, overwrite: bool = False, write
     checkpoint, and KerasTuner cannot reload one tuner's oracle as another's. The
     first run records them in `PROJECT/trainwell_search.json` (`"quick": N` marks a
     `TRAINWELL_QUICK=N` smoke test); a rerun with different ones raises a one-line
-    `ConfigError` naming the fields and `--overwrite`. A record without a tuner
-    (written before it was recorded) is not compared on it.
+    `ConfigError` naming the fields and `--overwrite`. A record without a tuner or
+    an objective (written before they were recorded) is not compared on them.
 
     Args:
         hypermodel: The search's hypermodel (its config is compared when it has `get_config`).
@@ -112,11 +115,12 @@ def check_project_config(hypermodel, project_dir, overwrite: bool = False, write
         overwrite: The search starts afresh: nothing to compare. Defaults to `False`.
         write: Record the config (once the tuner made the directory). Defaults to `True`.
         tuner: The tuner's name (`"random"`, ...). Defaults to `None` (not compared).
+        objective: The search's `keras_tuner.Objective`. Defaults to `None` (not compared).
 
     Example:
     >>> check_project_config(hm, "tuning/resnet-imagenet-random", tuner="random")  # doctest: +SKIP
     """
-    mine = _search_config(hypermodel, tuner)
+    mine = _search_config(hypermodel, tuner, objective)
     if mine is None:
         return
     path = Path(project_dir) / SEARCH_CONFIG_FILE
@@ -125,8 +129,8 @@ def check_project_config(hypermodel, project_dir, overwrite: bool = False, write
             saved = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             saved = None
-        if isinstance(saved, dict) and "tuner" not in saved:
-            mine = {k: v for k, v in mine.items() if k != "tuner"}
+        if isinstance(saved, dict):
+            mine = {k: v for k, v in mine.items() if k in saved or k not in ("tuner", "objective")}
         if isinstance(saved, dict) and saved != mine:
             where = f"The search in {str(project_dir)!r}"
             hint = "Rerun with --overwrite (overwrite=True) to start it afresh, or give another --project-name."
@@ -160,7 +164,7 @@ def _stopped_by_failures(oracle) -> bool:
 
 
 def check_search(hypermodel, tuner: str = "random", *, max_trials: int = 10, directory="tuning", project_name=None,
-                 overwrite: bool = False, max_epochs=None) -> None:
+                 overwrite: bool = False, max_epochs=None, objective=None) -> None:
     """Refuses, in one line, what `search()` would refuse at its start, without making anything.
 
     The arguments' values and a project directory holding a search started with
@@ -173,14 +177,40 @@ def check_search(hypermodel, tuner: str = "random", *, max_trials: int = 10, dir
     >>> check_search(hm, "hyperband", max_epochs=9, directory="tuning")  # doctest: +SKIP
     """
     max_trials, max_epochs, _, _ = quick.search_lengths(max_trials, max_epochs, 2, 1)
-    _checked_search(hypermodel, tuner, max_trials, directory, project_name, overwrite, max_epochs)
+    _checked_search(hypermodel, tuner, max_trials, directory, project_name, overwrite, max_epochs, objective)
 
 
 def _project_name(hypermodel, tuner: str, project_name) -> str:
     return project_name or f"{getattr(hypermodel, 'name', None) or 'search'}-{tuner}"
 
 
-def _checked_search(hypermodel, tuner, max_trials, directory, project_name, overwrite, max_epochs):
+def resolve_objective(hypermodel, objective=None):
+    """The search's `keras_tuner.Objective`: `objective` (a name or an `Objective`), else the hypermodel's.
+
+    A name's direction comes from the hypermodel (its own objective), trainwell's rule for
+    Keras's metric names, then KerasTuner's inference; a name none of them knows is a
+    one-line `ConfigError` before anything trains.
+
+    Example:
+    >>> resolve_objective(None, "val_loss").direction
+    'min'
+    """
+    objective = objective or getattr(hypermodel, "objective", None)
+    if not isinstance(objective, str):
+        return objective
+    if objective == getattr(hypermodel, "objective_name", None):
+        return keras_tuner.Objective(objective, hypermodel.direction)
+    # trainwell's one rule (Keras's names), then KerasTuner's own inference (mae, mse, ...)
+    direction = metric_direction(objective) or infer_metric_direction(objective)
+    if direction is None:
+        known = [getattr(hypermodel, "objective_name", None) or "val_accuracy", "val_loss", "loss", "accuracy"]
+        raise config_error("objective", objective, f"cannot tell whether {objective!r} should go up or down (pass "
+                                                   f"keras_tuner.Objective({objective!r}, 'min' or 'max'))",
+                           did_you_mean(objective, known))
+    return keras_tuner.Objective(objective, direction)
+
+
+def _checked_search(hypermodel, tuner, max_trials, directory, project_name, overwrite, max_epochs, objective=None):
     """The checked arguments of a search: `(hypermodel, project_dir, epochs)` (`epochs`: Hyperband and PBT's)."""
     if tuner not in TUNERS:
         raise invalid_argument("tuner", f"one of {TUNERS}", tuner)
@@ -202,7 +232,8 @@ def _checked_search(hypermodel, tuner, max_trials, directory, project_name, over
             hypermodel = copy.copy(hypermodel)
             hypermodel.cfg = hypermodel.cfg.replace(epochs=epochs)
     project_dir = Path(directory) / project_name
-    check_project_config(hypermodel, project_dir, overwrite, write=False, tuner=tuner)
+    check_project_config(hypermodel, project_dir, overwrite, write=False, tuner=tuner,
+                         objective=resolve_objective(hypermodel, objective))
     return hypermodel, project_dir, epochs
 
 
@@ -218,22 +249,11 @@ def make_tuner(
     >>> tuner = make_tuner(hm, "bayesian", max_trials=20, directory="tuning")  # doctest: +SKIP
     """
     hypermodel, project_dir, epochs = _checked_search(hypermodel, tuner, max_trials, directory, project_name,
-                                                      overwrite, max_epochs)
+                                                      overwrite, max_epochs, objective)
     project_name = project_dir.name
     atomic_keras_tuner_saves()
     recover_interrupted_trials()
-    objective = objective or hypermodel.objective
-    if isinstance(objective, str):
-        if objective == getattr(hypermodel, "objective_name", None):
-            direction = hypermodel.direction
-        else:
-            # trainwell's one rule (Keras's names), then KerasTuner's own inference (mae, mse, ...)
-            direction = metric_direction(objective) or infer_metric_direction(objective)
-            if direction is None:
-                raise ValueError(
-                    f"Cannot tell whether objective {objective!r} should go up or down. Pass "
-                    f"keras_tuner.Objective({objective!r}, 'min' or 'max'). Received: objective={objective!r}")
-        objective = keras_tuner.Objective(objective, direction)
+    objective = resolve_objective(hypermodel, objective)
     common = dict(
         hypermodel=hypermodel, objective=objective, directory=str(directory), project_name=project_name,
         overwrite=overwrite, seed=seed, hyperparameters=hyperparameters,
@@ -252,7 +272,8 @@ def make_tuner(
         t = RecipeBayesianOptimization(max_trials=max_trials, max_consecutive_failed_trials=mcf, **common)
     else:
         t = RecipeHyperband(max_epochs=epochs, factor=factor, max_consecutive_failed_trials=mcf, **common)
-    check_project_config(hypermodel, project_dir, overwrite=True, tuner=tuner)  # records it, now the directory exists
+    check_project_config(hypermodel, project_dir, overwrite=True, tuner=tuner,
+                         objective=objective)  # records it, now the directory exists
     return t
 
 

@@ -737,13 +737,17 @@ def test_cli_tune_with_workers_refuses_another_config_in_the_parent_in_one_line(
 
     project = tmp_path / "exp"
     project.mkdir()
-    tuning.check_project_config(tiny_hypermodel(epochs=1), project, tuner="random")  # a random search's record
+    hm = tiny_hypermodel(epochs=1)
+    tuning.check_project_config(hm, project, tuner="random", objective=tuning.resolve_objective(hm))  # a search's record
     started = []
     monkeypatch.setattr(launch, "launch_distributed", lambda *a, **k: started.append(a) or 0)
     cmd = ["tune", f"{__name__}:tiny_hypermodel", "--max-trials", "1", "--directory", str(tmp_path),
            "--project-name", "exp", "--set", "epochs=1", "--no-export", "--workers", "2"]
     for changed, words in ((["--tuner", "bayesian"], "tuner: 'random' -> 'bayesian'"),
-                           (["--tuner", "random", "--set", "units=8"], "units: 16 -> 8")):
+                           (["--tuner", "random", "--set", "units=8"], "units: 16 -> 8"),
+                           # another objective would rank the trials by scores of the first one (it did)
+                           (["--tuner", "random", "--objective", "val_loss"],
+                            "objective: 'val_accuracy (max)' -> 'val_loss (min)'")):
         assert cli.main([*cmd, *changed]) == 2
         err = capsys.readouterr().err
         assert words in err and "--overwrite" in err and len(err.strip().splitlines()) == 1
