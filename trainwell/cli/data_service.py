@@ -18,6 +18,7 @@ import sys
 import time
 
 from trainwell.config import ConfigError
+from trainwell.validation import invalid_value
 
 __all__ = ["add_data_service_parser", "cmd_data_service"]
 
@@ -35,12 +36,16 @@ def cmd_data_service(args) -> int:
     # lazy: TensorFlow loads when the command runs, not when the parser is built
     from trainwell.data.service import start_local_service
 
+    if args.seconds is not None and not args.seconds > 0:
+        raise invalid_value("--seconds", "a number > 0 (or no --seconds: until Ctrl-C)", args.seconds, what="",
+                            error=ConfigError)
     try:
         service = start_local_service(workers=args.workers, port=args.port)
     except ValueError as e:  # an argument's "Received:" line: a usage error, exit 2
         raise ConfigError(str(e)) from None
     try:
-        print(f"tf.data service: dispatcher {service.target}, {len(service.workers)} worker(s) on 127.0.0.1")
+        print(f"tf.data service: dispatcher {service.target}, {len(service.workers)} worker(s) on 127.0.0.1 "
+              "(the dispatcher listens on every interface: keep its port behind a firewall)")
         print(f"  train with: --set data_service={service.target}    (Ctrl-C stops the service)")
         sys.stdout.flush()
         deadline = None if args.seconds is None else time.monotonic() + args.seconds

@@ -41,8 +41,10 @@ Example:
 from __future__ import annotations
 
 import re
+import socket
 from typing import Any
 
+from trainwell.data.base import DataError
 from trainwell.validation import invalid_argument, is_int
 
 __all__ = ["PROCESSING_MODE", "LocalService", "check_target", "distribute", "start_local_service"]
@@ -75,8 +77,33 @@ def check_target(target: Any, name: str = "data_service") -> str:
     return target
 
 
+def check_reachable(target: str, timeout_s: float = 10.0) -> None:
+    """Raises a one-line `DataError` when nothing accepts connections at `target` (`grpc://HOST:PORT`).
+
+    Without it, a pipeline sent to an address where no dispatcher runs waits
+    forever for its first element (tf.data retries the connection silently).
+
+    Example:
+    >>> check_reachable("grpc://127.0.0.1:1")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    trainwell.data.base.DataError: Cannot reach the tf.data service dispatcher at grpc://127.0.0.1:1 (...): start one (`trainwell data-service`) or fix `data_service`.
+    """
+    m = _TARGET_RE.fullmatch(check_target(target))
+    try:
+        socket.create_connection((m.group("host").strip("[]"), int(m.group("port"))), timeout=timeout_s).close()
+    except OSError as e:
+        raise DataError(f"Cannot reach the tf.data service dispatcher at {target} ({e.strerror or e}): start one "
+                        "(`trainwell data-service`) or fix `data_service`.") from None
+
+
 class LocalService:
-    """A tf.data service dispatcher and its workers in this process, on 127.0.0.1.
+    """A tf.data service dispatcher and its workers in this process.
+
+    The dispatcher listens on every interface of the machine (gRPC's default;
+    TensorFlow's `DispatcherConfig` takes no address to bind), the workers tell it
+    127.0.0.1: reachable from other hosts unless a firewall or a private network
+    namespace keeps them out.
 
     Made by `start_local_service`. `target` is the dispatcher's `grpc://127.0.0.1:PORT`;
     `stop()` (or leaving the `with` block) stops the workers, then the dispatcher.
@@ -141,6 +168,12 @@ def start_local_service(workers: int = 1, port: int = 0) -> LocalService:
         raise invalid_argument("workers", "an int >= 1", workers)
     if not is_int(port) or not 0 <= port <= 65535:
         raise invalid_argument("port", "an int in [0, 65535] (0: a free port)", port)
+    if port:  # gRPC shares a port (SO_REUSEPORT): a second dispatcher on it would start and split the traffic
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", int(port)))
+            except OSError as e:
+                raise invalid_argument("port", f"a free port ({e.strerror})", port) from None
     import tensorflow as tf  # lazy: a config checks its `data_service` address (`check_target`) without TensorFlow
 
     from trainwell.compat.tf_internals import stop_data_service_server  # lazy: it imports TensorFlow, as above
@@ -190,6 +223,7 @@ def distribute(dataset: "tf.data.Dataset", target: str, job_name: str | None = N
     if not isinstance(dataset, tf.data.Dataset):
         raise invalid_argument("dataset", "a tf.data.Dataset", dataset)
     check_target(target, "target")
+    check_reachable(target)
     if job_name is not None and (not isinstance(job_name, str) or not job_name):
         raise invalid_argument("job_name", "None or a non-empty str", job_name)
     return dataset.apply(tf.data.experimental.service.distribute(

@@ -2,11 +2,13 @@
 
 import collections
 import os
+import socket
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from trainwell.data.base import DataError
 from trainwell.data.images import build_image_datasets
 from trainwell.data.service import PROCESSING_MODE, check_target, distribute, start_local_service
 
@@ -34,6 +36,19 @@ def test_local_service_stops_and_arguments_are_refused():
         start_local_service(workers=0)
     with pytest.raises(ValueError, match=r"Received: port=70000"):
         start_local_service(workers=1, port=70000)
+
+
+def test_a_port_in_use_and_an_address_with_no_dispatcher_are_one_line_each(service):
+    port = int(service.target.rpartition(":")[2])
+    # gRPC shares a port (SO_REUSEPORT): a second dispatcher there started and split the traffic
+    with pytest.raises(ValueError, match=rf"Expected a free port \(.*\). Received: port={port}"):
+        start_local_service(workers=1, port=port)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    # without the check, the pipeline waited forever for its first element
+    with pytest.raises(DataError, match=rf"Cannot reach the tf.data service dispatcher at grpc://127.0.0.1:{free}"):
+        distribute(tf.data.Dataset.range(4), f"grpc://127.0.0.1:{free}")
 
 
 @pytest.mark.parametrize("bad", ["localhost:5000", "grpc://host", "grpc://host:0", "grpc://host:99999",
