@@ -38,6 +38,19 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _file_mode() -> int:
+    """What `open()` gives a new file under this process's umask (`0o644` under the usual `022`)."""
+    mask = os.umask(0o022)  # reading the umask means setting it: put back at once
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+#: The mode of files written through a temporary: `mkstemp` makes them 0600, which left run
+#: files (metrics.json, a checkpoint's state.json, a prepared folder's index.json) unreadable
+#: to the other users of a shared directory.
+FILE_MODE = _file_mode()
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Writes `data` to `path` atomically (temp file in the same directory, fsync, rename).
 
@@ -57,6 +70,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

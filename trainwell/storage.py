@@ -44,7 +44,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from trainwell.io import fsync_dir
+from trainwell.io import FILE_MODE, fsync_dir
 from trainwell.rundir import RunDirInUseError
 # is_url, check_url, redact, SCHEMES: part of this module's API too (validation holds them: config checks URLs)
 from trainwell.validation import SCHEMES, check_url, invalid_value, is_url, redact  # noqa: F401
@@ -417,6 +417,7 @@ def write_json_replace(directory: Path, name: str, obj: dict) -> None:
     """
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
     try:
+        os.fchmod(fd, FILE_MODE)  # mkstemp's 0600 would hide the index from the directory's other readers
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2, sort_keys=True)
         os.replace(tmp, directory / name)
