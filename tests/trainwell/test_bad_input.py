@@ -113,6 +113,7 @@ CASES = [
      "a class folder is not read from an object store"),
     ("prepare-images into a URL", ["prepare-images", "digits", "s3://bucket/prepared"],
      "Invalid value for argument `dst`. Expected a local folder"),
+    ("prepare-images into a file", ["prepare-images", "digits", "{a_file}"], "'{a_file}' is a file; expected a directory"),
     ("tune directory is a file", ["tune", R, "--directory", "{a_file}", "--dry-run", "--set", "dataset=digits"],
      "Invalid value for `--directory`: '{a_file}' is a file; expected a directory"),
     ("tune directory under a file", ["tune", R, "--directory", "{a_file}/d", "--dry-run", "--set", "dataset=digits"],

@@ -127,6 +127,17 @@ def test_a_damaged_manifest_on_resume_is_one_line_exit_2(manifest, says, tmp_pat
     assert err.count("\n") == 1 and says in err, err
 
 
+def test_resume_of_a_url_whose_server_cannot_be_reached_is_one_line_exit_2(monkeypatch, capsys):
+    # nothing listens on port 9 of this machine; it was botocore's traceback of 140 lines
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "a")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "b")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    assert cli.main(["resume", "s3://bucket/runs/x", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Cannot read the run at 's3://bucket/runs/x'" in err, err
+
+
 @pytest.mark.parametrize(
     "args, says",
     [

@@ -332,6 +332,9 @@ def _read_url_manifest_path(url: str) -> Path:
         raise ConfigError(f"Not a trainwell run directory (no manifest.json): {url!r}") from None
     except (ValueError, OSError) as e:
         raise ConfigError(" ".join(str(e).split())) from None
+    except Exception as e:  # noqa: BLE001 - the driver's own (botocore's EndpointConnectionError, NoCredentialsError...)
+        raise ConfigError(f"Cannot read the run at {storage.redact(url)!r}: {type(e).__name__}: "
+                          f"{' '.join(str(e).split())}") from None
     local = Path(tempfile.mkdtemp(prefix="trainwell-manifest-"))
     (local / "manifest.json").write_bytes(data)
     return local

@@ -59,6 +59,7 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
+from trainwell.config import check_dir_path
 from trainwell.data.image_ops import valid_image
 from trainwell.data.image_sources import TFRECORD_IMAGE_KEY, TFRECORD_LABEL_KEY, open_source
 from trainwell.data.prepared_index import INDEX_FORMAT, INDEX_NAME, read_index, sha256_of
@@ -260,6 +261,7 @@ def prepare_images(
         raise invalid_argument("dst", "a folder path", dst)
     if is_url(os.fspath(dst)):  # its index, checksums and resumable parts are local files
         raise invalid_argument("dst", "a local folder (copy the shards to a bucket afterwards)", redact(os.fspath(dst)))
+    check_dir_path(dst, "dst", write=True)  # a file, a read-only file system: one line, before anything is read
     log = log or _stderr
     start = time.perf_counter()
     source = source_name(source)
@@ -468,7 +470,8 @@ def _verify(dst: str, index: dict) -> None:
             raise DataError(f"Prepared shard {path!r} is missing (listed in {INDEX_NAME}).")
         if sha256_of(path) != shard["sha256"]:
             raise DataError(f"Prepared shard {path!r} does not match its checksum in {INDEX_NAME}: "
-                            "it changed or is damaged; prepare the folder again.")
+                            "it changed or is damaged; delete the folder and "
+                            "prepare it again.")
         try:
             n = int(tf.data.TFRecordDataset(path).reduce(np.int64(0), lambda c, _: c + 1))
         except tf.errors.DataLossError:
