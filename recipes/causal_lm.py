@@ -74,6 +74,7 @@ from trainwell.config import (
 from trainwell import runtime
 from trainwell.data import instructions
 from trainwell.data.base import resolve_path
+from trainwell.data.sources import check_preset, preset_max_sequence_length
 from trainwell.io import atomic_write_text
 from trainwell.models.lora import enable_lora, merged_copy
 
@@ -151,13 +152,13 @@ class Config(BaseConfig):
         if self.packing:
             raise_invalid("packing", self.packing, "false: keras-hub's causal LM backbones take only a padding_mask "
                           "(no segment ids), so examples packed into one sequence would attend to each other")
-        if not self.preset.strip():
-            raise_invalid("preset", self.preset, "a keras-hub CausalLM preset name or a preset directory")
-        p = Path(self.preset).expanduser()
-        if p.is_dir() and not (p / "config.json").is_file():
-            raise config_error("preset", self.preset, f"{str(p)!r} is not a preset directory (no config.json)")
+        check_preset(self.preset, "preset", task="CausalLM")
         if self.sequence_length < 4:
             raise_invalid("sequence_length", self.sequence_length, "an integer >= 4")
+        longest = preset_max_sequence_length(self.preset)
+        if longest is not None and self.sequence_length > longest:  # it crashed inside the step's position embedding
+            raise_invalid("sequence_length", self.sequence_length,
+                          f"an integer <= {longest}: the preset's backbone takes at most {longest} positions")
         check_choice(self, "lora", ("auto", "on", "off"))
         check_choice(self, "chat_template", tuple(instructions.CHAT_TEMPLATES))
         check_positive(self, "lora_rank")

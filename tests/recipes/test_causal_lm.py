@@ -99,6 +99,17 @@ def test_config_validation(bad, pattern):
         recipe.Config(**{"validate_data": False, **bad})
 
 
+def test_the_preset_and_its_longest_sequence_are_checked_with_the_config(tiny):
+    # each was a keras-hub traceback after the run directory was made (the length one inside the first step)
+    with pytest.raises(ConfigError, match=r"is not a keras-hub causal LM preset.*Did you mean 'gpt2_base_en'"):
+        recipe.Config(preset="gpt2_bse_en", validate_data=False)
+    with pytest.raises(ConfigError, match=r"preset directory .*nodir' not found"):
+        recipe.Config(preset="./nodir", validate_data=False)
+    with pytest.raises(ConfigError, match=r"an integer <= 64: the preset's backbone takes at most 64 positions"):
+        recipe.Config(**tiny_kw(tiny, sequence_length=65, validate_data=False))
+    recipe.Config(**tiny_kw(tiny, sequence_length=64, validate_data=False))
+
+
 @pytest.mark.parametrize("line, pattern", [
     ({"prompt": "a"}, "expected the fields \"prompt\" and \"response\".*Received: fields \\['prompt'\\]"),
     ({"prompt": "a", "response": "  "}, "field `response`: expected a non-empty string. Received: response='  '"),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 from pathlib import Path
 from typing import Iterable
@@ -433,27 +434,33 @@ def check_text_source(
 
 
 # --------------------------------------------------------------------------- presets
-def check_preset(preset: str, field: str = "preset") -> None:
+def check_preset(preset: str, field: str = "preset", task: str = "TextClassifier") -> None:
     """Checks a keras-hub preset: `"minilm"`, a preset directory, a preset name or a handle.
 
-    A directory must hold the preset's `config.json`; a name must be one of
-    `keras_hub.models.TextClassifier.presets` ("did you mean" otherwise); a handle with a
-    scheme (`kaggle://`, `hf://`) is left to keras-hub. Nothing is downloaded.
+    A directory must hold the preset's `config.json`; a name must be one of the
+    keras-hub `task`'s presets ("did you mean" otherwise); a handle with a scheme
+    (`kaggle://`, `hf://`) is left to keras-hub. Nothing is downloaded.
 
     Args:
         preset: The config's `preset`.
         field: The config field named in the message. Defaults to `"preset"`.
+        task: The keras-hub task class whose presets a name must be among:
+            `"TextClassifier"` (which also takes the embedded `"minilm"`) or
+            `"CausalLM"`. Defaults to `"TextClassifier"`.
 
     Example:
     >>> check_preset("minilm")
     """
-    expected = "'minilm', a preset directory, a keras-hub text classifier preset name or a kaggle:// / hf:// handle"
+    kind = {"TextClassifier": "text classifier", "CausalLM": "causal LM"}[task]
+    embedded = ("minilm",) if task == "TextClassifier" else ()
+    expected = f"{''.join(repr(e) + ', ' for e in embedded)}a preset directory, a keras-hub {kind} preset name or a " \
+               "kaggle:// / hf:// handle"
     if not isinstance(preset, str) or not preset.strip():
         raise config_error(field, preset, f"expected {expected}")
-    if preset == "minilm":
+    if preset in embedded:
 
         with _as_config_error(field, preset):
-            embedded_path("minilm")
+            embedded_path(preset)
         return
     if "://" in preset:
         return
@@ -467,10 +474,29 @@ def check_preset(preset: str, field: str = "preset") -> None:
     # lazy: keras-hub loads on first use, not with this module
     import keras_hub
 
-    names = sorted(keras_hub.models.TextClassifier.presets)
+    names = sorted(getattr(keras_hub.models, task).presets)
     if preset not in names:
-        raise config_error(field, preset, f"expected {expected}; {preset!r} is not a keras-hub text classifier preset",
-              did_you_mean(preset, ["minilm", *names]))
+        try:  # a preset directory here, named without "./": suggested too
+            local = [p.name for p in Path.cwd().iterdir() if p.is_dir() and (p / "config.json").is_file()]
+        except OSError:
+            local = []
+        raise config_error(field, preset, f"expected {expected}; {preset!r} is not a keras-hub {kind} preset "
+                                          "(nor a directory here)", did_you_mean(preset, [*embedded, *names, *local]))
+
+
+def preset_max_sequence_length(preset: str) -> int | None:
+    """The `max_sequence_length` of a local preset directory's backbone (`None`: unknown, or not a directory).
+
+    Example:
+    >>> preset_max_sequence_length("gpt2_base_en") is None
+    True
+    """
+    path = Path(str(preset)).expanduser() / "config.json"
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("config", {}).get("max_sequence_length")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
 
 
 __all__ = [
@@ -481,6 +507,7 @@ __all__ = [
     "check_image_folder",
     "check_image_source",
     "check_preset",
+    "preset_max_sequence_length",
     "check_source_url",
     "check_text_source",
     "check_tfds_name",
