@@ -116,6 +116,12 @@ class ObjectStore:
         except OSError as e:
             raise refuse(f"a reachable bucket ({type(e).__name__}: {e})") from None
         if not ok:
+            try:  # `exists` answers False for a server it cannot reach too: ask again where the error shows
+                self.fs.ls(self.bucket, refresh=True)
+            except FileNotFoundError:
+                pass
+            except Exception as e:  # noqa: BLE001 - the driver's own (botocore's EndpointConnectionError, ...)
+                raise refuse(f"a reachable bucket ({type(e).__name__}: {' '.join(str(e).split())})") from None
             raise refuse(f"a URL in an existing bucket (no bucket {self.bucket!r})")
 
     def put(self, rel: str, data: bytes) -> None:

@@ -56,6 +56,15 @@ def test_missing_bucket_is_one_line(s3_bucket):
         storage.ObjectStore("s3://tw-no-such-bucket/run").check_bucket()
 
 
+def test_a_server_that_cannot_be_reached_is_named_not_the_bucket(monkeypatch):
+    # s3fs's `exists` says False when it cannot connect: the message blamed the bucket
+    for k, v in {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "b",
+                 "AWS_MAX_ATTEMPTS": "1"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=r"Expected a reachable bucket \(EndpointConnectionError: .*Received:"):
+        storage.store_for("s3://bucket/run").check_bucket()
+
+
 def test_lease_second_writer_refused_then_free_after_release(s3_bucket):
     url = f"{s3_bucket}/run"
     store = storage.ObjectStore(url)
