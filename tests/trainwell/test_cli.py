@@ -127,6 +127,25 @@ def test_a_damaged_manifest_on_resume_is_one_line_exit_2(manifest, says, tmp_pat
     assert err.count("\n") == 1 and says in err, err
 
 
+def test_ctrl_c_names_the_last_checkpoint_and_the_command_that_continues(tmp_path, monkeypatch, capsys):
+    from trainwell.recipes import resnet_imagenet
+
+    run_dir = tmp_path / "run"
+    assert cli.main(["train", "resnet-imagenet", "--set", "dataset=digits", "--set", "image_size=8", "--set",
+                     "model=resnet18", "--set", "width=4", "--set", "epochs=1", "--set", "verbose=0", "--set",
+                     "doctor=false", "--set", f"run_dir={run_dir}"]) == 0
+    capsys.readouterr()
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt  # what Ctrl-C raises inside fit
+
+    monkeypatch.setattr(resnet_imagenet, "train", interrupted)
+    assert cli.main(["resume", str(run_dir), "--set", "epochs=2"]) == 130
+    err = capsys.readouterr().err
+    assert "keeps its last checkpoint (ckpt-" in err and f"`trainwell resume {run_dir}` continues" in err, err
+    assert err.strip().endswith("trainwell: interrupted")
+
+
 def test_resume_of_a_url_whose_server_cannot_be_reached_is_one_line_exit_2(monkeypatch, capsys):
     # nothing listens on port 9 of this machine; it was botocore's traceback of 140 lines
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")

@@ -217,6 +217,12 @@ def _train(module, cfg) -> int:
     """
     try:
         run = module.train(cfg)
+    except KeyboardInterrupt:  # Ctrl-C: `main` says "interrupted" (exit 130); say first what continues the run
+        run_dir, chosen = _last_checkpoint(cfg)
+        if chosen is not None:
+            print(f"trainwell: the run directory {run_dir} keeps its last checkpoint ({chosen['name']}): "
+                  f"`trainwell resume {run_dir}` continues from it.", file=sys.stderr)
+        raise
     except RuntimeError as e:
         # lazy: the error class lives with Keras's callbacks, loaded by now (a run started)
         from trainwell.callbacks.nan_rollback import TrainingDivergedError
@@ -229,15 +235,20 @@ def _train(module, cfg) -> int:
     return _finish(run)
 
 
-def _after_divergence(module, cfg) -> str:
-    """Where a diverged run's last checkpoint is, and the LR to try (a tenth), in one line."""
+def _last_checkpoint(cfg) -> tuple:
+    """`(run_dir, the checkpoint a resume would pick or None)` of the run `cfg` names."""
     from trainwell.callbacks.checkpoint import CheckpointCorruptError, resume_checkpoint  # lazy, as in `_train`
 
     run_dir = getattr(cfg, "run_dir", None)
     try:
-        chosen = resume_checkpoint(storage.join(str(run_dir), "checkpoints")) if run_dir else None
-    except CheckpointCorruptError:
-        chosen = None
+        return run_dir, resume_checkpoint(storage.join(str(run_dir), "checkpoints")) if run_dir else None
+    except (CheckpointCorruptError, OSError):
+        return run_dir, None
+
+
+def _after_divergence(module, cfg) -> str:
+    """Where a diverged run's last checkpoint is, and the LR to try (a tenth), in one line."""
+    run_dir, chosen = _last_checkpoint(cfg)
     field = lr_field(module, cfg)
     lower = f"--set {field}={override_text(getattr(cfg, field) / 10)}" if field else "a lower learning rate"
     if chosen is None:
