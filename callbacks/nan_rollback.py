@@ -344,6 +344,7 @@ class NaNRollback(StatefulCallback):
         self.recent_losses: deque = deque(maxlen=self.spike_window)
         self.loss_high: float | None = None  # the highest loss kept in the history in this run
         self.loss_scale_skips = 0
+        self._begin = 0  # the batch index of the last `on_train_batch_begin`
         self.snapshot_step: int | None = None
 
     @property
@@ -359,6 +360,9 @@ class NaNRollback(StatefulCallback):
             "recent_losses": [float(x) for x in self.recent_losses],
             "loss_high": self.loss_high,
             "loss_scale_skips": int(self.loss_scale_skips),
+            # the batch of the step whose begin hook ran: a mid-epoch resume mutes that hook (it ran before
+            # the checkpoint), and without it the first resumed step counted every batch skipped before it
+            "begin": int(self._begin),
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -369,6 +373,7 @@ class NaNRollback(StatefulCallback):
         high = state.get("loss_high", max(self.recent_losses, default=None))
         self.loss_high = None if high is None else float(high)
         self.loss_scale_skips = int(state.get("loss_scale_skips", 0))
+        self._begin = int(state.get("begin", 0))
         self.snapshot_step = None  # the device copy is not part of the state; retaken at train begin
 
     # ------------------------------------------------------------------ the compiled functions
@@ -491,7 +496,7 @@ class NaNRollback(StatefulCallback):
         super().on_train_begin(logs)
         self._snapshot = None
         self.snapshot_step = None
-        self._epoch = self._begin = 0
+        self._epoch = 0  # `_begin`: from the last begin hook, or restored (see `get_state`)
         self._last_scale = self._weights_checked = self._pending = None
         self._read_state = False
         self._strategy = getattr(self.model, "distribute_strategy", None)

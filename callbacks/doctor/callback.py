@@ -280,6 +280,7 @@ class TrainingDoctor(StatefulCallback):
         """Fresh-run state: no findings, empty windows."""
         self.findings: list[Finding] = []
         self.step = 0
+        self._begin_batch = 0  # the batch index of the last `on_train_batch_begin`
         self.probes = 0
         self.tracker = LossTracker(window=self.window)
         self.epoch_losses: list[float] = []
@@ -304,7 +305,10 @@ class TrainingDoctor(StatefulCallback):
         """JSON-serialisable state: findings, counters, loss windows, loss-scale history."""
         state = {k: jsonable(getattr(self, k)) for k in _STATE}
         findings = [f.to_dict() for f in self.findings]
-        return {**state, "findings": findings, "tracker": self.tracker.get_state(), "located": self._located}
+        # "begin_batch": a mid-epoch resume mutes the resumed step's begin hook (it ran before the checkpoint);
+        # without it that step counted every batch skipped before it
+        return {**state, "findings": findings, "tracker": self.tracker.get_state(), "located": self._located,
+                "begin_batch": int(self._begin_batch)}
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Restores `get_state()`'s output."""
@@ -316,6 +320,7 @@ class TrainingDoctor(StatefulCallback):
         self.findings = [Finding.from_dict(d) for d in state.get("findings", [])]
         self.tracker.set_state(state.get("tracker", {}))
         self._located = bool(state.get("located", False))
+        self._begin_batch = int(state.get("begin_batch", 0))
         if self.scale_history:
             self._last_scale = self.scale_history[-1][1]
 
@@ -359,7 +364,6 @@ class TrainingDoctor(StatefulCallback):
         super().on_train_begin(logs)
         self._th = {**DEFAULT_THRESHOLDS, **(self.thresholds or {})}
         self._t_begin = None
-        self._begin_batch = 0
         self._last_check = None
         self._epoch_begin_step = self.step
         self._trained = False  # whether this fit trained a step (a rerun of a finished run trains none)

@@ -726,3 +726,32 @@ def test_the_stop_message_suggests_clipping_in_the_optimizers_terms(clip):
         fit(model, bad=[5], callbacks=[NaNRollback(snapshot_every=4, max_rollbacks=0)], epochs=1)
     advice = "clip the gradients" if clip is None else "clip the gradients harder (the optimizer's `global_clipnorm` is 1)"
     assert str(info.value).endswith(f"Lower the learning rate, {advice}, or check the input data."), str(info.value)
+
+
+def test_steps_after_a_mid_epoch_resume_are_counted_as_in_an_uninterrupted_run(tmp_path):
+    """A mid-epoch resume mutes the resumed step's begin hook (it ran before the checkpoint): the
+    step counters of NaNRollback and the doctor took every batch skipped before it as trained."""
+    from trainwell.callbacks import Checkpoint, TrainingDoctor
+
+    x = np.random.default_rng(0).normal(size=(160, 4)).astype("float32")
+
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 6:
+                raise KeyboardInterrupt
+
+    def run(directory, stop):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        nan, doctor = NaNRollback(), TrainingDoctor(verbose=0)
+        callbacks = [nan, doctor, Checkpoint(directory, save_every=3, verbose=0)] + ([Stop()] if stop else [])
+        try:
+            model.fit(x, x.sum(1), batch_size=16, epochs=2, verbose=0, shuffle=False, callbacks=callbacks)
+        except KeyboardInterrupt:
+            pass
+        return nan.step, doctor.step
+
+    assert run(tmp_path / "a", False) == (20, 20)
+    run(tmp_path / "b", True)  # stopped in the first epoch, after a mid-epoch checkpoint
+    assert run(tmp_path / "b", False) == (20, 20)
