@@ -155,6 +155,11 @@ def test_resume_of_a_url_whose_server_cannot_be_reached_is_one_line_exit_2(monke
     assert cli.main(["resume", "s3://bucket/runs/x", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Cannot read the run at 's3://bucket/runs/x'" in err, err
+    # a dry run checks what the run's setup checks first: the bucket, reachable
+    assert cli.main(["train", "resnet-imagenet", "--set", "dataset=digits", "--set", "run_dir=s3://bucket/r",
+                     "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "expected a reachable bucket (EndpointConnectionError" in err, err
 
 
 @pytest.mark.parametrize(

@@ -295,6 +295,8 @@ def cmd_train(args) -> int:
     module = _recipe_module(args.recipe)
     cfg = _checked_config(module, args.config, args.set)
     if args.dry_run:
+        if is_url(str(cfg.run_dir or "")):  # what the run's setup checks first: the bucket, reachable
+            storage.store_for(cfg.run_dir).check_bucket("run_dir", what="", error=ConfigError)
         print(json.dumps(cfg.to_dict(), indent=2))
         return EXIT_OK
     if getattr(args, "workers", None):
