@@ -276,8 +276,8 @@ class StagedDirectory:
     the temporary directory (the same path on every rerun, so absolute paths the
     writer records stay valid on resume; emptied first, so it holds the URL's
     state and nothing a killed run left), `sync()` uploads what changed and deletes
-    what was deleted, `close()` syncs and removes the copy. A writer killed between syncs loses what it
-    wrote since the last one, as a local run loses its unsaved work.
+    what was deleted, `close()` syncs and removes the copy. A writer killed between
+    syncs loses what it wrote since the last one, as a local run its unsaved work.
 
     Args:
         url: An object-store URL (checked by `check_url`). Required.
@@ -291,7 +291,7 @@ class StagedDirectory:
     def __init__(self, url: str) -> None:
         import hashlib  # here: only a staged directory names itself by a hash
 
-        self.url = url.rstrip("/")
+        self.url = check_url(url, "url")
         digest = hashlib.sha256(self.url.encode()).hexdigest()[:16]
         self.root = Path(tempfile.gettempdir(), f"trainwell-staged-{digest}")
         shutil.rmtree(self.root, ignore_errors=True)

@@ -588,7 +588,8 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--max-trials", type=_int_arg(1), default=10, help="trials of random/bayesian search")
     tu.add_argument("--workers", type=_int_arg(0), default=0,
                     help="run KerasTuner's chief + N workers on this machine (gRPC, no authentication)")
-    tu.add_argument("--directory", metavar="D", default="tuning", help="parent directory of the search")
+    tu.add_argument("--directory", metavar="D", default="tuning",
+                    help="parent directory of the search, or an s3:// or gs:// URL")
     tu.add_argument("--project-name", help="subdirectory of the search (default: RECIPE-TUNER)")
     tu.add_argument("--overwrite", action="store_true", help="start afresh instead of continuing")
     tu.add_argument("--max-epochs", type=_int_arg(1), help="epochs per model for hyperband and pbt")
