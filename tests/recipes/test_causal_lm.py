@@ -259,7 +259,7 @@ def test_cli_bad_data_exits_2_in_one_line_and_leaves_no_run_directory(tiny, tmp_
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "response": "b"}, {"messages": [
         {"role": "robot", "content": "x"}]}])
     r = _cli("train", "causal-lm", "--set", f"dataset=jsonl:{bad}", "--set", f"preset={tiny['preset']}",
-             "--set", f"run_dir={tmp_path / 'run'}")
+             "--set", f"sequence_length={SEQ}", "--set", f"run_dir={tmp_path / 'run'}")  # the preset takes 64
     assert r.returncode == 2, r.stderr[-2000:]
     (line,) = r.stderr.strip().splitlines()
     assert "Received: role='robot'" in line and not (tmp_path / "run").exists()

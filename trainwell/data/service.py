@@ -16,9 +16,12 @@ epoch"), and this is what an epoch means with it:
   epoch (measured: identical batches with one worker). The image pipeline
   (`build_image_datasets(data_service=...)`) therefore sends `repeat()`ed passes as
   one endless job: each pass reshuffled and re-augmented as in-process, and an epoch
-  is the next `steps_per_epoch` batches of that stream (Keras counts them). Where the
-  batch size divides the examples an epoch is one pass; otherwise the examples the
-  in-process pipeline drops at an epoch's end start the next epoch instead.
+  is the next `steps_per_epoch` batches of that stream (Keras counts them). With one
+  worker, where the batch size divides the examples, an epoch is one pass; otherwise
+  the examples the in-process pipeline drops at an epoch's end start the next epoch
+  instead. With several workers a pass's boundary is not an epoch's: one worker may
+  start the next pass while another finishes this one, so an epoch can hold a few
+  examples of the next pass in place of some of its own, which come in the next epoch.
 - **Order not deterministic.** Which worker gets which split, and which worker's
   element reaches the trainer first, depends on timing.
 - **Resume.** A resume with the service is exact in the epoch and in the number of
