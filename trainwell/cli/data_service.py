@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
@@ -43,6 +44,9 @@ def cmd_data_service(args) -> int:
         service = start_local_service(workers=args.workers, port=args.port)
     except ValueError as e:  # an argument's "Received:" line: a usage error, exit 2
         raise ConfigError(str(e)) from None
+    # Ctrl-C, `kill -INT` and `kill` all stop the servers cleanly (put back after): a shell starts a
+    # background job (`trainwell data-service ... &`) with SIGINT ignored, where `kill -INT` did nothing.
+    before = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         print(f"tf.data service: dispatcher {service.target}, {len(service.workers)} worker(s) on 127.0.0.1 "
               "(the dispatcher listens on every interface: keep its port behind a firewall)")
@@ -55,6 +59,8 @@ def cmd_data_service(args) -> int:
         pass
     finally:
         service.stop()
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
     print("tf.data service stopped")
     return 0
 

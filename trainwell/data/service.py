@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import re
 import socket
+import sys
+import time
 from typing import Any
 
 from trainwell.data.base import DataError
@@ -80,24 +82,40 @@ def check_target(target: Any, name: str = "data_service") -> str:
     return target
 
 
-def check_reachable(target: str, timeout_s: float = 10.0) -> None:
-    """Raises a one-line `DataError` when nothing accepts connections at `target` (`grpc://HOST:PORT`).
+def check_reachable(target: str, timeout_s: float = 60.0) -> None:
+    """Waits until something accepts connections at `target` (`grpc://HOST:PORT`), at most `timeout_s`.
 
-    Without it, a pipeline sent to an address where no dispatcher runs waits
-    forever for its first element (tf.data retries the connection silently).
+    A dispatcher started beside the trainer (`trainwell data-service ... &`, a cluster's
+    launcher) may come up seconds after it: the trainer waits, saying so once on stderr
+    after 2 s. Nothing there after `timeout_s`: a one-line `DataError`. Without this
+    check, a pipeline sent to an address where no dispatcher runs waited forever for its
+    first element (tf.data retries the connection silently).
 
     Example:
-    >>> check_reachable("grpc://127.0.0.1:1")  # doctest: +ELLIPSIS
+    >>> check_reachable("grpc://127.0.0.1:1", timeout_s=0.1)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    trainwell.data.base.DataError: Cannot reach the tf.data service dispatcher at grpc://127.0.0.1:1 (...): start one (`trainwell data-service`) or fix `data_service`.
+    trainwell.data.base.DataError: Cannot reach the tf.data service dispatcher at grpc://127.0.0.1:1 within 0.1 s (...): start one (`trainwell data-service`) or fix `data_service`.
     """
     m = _TARGET_RE.fullmatch(check_target(target))
-    try:
-        socket.create_connection((m.group("host").strip("[]"), int(m.group("port"))), timeout=timeout_s).close()
-    except OSError as e:
-        raise DataError(f"Cannot reach the tf.data service dispatcher at {target} ({e.strerror or e}): start one "
-                        "(`trainwell data-service`) or fix `data_service`.") from None
+    address = (m.group("host").strip("[]"), int(m.group("port")))
+    start = time.monotonic()
+    said = False
+    while True:
+        try:
+            socket.create_connection(address, timeout=max(0.1, min(5.0, timeout_s))).close()
+            return
+        except OSError as e:
+            waited = time.monotonic() - start
+            if waited >= timeout_s:
+                raise DataError(f"Cannot reach the tf.data service dispatcher at {target} within {timeout_s:g} s "
+                                f"({e.strerror or e}): start one (`trainwell data-service`) or fix `data_service`.") \
+                    from None
+            if waited >= 2.0 and not said:
+                print(f"trainwell: waiting up to {timeout_s:g} s for the tf.data service dispatcher at {target} ...",
+                      file=sys.stderr, flush=True)
+                said = True
+            time.sleep(0.25)
 
 
 class LocalService:

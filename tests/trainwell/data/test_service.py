@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from trainwell.data.base import DataError
 from trainwell.data.images import build_image_datasets
-from trainwell.data.service import PROCESSING_MODE, check_target, distribute, start_local_service
+from trainwell.data.service import PROCESSING_MODE, check_reachable, check_target, distribute, start_local_service
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +47,10 @@ def test_a_port_in_use_and_an_address_with_no_dispatcher_are_one_line_each(servi
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
     # without the check, the pipeline waited forever for its first element
-    with pytest.raises(DataError, match=rf"Cannot reach the tf.data service dispatcher at grpc://127.0.0.1:{free}"):
-        distribute(tf.data.Dataset.range(4), f"grpc://127.0.0.1:{free}")
+    with pytest.raises(DataError, match=rf"Cannot reach the tf.data service dispatcher at grpc://127.0.0.1:{free} "
+                                        r"within 1 s"):
+        check_reachable(f"grpc://127.0.0.1:{free}", timeout_s=1)
+    check_reachable(service.target, timeout_s=1)  # a dispatcher there: no wait
 
 
 @pytest.mark.parametrize("bad", ["localhost:5000", "grpc://host", "grpc://host:0", "grpc://host:99999",
