@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 
 from trainwell.config import ConfigError
@@ -46,7 +47,9 @@ def cmd_data_service(args) -> int:
         raise ConfigError(str(e)) from None
     # Ctrl-C, `kill -INT` and `kill` all stop the servers cleanly (put back after): a shell starts a
     # background job (`trainwell data-service ... &`) with SIGINT ignored, where `kill -INT` did nothing.
-    before = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
+    before = {sig: signal.signal(sig, signal.default_int_handler)
+              for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
     try:
         print(f"tf.data service: dispatcher {service.target}, {len(service.workers)} worker(s) on 127.0.0.1 "
               "(the dispatcher listens on every interface: keep its port behind a firewall)")

@@ -32,7 +32,8 @@ def test_cli_reports_each_stage_of_the_recipe_pipeline(photos, capsys):
     added = [s["added_cpu_ms_per_image"] for s in report["stages"]]
     assert report["slowest_stage"] == STAGES[int(np.argmax(added))]
     assert sum(added) == pytest.approx(report["stages"][-1]["cpu_ms_per_image"], abs=0.01)
-    assert report["cores_for_target"] == pytest.approx(7000 / report["images_per_cpu_s"], rel=0.01)
+    # to a tenth of a core, as printed (rel=0.01 failed on a CI run where 2.939 cores printed as 2.9)
+    assert report["cores_for_target"] == round(7000 / report["images_per_cpu_s"], 1)
     text = format_report(report)
     assert f"slowest stage: {report['slowest_stage']}" in text and "cores to feed 7000 images/s" in text
 
