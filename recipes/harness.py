@@ -271,9 +271,7 @@ def _setup_url_run(cfg, recipe: str, strategy, precision: str) -> "RunContext":
     staging = Path(tempfile.mkdtemp(prefix="trainwell-run-"))
     _URL_RUNS[staging] = url
     try:
-        storage.mirror_down(url, staging, skip=_NOT_MIRRORED)
-        _MIRRORED[staging] = {p.relative_to(staging).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
-                              for p in staging.rglob("*") if p.is_file()}
+        storage.mirror_down(url, staging, skip=_NOT_MIRRORED, seen=_MIRRORED.setdefault(staging, {}))
         _announce(cfg, staging, None)
         rundir.write_manifest(staging, cfg, strategy=strategy, precision=precision, seed=cfg.seed, recipe=recipe)
         mirror_run_dir(staging)

@@ -220,8 +220,11 @@ class ObjectStore:
         return sorted(n for n in names if n.split("/", 1)[0] not in skip and n != LEASE_OBJECT)
 
 
-def mirror_down(url: str, local: Path, skip: tuple[str, ...] = ()) -> int:
+def mirror_down(url: str, local: Path, skip: tuple[str, ...] = (), seen: dict | None = None) -> int:
     """Copies every object under `url` (but the `skip` sub-prefixes) into the local directory `local`.
+
+    With `seen`, each copied file's size and mtime go into it, as `mirror_up` keeps them, so
+    the next `mirror_up` uploads only what changed after the copy.
 
     Returns:
         How many files were copied.
@@ -236,6 +239,9 @@ def mirror_down(url: str, local: Path, skip: tuple[str, ...] = ()) -> int:
         path = Path(local, name)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(store.get(name))
+        if seen is not None:
+            st = path.stat()
+            seen[name] = (st.st_size, st.st_mtime_ns)
     return len(names)
 
 
@@ -297,9 +303,8 @@ class StagedDirectory:
         shutil.rmtree(self.root, ignore_errors=True)
         self.path = self.root / Path(urlsplit(self.url).path).name
         self.path.mkdir(parents=True)
-        mirror_down(self.url, self.path)
-        self._seen = {p.relative_to(self.path).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
-                      for p in self.path.rglob("*") if p.is_file()}
+        self._seen: dict = {}
+        mirror_down(self.url, self.path, seen=self._seen)
 
     def where(self, local) -> str:
         """The URL of `local`, a path inside the copy."""
