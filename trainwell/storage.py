@@ -401,6 +401,9 @@ def commit_directory(tmp: Path, final: Path, tmp_prefix: str) -> None:
     True
     """
     for child in tmp.iterdir():
+        if child.is_dir():  # a checkpoint's sharded arrays: Orbax synced and committed them itself
+            fsync_dir(child)
+            continue
         with open(child, "rb+") as f:
             os.fsync(f.fileno())
     fsync_dir(tmp)

@@ -51,6 +51,8 @@ import ml_dtypes
 import numpy as np
 
 from trainwell import storage
+from trainwell.compat.sharded import SHARDED_DIR, placeholders
+from trainwell.compat.sharded import complete as sharded_complete
 from trainwell.io import fsync_dir, remove_stale_temporaries
 from trainwell.storage import is_url, store_for, write_npz, write_text  # noqa: F401 - patched by the tests here
 from trainwell.validation import is_int
@@ -309,6 +311,12 @@ def _check_zip(zf: zipfile.ZipFile, meta: dict) -> None:
         raise CheckpointCorruptError(f"arrays {missing[:5]} are missing from arrays.npz")
 
 
+def _check_sharded(path, meta: dict) -> None:
+    """The sharded arrays a checkpoint lists (`compat.sharded`) are there, committed by Orbax."""
+    if meta.get("sharded") and (is_url(str(path)) or not sharded_complete(Path(path) / SHARDED_DIR)):
+        raise CheckpointCorruptError(f"its sharded arrays ({SHARDED_DIR}/) are missing or were not committed")
+
+
 def _arrays_source(path):
     """What `zipfile`/`np.load` open for arrays.npz: the local file, or the object's bytes (read once)."""
     return io.BytesIO(_read_file(path, ARRAYS_FILE)) if is_url(str(path)) else Path(path) / ARRAYS_FILE
@@ -322,6 +330,7 @@ def _verify(path) -> dict:
         bad = zf.testzip()
         if bad is not None:
             raise CheckpointCorruptError(f"arrays.npz member {bad!r} fails its CRC-32 check")
+    _check_sharded(path, meta)
     return meta
 
 
@@ -446,6 +455,8 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict]:
                 arr = z[k]  # zipfile checks the member's CRC-32 while reading it
                 dtype = manifest.get(k, {}).get("dtype")
                 arrays[k] = _decode_array(arr, dtype) if dtype else arr
+        _check_sharded(path, meta)
+        arrays.update(placeholders(Path(path) / SHARDED_DIR, meta.get("sharded") or {}))
     except Exception as e:  # noqa: BLE001 - any failure to read a checkpoint means damage
         raise CheckpointCorruptError(f"Checkpoint {str(path)!r} is damaged or unreadable ({_damage(e)})") from e
     return meta, arrays
@@ -505,6 +516,8 @@ def copy_checkpoint(src: str | os.PathLike, directory: str | os.PathLike, **entr
     tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=directory))
     try:
         shutil.copyfile(src / ARRAYS_FILE, tmp / ARRAYS_FILE)
+        if (src / SHARDED_DIR).is_dir():
+            shutil.copytree(src / SHARDED_DIR, tmp / SHARDED_DIR)
         write_text(tmp / STATE_FILE, json.dumps(meta, indent=1, sort_keys=True))
         commit_directory(tmp, directory / src.name)
     except BaseException:

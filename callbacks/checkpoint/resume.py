@@ -31,6 +31,7 @@ from trainwell.callbacks.checkpoint.state import (
     check_frozen,
     dedup,
     frozen_keys_of,
+    read_sharded,
     restore_model_arrays,
     restore_vars,
     rng_restore,
@@ -336,6 +337,7 @@ class ResumeMixin:
         plan = Plan(model, include_optimizer=not weights_only and not self.weights_only,
                     frozen_keys=frozen_keys_of(meta))
         check_frozen(plan, meta, path)
+        arrays = read_sharded(plan, arrays, path)
         restore_model_arrays(plan, arrays, path)
         if weights_only or self.weights_only:
             return  # a run that saves weights only keeps its optimizer fresh as configured

@@ -34,6 +34,7 @@ import keras
 import numpy as np
 
 from trainwell.callbacks.checkpoint.files import (
+    CheckpointCorruptError,
     CheckpointMismatchError,
     read_checkpoint,
     resolve_checkpoint_path,
@@ -52,6 +53,7 @@ from trainwell.compat.replicas import (
     replica_writer,
     variable_strategy,
 )
+from trainwell.compat.sharded import ShardedArray, restore_sharded
 from trainwell.compat.snapshot import read_function, set_tf_rng_state, tf_rng_state
 from trainwell.compat.snapshot import to_host as host  # noqa: F401  (the writer's name for it)
 from trainwell.validation import invalid_argument
@@ -289,6 +291,23 @@ def _legacy_renamed(saved: dict, expected: dict) -> dict:
     return renamed if ok else saved
 
 
+def read_sharded(plan: Plan, arrays: dict, ckpt: str) -> dict:
+    """`arrays` with each sharded array (`compat.sharded.ShardedArray`) read into its variable's sharding.
+
+    One whose key or shape matches no variable of `plan` stays as it is, for
+    the checks of `restore_model_arrays`/`restore_vars` to name.
+    """
+    variables = dict(plan.all_model_items())
+    variables.update(plan.opt_vars + plan.seed_vars + plan.metric_vars)
+    wanted = {k: (a, variables[k]) for k, a in arrays.items()
+              if isinstance(a, ShardedArray) and k in variables and a.shape == _shape(variables[k])}
+    try:
+        return {**arrays, **restore_sharded(wanted)}
+    except Exception as e:  # noqa: BLE001 - any failure to read them means damage
+        raise CheckpointCorruptError(f"Checkpoint {ckpt!r} is damaged or unreadable (its sharded arrays: "
+                                     f"{str(e).splitlines()[0] if str(e) else type(e).__name__})") from e
+
+
 def restore_model_arrays(plan: Plan, arrays: dict, ckpt: str) -> None:
     expected = {k: tuple(_shape(v)) for k, v in plan.model_items()}
     saved = _legacy_renamed({k: a for k, a in arrays.items() if k.startswith("model:")}, expected)
@@ -446,6 +465,7 @@ def load_checkpoint(path: str | os.PathLike, model, include_optimizer: bool = Fa
             model.optimizer.build(model.trainable_variables)
     plan = Plan(model, include_optimizer=include_optimizer, frozen_keys=frozen_keys_of(meta))
     check_frozen(plan, meta, str(ckpt))
+    arrays = read_sharded(plan, arrays, str(ckpt))
     restore_model_arrays(plan, arrays, str(ckpt))
     if include_optimizer:
         restore_vars(plan.opt_vars, arrays, str(ckpt), "optimizer", "opt:")

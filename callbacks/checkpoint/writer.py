@@ -55,6 +55,7 @@ from trainwell.callbacks.checkpoint.state import (
     rng_capture,
 )
 from trainwell.compat.backend import sync_variables
+from trainwell.compat.sharded import SHARDED_DIR, save_sharded, split_sharded
 from trainwell.compat.learning_rate import get_lr_multiplier
 from trainwell import storage
 from trainwell.compat.metrics import finite_value, metric_direction
@@ -162,9 +163,32 @@ class CheckpointWriter:
             meta["checkpoint"] = self.get_state()
             if getattr(model, "optimizer", None) is not None:
                 meta["lr_multiplier"] = get_lr_multiplier(model.optimizer)
+        sharded, arrays = split_sharded(arrays)
+        staged = self._save_sharded(entry, sharded, names, meta) if sharded else None
         # Everything below (encoding, JSON, files) runs in the background with async_save.
-        self._submit(self._write, arrays, names, meta, entry)
+        self._submit(self._write, arrays, names, meta, entry, staged)
         return meta
+
+    def _save_sharded(self, entry: dict, sharded: dict, names: dict, meta: dict) -> Path:
+        """Writes the arrays no process holds whole (`compat.sharded`), on every process, now.
+
+        Every process takes part (Orbax's commit waits for all), so it runs in
+        the training thread, never in the async writer: the processes reach it
+        at the same step. The directory is staged beside the checkpoint and moved
+        into it by `_write` before the commit; a killed save leaves only a
+        temporary, removed when the next run starts.
+        """
+        if storage.is_url(self.directory):
+            raise ValueError(
+                "Checkpoint: this model's state is sharded across processes (keras.distribution.ModelParallel), "
+                "which trainwell writes with Orbax to a local or shared file system only, not to an object store. "
+                f"Received: directory={self.directory!r}")
+        staged = Path(self.directory) / f"{TMP_PREFIX}{entry['name']}-{SHARDED_DIR}"
+        try:
+            meta["sharded"] = save_sharded(staged, sharded, names)
+        except Exception as e:
+            raise self._save_error(entry["name"], staged, e) from e
+        return staged
 
 
     def _submit(self, fn, *args) -> None:
@@ -220,7 +244,7 @@ class CheckpointWriter:
         return RuntimeError(f"{failed} ({e}). {intact}")
 
 
-    def _write(self, arrays: dict, names: dict, meta: dict, entry: dict) -> None:
+    def _write(self, arrays: dict, names: dict, meta: dict, entry: dict, staged: Path | None = None) -> None:
         if storage.is_url(self.directory):
             return self._write_objects(arrays, names, meta, entry)
         directory = Path(self.directory)
@@ -241,6 +265,8 @@ class CheckpointWriter:
             files.write_text(current, seal(meta))
             if not self._is_chief:
                 return
+            if staged is not None:  # the sharded arrays every process wrote (`_save_sharded`)
+                os.rename(staged, tmp / SHARDED_DIR)
             current = directory / entry["name"]
             files.commit_directory(tmp, current)
             tmp = None

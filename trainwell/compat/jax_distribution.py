@@ -234,6 +234,8 @@ def make_strategy(spec: Any) -> JaxStrategy:
     import jax
 
     if spec.startswith("model_parallel:"):
+        if _multiprocess_requested():
+            initialize_jax_processes()  # the mesh spans every process's devices
         return _model_parallel_mesh(spec, jax.devices())
     if spec.startswith("cpu:"):
         devices = ensure_host_devices(int(spec[4:]))
