@@ -76,7 +76,8 @@ from trainwell.data import instructions
 from trainwell.data.base import resolve_path
 from trainwell.data.sources import check_preset, preset_max_sequence_length
 from trainwell.io import atomic_write_text
-from trainwell.models.lora import enable_lora, merged_copy
+from trainwell.compat.sharded import spans_processes
+from trainwell.models.lora import enable_lora, merged_copy, merged_weights
 
 RECIPE = "causal-lm"
 EXPORT_DIR = "model"
@@ -529,12 +530,20 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
                 metrics = {"eval_loss": float(ev["token_loss"]), "eval_perplexity": float(math.exp(ev["token_loss"])),
                            "eval_tokens": data_.val_tokens}
         model.preprocessor = preprocessor
-        if trained and ctx.is_chief:
-            write_samples(model, data_.held_out[: cfg.num_samples], ctx.run_dir / SAMPLES_FILE, cfg.sequence_length)
-            if cfg.export:
-                export = merged_copy(model) if _lora_on(model) else model
-                export.preprocessor = preprocessor
-                export.save_to_preset(str(ctx.run_dir / EXPORT_DIR))
+        # Weights split between processes (model_parallel over --workers): every process takes part in
+        # gathering them; the chief generates the samples and exports from a copy on its own device.
+        spans = spans_processes(model)
+        if trained and (ctx.is_chief or spans):
+            weights = merged_weights(model) if spans else None
+            local = merged_copy(model, weights) if spans else model
+            local.preprocessor = preprocessor
+            if ctx.is_chief:
+                write_samples(local, data_.held_out[: cfg.num_samples], ctx.run_dir / SAMPLES_FILE,
+                              cfg.sequence_length)
+                if cfg.export:
+                    export = merged_copy(local) if _lora_on(local) else local
+                    export.preprocessor = preprocessor
+                    export.save_to_preset(str(ctx.run_dir / EXPORT_DIR))
         return harness.finish_run(ctx, cfg, model, metrics, history)
 
 

@@ -551,11 +551,12 @@ def launch(  # one piece: 12 documented arguments; checks, workers started, supe
             shutil.rmtree(logs, ignore_errors=True)
 
 
-def worker_command(argv: Sequence[str]) -> list[str]:
+def worker_command(argv: Sequence[str], strategy: str = "multiworker") -> list[str]:
     """The command a launched worker runs for the `trainwell` arguments `argv`.
 
-    `--workers N` is dropped (a worker never launches) and `--set strategy=multiworker`
-    is appended.
+    `--workers N` is dropped (a worker never launches) and `--set strategy=STRATEGY`
+    is appended: `"multiworker"` (data parallel over every process), or the run's own
+    `"model_parallel:DxM"`, whose mesh spans every process's devices (JAX).
 
     Example:
     >>> worker_command(["train", "resnet-imagenet", "--workers", "2"])[-4:]
@@ -572,7 +573,7 @@ def worker_command(argv: Sequence[str]) -> list[str]:
         if a.startswith("--workers="):
             continue
         out.append(a)
-    return [sys.executable, "-m", "trainwell.cli", *out, "--set", "strategy=multiworker"]
+    return [sys.executable, "-m", "trainwell.cli", *out, "--set", f"strategy={strategy}"]
 
 
 def launch_distributed(

@@ -345,3 +345,32 @@ def test_hypermodel_space_and_build(tiny):
     off = kt.HyperParameters()
     recipe._tuning_space(off, recipe.Config(**tiny_kw(tiny, lora="off")))
     assert "lora_rank" not in off.values
+
+
+@pytest.mark.serial
+def test_model_parallel_over_two_worker_processes_shards_checkpoints_samples_and_exports(tmp_path, tiny_gemma):
+    # trainwell train --workers 2 keeps strategy=model_parallel:2x4 (its mesh over both processes' devices),
+    # trains both epochs of a finite dataset (Keras's split over processes lost its length: the second
+    # epoch found it exhausted), writes each process's shards, and gathers the weights for the
+    # samples and the merged export.
+    pytest.importorskip("orbax.checkpoint", reason="orbax-checkpoint is not installed (pip install 'trainwell[jax]')")
+    preset = tiny_gemma(tmp_path / "gemma", 16, num_query_heads=4, num_key_value_heads=4)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"cat{i % 3}?", "response": " red"}) + "\n" for i in range(40)))
+    run_dir = tmp_path / "run"
+    sets = [f"preset={preset}", f"dataset=jsonl:{data}", "sequence_length=16", "batch_size=8", "epochs=2",
+            "strategy=model_parallel:2x4", f"run_dir={run_dir}", "num_samples=2", "val_fraction=0.25",
+            "checkpoint_every=2", "lora=on", "verbose=0"]
+    env = {**os.environ, "KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "trainwell.cli", "train", "causal-lm", "--workers", "2",
+                        *[a for s in sets for a in ("--set", s)]], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    assert "strategy: model_parallel:2x4" in (run_dir / "config.yaml").read_text()
+    assert len((run_dir / "history.csv").read_text().splitlines()) == 3  # a header and both epochs
+    last = Path(latest_checkpoint(run_dir / "checkpoints"))
+    assert sorted(p.name for p in (last / "sharded").glob("ocdbt.process_*")) == ["ocdbt.process_0",
+                                                                                  "ocdbt.process_1"]
+    assert len((run_dir / "samples.jsonl").read_text().splitlines()) == 2
+    assert (run_dir / "model" / "config.json").is_file() and (run_dir / "model" / "model.weights.h5").is_file()

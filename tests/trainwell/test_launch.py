@@ -42,6 +42,9 @@ def test_worker_command_drops_workers_and_sets_strategy():
     cmd = launch.worker_command(["train", "resnet-imagenet", "--workers", "2", "--set", "epochs=1", "--workers=3"])
     assert cmd[:3] == [PY, "-m", "trainwell.cli"]
     assert cmd[3:] == ["train", "resnet-imagenet", "--set", "epochs=1", "--set", "strategy=multiworker"]
+    # a model-parallel run keeps its mesh (over every worker's devices): not replaced by data parallelism
+    cmd = launch.worker_command(["train", "causal-lm", "--workers", "2"], "model_parallel:2x4")
+    assert cmd[3:] == ["train", "causal-lm", "--set", "strategy=model_parallel:2x4"]
 
 
 def test_launch_validates_arguments():

@@ -283,12 +283,18 @@ def _seconds(value: str) -> float:
     return s
 
 
-def _launch_workers(args, argv: list[str]) -> int:
-    """Runs `argv` (a `trainwell` command) as `args.workers` local workers; see `trainwell.launch`."""
+def _launch_workers(args, argv: list[str], cfg) -> int:
+    """Runs `argv` (a `trainwell` command) as `args.workers` local workers; see `trainwell.launch`.
+
+    Each worker trains with `strategy="multiworker"`, except a run configured with
+    `model_parallel:DxM`, whose mesh then spans the workers' devices.
+    """
     argv = list(argv)
     for s in args.set:
         argv += ["--set", s]
-    return launch.launch(launch.worker_command(argv), args.workers)
+    spec = str(getattr(cfg, "strategy", ""))
+    strategy = spec if spec.startswith("model_parallel:") else "multiworker"
+    return launch.launch(launch.worker_command(argv, strategy), args.workers)
 
 
 def cmd_train(args) -> int:
@@ -305,7 +311,7 @@ def cmd_train(args) -> int:
         run_dir = rundir.make_run_dir(cfg.run_dir, prefix=args.recipe)
         argv = ["train", args.recipe] + (["--config", args.config] if args.config else [])
         args.set = list(args.set) + [f"run_dir={run_dir}"]
-        return _launch_workers(args, argv)
+        return _launch_workers(args, argv, cfg)
     return _train(module, cfg)
 
 
@@ -377,7 +383,7 @@ def cmd_resume(args) -> int:
         print(json.dumps(cfg.to_dict(), indent=2))
         return EXIT_OK
     if getattr(args, "workers", None):
-        return _launch_workers(args, ["resume", str(run_dir)])
+        return _launch_workers(args, ["resume", str(run_dir)], cfg)
     return _train(module, cfg)
 
 

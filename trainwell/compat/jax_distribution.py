@@ -349,13 +349,30 @@ def _data_parallel(devices) -> JaxStrategy:
 
 
 class _PadsPartialBatches:
-    """`distribute_dataset` that pads a short last batch (see `EvenBatchesDataParallel`)."""
+    """`distribute_dataset` that pads a short last batch (see `EvenBatchesDataParallel`).
+
+    It also keeps the dataset's length: over several processes Keras splits each
+    batch with `rebatch` + `shard`, after which tf.data no longer knows how many
+    batches there are, and Keras's epoch iterator, told `steps_per_epoch`, then
+    never starts a finite dataset again: the second epoch found it exhausted
+    and trained nothing. Every batch being full (padded), each process gets as
+    many batches as the dataset has; `assert_cardinality` says so (and fails
+    loudly if it ever does not hold).
+    """
 
     def distribute_dataset(self, dataset):
         replicas = JaxStrategy(self).num_replicas_in_sync
         if replicas > 1:
             dataset = pad_partial_batches(dataset, replicas)
-        return super().distribute_dataset(dataset)
+        out = super().distribute_dataset(dataset)
+        # lazy: a tf.data dataset here means TensorFlow is loaded
+        import tensorflow as tf
+
+        if isinstance(dataset, tf.data.Dataset) and isinstance(out, tf.data.Dataset):
+            n = int(dataset.cardinality())
+            if n >= 0 and int(out.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY):
+                out = out.apply(tf.data.experimental.assert_cardinality(n))
+        return out
 
 
 class EvenBatchesDataParallel(_PadsPartialBatches, keras.distribution.DataParallel):

@@ -50,6 +50,39 @@ def split_sharded(arrays: dict) -> tuple[dict, dict]:
     return sharded, {k: v for k, v in arrays.items() if k not in sharded}
 
 
+def spans_processes(model) -> bool:
+    """Whether some weight of `model` is split between processes (no process holds it whole).
+
+    Example:
+    >>> import keras
+    >>> spans_processes(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
+    False
+    """
+    return any(_is_sharded(getattr(v, "value", None)) for v in model.weights)
+
+
+def host_value(variable) -> np.ndarray:
+    """`variable`'s whole value as a NumPy array, gathered from every process when it is split between them.
+
+    A gather is a collective: with a split value, every process must call this
+    for the same variables in the same order (each then holds the whole value).
+
+    Example:
+    >>> import keras
+    >>> host_value(keras.Variable([1.0, 2.0])).tolist()
+    [1.0, 2.0]
+    """
+    value = getattr(variable, "value", variable)
+    if _is_sharded(value):
+        # lazy: only JAX has split values
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    import keras  # lazy: the seam itself needs no Keras
+
+    return np.asarray(keras.ops.convert_to_numpy(value))
+
+
 class ShardedArray:
     """A checkpoint's sharded array, not yet read: its shape and dtype, for the checks before a restore.
 

@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from trainwell.compat.sharded import host_value
 from trainwell.validation import invalid_argument
 
 #: The adapter variables' names: Dense/EinsumDense and Embedding (Keras 3).
@@ -146,15 +147,15 @@ def merged_weights(model) -> dict[str, np.ndarray]:
     """`{path: value}` of `model`'s weights with each adapter pair merged into its base weight.
 
     The merged kernel is `W + (lora_alpha / rank) * A @ B` in `W`'s dtype, what Keras's
-    own saving writes for a LoRA layer; the adapter variables are left out.
+    own saving writes for a LoRA layer; the adapter variables are left out. A weight
+    split between processes (`ModelParallel`) is gathered (`compat.sharded.host_value`):
+    every process must then call this.
 
     Example:
     >>> w = merged_weights(model)  # doctest: +SKIP
     >>> any("lora" in p for p in w)  # doctest: +SKIP
     False
     """
-    import keras  # lazy: Keras loads with the first model, not with trainwell.models
-
     values = {v.path: v for v in model.weights}
     scale = lora_scale(model) if any("lora_" in p for p in values) else 1.0
     out = {}
@@ -162,24 +163,29 @@ def merged_weights(model) -> dict[str, np.ndarray]:
         leaf = path.rsplit("/", 1)[-1]
         if leaf.startswith("lora_"):
             continue
-        value = keras.ops.convert_to_numpy(v)
+        value = host_value(v)
         if leaf in _ADAPTERS:
             prefix = path[: -len(leaf)]
             a_name, b_name = _ADAPTERS[leaf]
             if prefix + a_name in values:
-                a = keras.ops.convert_to_numpy(values[prefix + a_name]).astype(np.float32)
-                b = keras.ops.convert_to_numpy(values[prefix + b_name]).astype(np.float32)
+                a = host_value(values[prefix + a_name]).astype(np.float32)
+                b = host_value(values[prefix + b_name]).astype(np.float32)
                 value = (value.astype(np.float32) + scale * np.matmul(a, b)).astype(value.dtype)
         out[path] = value
     return out
 
 
-def merged_copy(model):
+def merged_copy(model, weights: Optional[dict] = None):
     """A new model of `model`'s class and config, without LoRA, holding the merged weights.
 
     keras-hub builds a backbone's layers from its hyperparameters, so the copy has no
     adapters; it loads and predicts with plain keras-hub. Works on a model without
     LoRA too (a plain copy).
+
+    Args:
+        model: The trained model. Required.
+        weights: `merged_weights(model)`, when already gathered. Defaults to `None`
+            (computed here).
 
     Raises:
         ValueError: A weight of the copy has no counterpart in `model`.
@@ -189,7 +195,7 @@ def merged_copy(model):
     >>> np.allclose(plain.predict(x), model.predict(x), atol=1e-5)  # doctest: +SKIP
     True
     """
-    weights = merged_weights(model)
+    weights = merged_weights(model) if weights is None else weights
     clean = type(model).from_config(model.get_config())
     missing = [v.path for v in clean.weights if v.path not in weights]
     if missing:
