@@ -146,7 +146,7 @@ class Config(BaseConfig):
     doctor: bool = True
     deterministic: bool = False
     export: bool = True  # save the (merged) model and its tokenizer to RUN_DIR/model
-    verbose: str = "auto"
+    verbose: Literal["auto", 0, 1, 2] = "auto"  # Keras fit verbosity ("0" on the command line is 0)
 
     def validate(self) -> None:
         super().validate()
@@ -178,7 +178,6 @@ class Config(BaseConfig):
         check_positive(self, "min_lr", allow_zero=True)
         check_positive(self, "num_samples", allow_zero=True)
         check_reliability_fields(self)
-        check_choice(self, "verbose", ("auto", "0", "1", "2"))
         check_dir_path(self.data_dir, "data_dir")
         for field in ("dataset", "eval_dataset"):
             if getattr(self, field) is not None:
@@ -604,7 +603,7 @@ def hypermodel(cfg: Config | None = None, **overrides):
 
     The space: peak LR (log, /5 to x5), weight decay (log), warmup fraction and, unless
     `lora="off"`, the LoRA rank (4, 8, 16 and the config's). A trial runs `train()` with
-    `verbose="0"`, no TrainingDoctor unless `doctor` is overridden, no samples and no
+    `verbose=0`, no TrainingDoctor unless `doctor` is overridden, no samples and no
     per-trial export (the search exports the best trial's merged model).
 
     Example:
@@ -615,7 +614,7 @@ def hypermodel(cfg: Config | None = None, **overrides):
     from trainwell.recipes.hypermodel import recipe_hypermodel  # lazy: keras_tuner loads only for a search
 
     cfg = _cfg(cfg, overrides)
-    trial = {"verbose": "0", "export": False, "num_samples": 0}
+    trial = {"verbose": 0, "export": False, "num_samples": 0}
     if "doctor" not in overrides:
         trial["doctor"] = False
     return recipe_hypermodel(

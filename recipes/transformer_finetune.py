@@ -145,7 +145,7 @@ class Config(BaseConfig):
     doctor: bool = True  # TrainingDoctor at low overhead settings
     deterministic: bool = False  # op determinism (slower); needed for bit-exact resume
     export: bool = True  # save the model (keras-hub preset) and labels to RUN_DIR/model
-    verbose: str = "auto"  # Keras fit verbosity: "auto", "0", "1", "2"
+    verbose: Literal["auto", 0, 1, 2] = "auto"  # Keras fit verbosity ("0" on the command line is 0)
 
     def validate(self) -> None:
         super().validate()
@@ -192,7 +192,6 @@ class Config(BaseConfig):
         if self.gradient_accumulation_steps is not None and self.gradient_accumulation_steps < 2:
             raise_invalid("gradient_accumulation_steps", self.gradient_accumulation_steps, "null or an integer >= 2")
         check_reliability_fields(self)
-        check_choice(self, "verbose", ("auto", "0", "1", "2"))
 
         check_preset(self.preset)
         check_dir_path(self.data_dir, "data_dir")  # a file, or a directory this process cannot read
@@ -605,7 +604,7 @@ def _plain(model):
 
 
 def _say(cfg: Config, message: str) -> None:
-    """One line on what the run does next (not with `verbose="0"`)."""
+    """One line on what the run does next (not with `verbose=0`)."""
     if str(cfg.verbose) != "0":
         print(message, flush=True)
 
@@ -661,7 +660,7 @@ def hypermodel(cfg: Config | None = None, **overrides):
     decay, each defaulting to the config; with `lora_rank` set, the LoRA rank too
     (4, 8, 16 and the config's). A trial runs `train()` in its own run
     directory with the recipe's callbacks (NaN rollback, early stopping,
-    checkpoints), `verbose="0"`, no TrainingDoctor unless `doctor` is overridden
+    checkpoints), `verbose=0`, no TrainingDoctor unless `doctor` is overridden
     and no per-trial export (the search exports the best trial's model, with its
     tokenizer, to `best_model/`); it reports `val_accuracy`.
 
@@ -674,7 +673,7 @@ def hypermodel(cfg: Config | None = None, **overrides):
     from trainwell.recipes.hypermodel import recipe_hypermodel  # lazy: keras_tuner loads only for a search
 
     cfg = _cfg(cfg, overrides)
-    trial = {"verbose": "0", "export": False}
+    trial = {"verbose": 0, "export": False}
     if "doctor" not in overrides:
         trial["doctor"] = False
     return recipe_hypermodel(

@@ -371,3 +371,13 @@ def test_a_search_tunes_lora_rank_and_the_trial_trains_at_that_rank(tiny, tmp_pa
 
     exported = keras_hub.models.TextClassifier.from_preset(str(best))
     assert not any("lora" in v.path for v in exported.weights)  # the best model's export is merged
+
+
+def test_verbose_takes_kerass_values_as_ints_or_as_the_command_lines_strings():
+    from trainwell.recipes import causal_lm
+
+    for v, want in ((0, 0), ("0", 0), (2, 2), ("auto", "auto")):
+        assert recipe.Config(verbose=v).verbose == want
+        assert causal_lm.Config(verbose=v, validate_data=False).verbose == want
+    with pytest.raises(ConfigError, match="one of 'auto', 0, 1, 2. Received: verbose=3"):
+        recipe.Config(verbose=3)
