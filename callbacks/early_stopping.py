@@ -20,6 +20,7 @@ import numpy as np
 from trainwell.callbacks.base import StatefulCallback, constructor_config, stateful_callbacks
 from trainwell.callbacks.checkpoint import Checkpoint, load_checkpoint
 from trainwell.compat.metrics import is_improvement, metric_direction, monitored_value
+from trainwell.compat.sharded import weights_copy
 from trainwell.validation import invalid_argument, is_int, is_number
 
 logger = logging.getLogger("trainwell.early_stopping")
@@ -234,14 +235,14 @@ class EarlyStopping(keras.callbacks.EarlyStopping, StatefulCallback):
         if epoch < self.first_counted_epoch:
             return
         if self.restore_best_weights and self.best_weights is None and self.best is None:
-            self.best_weights = self.model.get_weights()
+            self.best_weights = weights_copy(self.model)
             self.best_epoch = epoch
         self.wait += 1
         if self._improves(current, self.best):
             self.best = current
             self.best_epoch = epoch
             if self.restore_best_weights:
-                self.best_weights = self.model.get_weights()
+                self.best_weights = weights_copy(self.model)
             if self.baseline is None or self._improves(current, self.baseline):
                 self.wait = 0
             return

@@ -165,6 +165,17 @@ def test_best_weights_from_memory_without_checkpoint():
     assert _close(model.get_weights(), seen.by_epoch[3])
 
 
+def test_best_weights_of_a_model_split_between_processes_are_kept_as_tensors(monkeypatch):
+    # No process can read such weights into NumPy (get_weights): the tensors are kept instead.
+    from trainwell.compat import sharded
+
+    monkeypatch.setattr(sharded, "spans_processes", lambda model: True)
+    model, es, seen = _model(), _es(), WeightsAt()
+    _fit(model, [Score(PLATEAU), seen, es], epochs=10)
+    assert not any(isinstance(w, np.ndarray) for w in es.best_weights)
+    assert es.restored_from == "memory" and _close(model.get_weights(), seen.by_epoch[3])
+
+
 def test_best_weights_fall_back_to_best_checkpoint(tmp_path, crash_at):
     # The checkpoint of the best epoch was pruned; in-memory weights are gone after the restart;
     # the Checkpoint's best by the same monitor is used.

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from trainwell.compat.backend import is_jax
+
 #: The directory inside a committed checkpoint that holds its sharded arrays.
 SHARDED_DIR = "sharded"
 
@@ -59,6 +61,28 @@ def spans_processes(model) -> bool:
     False
     """
     return any(_is_sharded(getattr(v, "value", None)) for v in model.weights)
+
+
+def weights_copy(model) -> list:
+    """`model.get_weights()`, or, where some weight is split between processes, the tensors themselves.
+
+    NumPy cannot read such a weight on any one process; a JAX array never changes
+    (a train step makes new ones), so keeping it is a copy as of now, in device
+    memory (elsewhere, where nothing is split this way, a copy: `keras.ops.copy`).
+    `model.set_weights` takes either back.
+
+    Example:
+    >>> import keras
+    >>> [w.shape for w in weights_copy(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))]
+    [(2, 1), (1,)]
+    """
+    if spans_processes(model):
+        if is_jax():
+            return [v.value for v in model.weights]
+        import keras  # lazy: the seam itself needs no Keras
+
+        return [keras.ops.copy(v) for v in model.weights]
+    return model.get_weights()
 
 
 def host_value(variable) -> np.ndarray:
