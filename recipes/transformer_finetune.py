@@ -56,7 +56,6 @@ from typing import Any, Literal, Optional
 
 from trainwell.config import (
     BaseConfig,
-    check_choice,
     check_dir_path,
     check_positive,
     check_range,

@@ -60,7 +60,10 @@ def spans_processes(model) -> bool:
     >>> spans_processes(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
     False
     """
-    return any(_is_sharded(getattr(v, "value", None)) for v in model.weights)
+    weights = getattr(model, "weights", None)
+    if not isinstance(weights, (list, tuple)):  # not a Keras model (Keras's own callback tests use such stand-ins)
+        return False
+    return any(_is_sharded(getattr(v, "value", None)) for v in weights)
 
 
 def weights_copy(model) -> list:
