@@ -77,7 +77,7 @@ from trainwell.data.base import resolve_path
 from trainwell.data.sources import check_preset, preset_max_sequence_length
 from trainwell.io import atomic_write_text
 from trainwell.compat.sharded import spans_processes
-from trainwell.models.lora import enable_lora, merged_copy, merged_weights
+from trainwell.models.lora import enable_lora, merged_copy
 
 RECIPE = "causal-lm"
 EXPORT_DIR = "model"
@@ -533,8 +533,7 @@ def train(cfg: Config | None = None, *, callbacks=None, **overrides):
         # gathering them; the chief generates the samples and exports from a copy on its own device.
         spans = spans_processes(model)
         if trained and (ctx.is_chief or spans):
-            weights = merged_weights(model) if spans else None
-            local = merged_copy(model, weights) if spans else model
+            local = merged_copy(model) if spans else model  # merged_copy gathers the split weights
             local.preprocessor = preprocessor
             if ctx.is_chief:
                 write_samples(local, data_.held_out[: cfg.num_samples], ctx.run_dir / SAMPLES_FILE,

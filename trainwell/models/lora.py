@@ -175,17 +175,12 @@ def merged_weights(model) -> dict[str, np.ndarray]:
     return out
 
 
-def merged_copy(model, weights: Optional[dict] = None):
+def merged_copy(model):
     """A new model of `model`'s class and config, without LoRA, holding the merged weights.
 
     keras-hub builds a backbone's layers from its hyperparameters, so the copy has no
     adapters; it loads and predicts with plain keras-hub. Works on a model without
     LoRA too (a plain copy).
-
-    Args:
-        model: The trained model. Required.
-        weights: `merged_weights(model)`, when already gathered. Defaults to `None`
-            (computed here).
 
     Raises:
         ValueError: A weight of the copy has no counterpart in `model`.
@@ -195,7 +190,7 @@ def merged_copy(model, weights: Optional[dict] = None):
     >>> np.allclose(plain.predict(x), model.predict(x), atol=1e-5)  # doctest: +SKIP
     True
     """
-    weights = merged_weights(model) if weights is None else weights
+    weights = merged_weights(model)
     clean = type(model).from_config(model.get_config())
     missing = [v.path for v in clean.weights if v.path not in weights]
     if missing:
